@@ -1,0 +1,54 @@
+"""The root of AReno's user-facing errors.
+
+Every error a user can cause derives from `ArenoError`. It carries the HTTP status the server
+answers with and the OpenAI error `type` / `code`, so the serving layer maps errors without
+knowing each class, and training reports them by name.
+"""
+
+from __future__ import annotations
+
+
+class ArenoError(Exception):
+    """A failure caused by user input or configuration, with a message the user can act on."""
+
+    status_code: int = 400
+    error_type: str = "invalid_request_error"
+    code: str = "invalid_request"
+
+    def __init__(self, message: str, *, param: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+
+    def to_dict(self) -> dict:
+        """The OpenAI error object for this error."""
+        return {
+            "message": self.message,
+            "type": self.error_type,
+            "param": self.param,
+            "code": self.code,
+        }
+
+
+class ConfigError(ArenoError):
+    """A configuration value is invalid (a flag, a config file field)."""
+
+    code = "invalid_config"
+
+
+class UnsupportedModelError(ArenoError):
+    """The checkpoint's family has no adapter."""
+
+    code = "unsupported_model"
+
+
+class UnsupportedModalityError(ArenoError):
+    """The loaded model family does not accept this modality."""
+
+    code = "unsupported_modality"
+
+
+class PromptTooLongError(ArenoError):
+    """The processor-encoded prompt exceeds --max-prompt-tokens or --max-context-len."""
+
+    code = "context_length_exceeded"

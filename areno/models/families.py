@@ -1,0 +1,58 @@
+"""The supported checkpoint families."""
+
+from __future__ import annotations
+
+from areno.models.registry import FamilyAdapter, register
+
+_QWEN_VIDEO_KWARGS = {"videos_kwargs": {"cap_pixels_per_frame": True}}
+
+QWEN3_5 = register(
+    FamilyAdapter(
+        model_type="qwen3_5",
+        display_name="Qwen3.5",
+        modalities=frozenset({"image", "video"}),
+        media_towers=("model.visual",),
+        projectors=("model.visual.merger",),
+        tool_format="qwen3_xml",
+        stop_tokens=("<|im_end|>",),
+        processor_kwargs=_QWEN_VIDEO_KWARGS,
+    )
+)
+
+QWEN3_VL = register(
+    FamilyAdapter(
+        model_type="qwen3_vl",
+        display_name="Qwen3-VL",
+        modalities=frozenset({"image", "video"}),
+        media_towers=("model.visual",),
+        projectors=("model.visual.merger", "model.visual.deepstack_merger_list"),
+        tool_format="hermes_json",
+        stop_tokens=("<|im_end|>",),
+        processor_kwargs=_QWEN_VIDEO_KWARGS,
+    )
+)
+
+GEMMA4 = register(
+    FamilyAdapter(
+        model_type="gemma4",
+        display_name="Gemma 4",
+        modalities=frozenset({"image", "audio", "video"}),
+        media_towers=("model.vision_tower", "model.audio_tower"),
+        projectors=("model.embed_vision", "model.embed_audio"),
+        tool_format="gemma4",
+        stop_tokens=("<turn|>",),
+        video_with_audio=True,
+    )
+)
+
+MINICPMV4_6 = register(
+    FamilyAdapter(
+        model_type="minicpmv4_6",
+        display_name="MiniCPM-V 4.6",
+        modalities=frozenset({"image", "video"}),
+        media_towers=("model.vision_tower",),
+        projectors=("model.merger",),
+        tool_format="hermes_json",
+        stop_tokens=("<|im_end|>",),
+    )
+)

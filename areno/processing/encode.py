@@ -1,0 +1,190 @@
+"""The one processor path: messages + decoded media -> PromptInputs, for serving and training alike."""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from areno.errors import ArenoError, PromptTooLongError
+from areno.media.types import DecodedAudio, DecodedImage, DecodedMedia, DecodedVideo
+from areno.models.registry import FamilyAdapter
+from areno.processing.types import MediaSpan, PromptInputs
+
+# Processor outputs that describe the text, not model inputs.
+_TEXT_KEYS = {"input_ids", "attention_mask", "offset_mapping", "text_replacement_offsets"}
+
+
+class MediaMismatchError(ArenoError):
+    """The decoded media do not match the placeholders the messages render."""
+
+    code = "media_mismatch"
+
+
+@dataclass(frozen=True)
+class PromptLimits:
+    """--max-prompt-tokens and --max-context-len, checked on the ENCODED prompt length."""
+
+    max_prompt_tokens: int | None = None
+    max_context_len: int | None = None
+
+    def check(self, num_prompt_tokens: int, max_new_tokens: int | None = None) -> None:
+        n = num_prompt_tokens
+        if self.max_prompt_tokens is not None and n > self.max_prompt_tokens:
+            raise PromptTooLongError(
+                f"the prompt encodes to {n} tokens (media placeholders included), over "
+                f"--max-prompt-tokens={self.max_prompt_tokens}; shorten the text, send fewer or "
+                f"smaller media items, or lower the video fps / max frames"
+            )
+        if self.max_context_len is None:
+            return
+        if n >= self.max_context_len:
+            raise PromptTooLongError(
+                f"the prompt encodes to {n} tokens (media placeholders included), which leaves no "
+                f"room to generate within --max-context-len={self.max_context_len}"
+            )
+        if max_new_tokens is not None and n + max_new_tokens > self.max_context_len:
+            raise PromptTooLongError(
+                f"this model's context is {self.max_context_len} tokens, but {n + max_new_tokens} "
+                f"were requested ({n} in the encoded prompt, {max_new_tokens} to generate); "
+                f"lower max_tokens to at most {self.max_context_len - n}"
+            )
+
+
+def _expand_video_audio(template_messages: list[dict], media: list[DecodedMedia]) -> list[DecodedMedia]:
+    """Give each video's audio track its own audio item right after the video (in place)."""
+    items = iter(media)
+    expanded: list[DecodedMedia] = []
+    for message in template_messages:
+        if not isinstance(message["content"], list):
+            continue
+        parts: list[dict] = []
+        for part in message["content"]:
+            parts.append(part)
+            if part["type"] == "text":
+                continue
+            item = next(items)
+            expanded.append(item)
+            if isinstance(item, DecodedVideo) and item.audio is not None:
+                parts.append({"type": "audio"})
+                expanded.append(item.audio)
+        message["content"] = parts
+    return expanded
+
+
+def _processor_call_kwargs(adapter: FamilyAdapter, hf_processor: Any, media: list[DecodedMedia]) -> dict:
+    images = [m.image for m in media if isinstance(m, DecodedImage)]
+    audios = [m.waveform for m in media if isinstance(m, DecodedAudio)]
+    videos = [m for m in media if isinstance(m, DecodedVideo)]
+    kwargs: dict[str, Any] = {}
+    if images:
+        kwargs["images"] = images
+        kwargs["images_kwargs"] = dict(adapter.processor_kwargs.get("images_kwargs", {}))
+    if audios:
+        kwargs["audio"] = audios
+        rate = next(m.sampling_rate for m in media if isinstance(m, DecodedAudio))
+        kwargs["audio_kwargs"] = {"sampling_rate": rate} | adapter.processor_kwargs.get("audio_kwargs", {})
+    if videos:
+        from transformers.video_utils import VideoMetadata
+
+        kwargs["videos"] = [v.frames for v in videos]
+        metadata = [
+            VideoMetadata(
+                total_num_frames=v.total_num_frames,
+                fps=v.fps,
+                duration=v.duration_s,
+                frames_indices=list(v.frame_indices),
+                height=int(v.frames.shape[1]),
+                width=int(v.frames.shape[2]),
+                video_backend="pyav",
+            )
+            for v in videos
+        ]
+        # NOTE: frames were already sampled by the decoder (target fps / max frames); the real
+        # fps and frame indices give the processor correct timestamps.
+        kwargs["videos_kwargs"] = {"video_metadata": metadata, "do_sample_frames": False} | (
+            adapter.processor_kwargs.get("videos_kwargs", {})
+        )
+    return kwargs
+
+
+def _spans(
+    out: dict, media: list[DecodedMedia], placeholder_ids: dict[str, int]
+) -> list[MediaSpan]:
+    """Token spans per media item, from the processor's own replacement offsets."""
+    token_starts = out["offset_mapping"][0, :, 0].tolist()
+    input_ids = out["input_ids"][0].tolist()
+    replacements = out.get("text_replacement_offsets") or [[]]
+    replacements = replacements[0]
+    if len(replacements) != len(media):
+        raise MediaMismatchError(
+            f"the processor expanded {len(replacements)} media placeholders but the messages "
+            f"carry {len(media)} media items"
+        )
+    spans = []
+    for index, (rep, item) in enumerate(zip(replacements, media, strict=True)):
+        char_start, char_end = rep["new_span"]
+        start = bisect.bisect_left(token_starts, char_start)
+        end = bisect.bisect_left(token_starts, char_end)
+        token_id = placeholder_ids[rep["type"]]
+        count = sum(1 for t in input_ids[start:end] if t == token_id)
+        spans.append(MediaSpan(rep["type"], index, start, end, count, item.content_hash))
+    return spans
+
+
+def placeholder_token_ids(hf_processor: Any) -> dict[str, int]:
+    """The id of each modality's placeholder token, as the family's processor names it."""
+    ids = {}
+    for modality in ("image", "audio", "video"):
+        token_id = getattr(hf_processor, f"{modality}_token_id", None)
+        if token_id is not None:
+            ids[modality] = int(token_id)
+    return ids
+
+
+def encode_prompt(
+    hf_processor: Any,
+    adapter: FamilyAdapter,
+    template_messages: list[dict],
+    media: Sequence[DecodedMedia],
+    *,
+    tools: list[dict] | None = None,
+    chat_template_kwargs: dict | None = None,
+    add_generation_prompt: bool = True,
+    limits: PromptLimits = PromptLimits(),
+    max_new_tokens: int | None = None,
+) -> PromptInputs:
+    """Render the checkpoint's chat template and run its native processor on the media.
+
+    `template_messages` come from `to_template_messages` (media parts as bare placeholders);
+    `media` holds the decoded items in the same order. Raises PromptTooLongError when the encoded
+    length breaks `limits`.
+    """
+    messages = [dict(m) for m in template_messages]
+    media = list(media)
+    if adapter.video_with_audio and "audio" in adapter.modalities:
+        media = _expand_video_audio(messages, media)
+    for item in media:
+        adapter.check_modality(item.modality)
+    text = hf_processor.apply_chat_template(
+        messages,
+        tools=tools,
+        add_generation_prompt=add_generation_prompt,
+        tokenize=False,
+        **(chat_template_kwargs or {}),
+    )
+    call_kwargs = _processor_call_kwargs(adapter, hf_processor, media)
+    out = hf_processor(
+        text=[text],
+        return_tensors="pt",
+        return_offsets_mapping=True,
+        return_text_replacement_offsets=True,
+        add_special_tokens=False,
+        **call_kwargs,
+    )
+    input_ids = out["input_ids"][0].tolist()
+    spans = _spans(out, media, placeholder_token_ids(hf_processor)) if media else []
+    mm_inputs = {k: v for k, v in out.items() if k not in _TEXT_KEYS}
+    limits.check(len(input_ids), max_new_tokens)
+    return PromptInputs(input_ids=input_ids, mm_inputs=mm_inputs, mm_spans=spans, prompt_text=text)

@@ -1,0 +1,56 @@
+"""What the processor hands to the generator: one encoded prompt."""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass(frozen=True)
+class MediaSpan:
+    """Where one media item sits in the encoded prompt.
+
+    `start` / `end` (half-open) cover the whole expansion the processor wrote for the item
+    (begin / end markers, timestamps, and the placeholder tokens); `num_placeholder_tokens` counts
+    only the placeholder tokens, i.e. the features the media tower produces for it.
+    """
+
+    modality: str
+    index: int  # position among the request's media items
+    start: int
+    end: int
+    num_placeholder_tokens: int
+    content_hash: str
+
+
+@dataclass
+class PromptInputs:
+    """A processor-encoded prompt: token ids plus every media tensor the model's forward needs."""
+
+    input_ids: list[int]
+    mm_inputs: dict[str, torch.Tensor]  # pixel_values, image_grid_thw, input_features, ...
+    mm_spans: list[MediaSpan] = field(default_factory=list)
+    prompt_text: str = ""  # the rendered chat template before placeholder expansion
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.input_ids)
+
+    @property
+    def cache_key(self) -> str:
+        """A content hash of the prompt: token ids plus the media items' source hashes."""
+        h = hashlib.sha256()
+        h.update(torch.tensor(self.input_ids, dtype=torch.int64).numpy().tobytes())
+        for span in self.mm_spans:
+            h.update(span.content_hash.encode())
+        return h.hexdigest()
+
+    def model_inputs(self) -> dict[str, torch.Tensor]:
+        """Batch-of-one tensors for `model(**inputs)`."""
+        ids = torch.tensor([self.input_ids], dtype=torch.long)
+        return {"input_ids": ids, "attention_mask": torch.ones_like(ids), **self.mm_inputs}
+
+    def num_tokens(self, modality: str) -> int:
+        return sum(s.num_placeholder_tokens for s in self.mm_spans if s.modality == modality)
