@@ -22,6 +22,8 @@ class MediaRef:
 
     modality: Modality
     url: str
+    # Per-item decode options from the request (a video part's fps / max_frames).
+    options: dict = field(default_factory=dict, compare=False, hash=False)
 
 
 @dataclass

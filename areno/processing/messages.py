@@ -10,22 +10,25 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
-from pydantic import TypeAdapter
+from pydantic import BaseModel, ValidationError
 
 from areno.media.types import MediaRef
-from areno.protocol import ChatMessage, RequestValidationError
+from areno.protocol import ChatMessage, RequestValidationError, iter_media_parts
 
-_MESSAGES = TypeAdapter(list[ChatMessage])
+
+class _Messages(BaseModel):
+    messages: list[ChatMessage]
 
 
 def validate_messages(messages: Sequence[Any]) -> list[ChatMessage]:
     """Accept protocol messages or plain dicts in the serving format (dataset loaders yield dicts)."""
-    if all(not isinstance(m, dict) for m in messages):
+    if all(isinstance(m, BaseModel) for m in messages):
         return list(messages)
+    body = {"messages": [m.model_dump() if isinstance(m, BaseModel) else m for m in messages]}
     try:
-        return _MESSAGES.validate_python([m if isinstance(m, dict) else m.model_dump() for m in messages])
-    except Exception as e:  # pydantic.ValidationError
-        raise RequestValidationError.from_pydantic(e, prefix="messages") from None
+        return _Messages.model_validate(body).messages
+    except ValidationError as e:
+        raise RequestValidationError.from_pydantic(e, body) from None
 
 
 def _render_part(part: Any) -> dict:
@@ -80,14 +83,10 @@ def to_template_messages(messages: Sequence[ChatMessage]) -> list[dict]:
 
 def media_refs(messages: Sequence[ChatMessage]) -> list[MediaRef]:
     """Every media reference in the messages, in the order the template renders them."""
-    refs = []
-    for m in messages:
-        if isinstance(m.content, str) or m.content is None:
-            continue
-        for part in m.content:
-            if part.type != "text":
-                refs.append(MediaRef(modality=part.modality, url=part.media_url))
-    return refs
+    return [
+        MediaRef(modality=part.modality, url=part.media_url, options=part.media_options)
+        for _, part in iter_media_parts(messages)
+    ]
 
 
 def tools_as_dicts(tools: Sequence[Any] | None) -> list[dict] | None:

@@ -1,0 +1,264 @@
+"""The Chat Completions request: messages, tools, and sampling fields.
+
+Unknown top-level fields are ignored, because the official client sends many that AReno does not
+use (`store`, `service_tier`, `response_format`, ...). Cross-field rules are field validators that
+read earlier fields, so each error carries the path of the field the user must change; the NOTE
+below marks the field order they rely on.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Annotated, Any, Literal, Union
+
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Discriminator,
+    Field,
+    Tag,
+    ValidationInfo,
+    field_validator,
+)
+
+from areno.protocol.content import ChatMessage, MediaPart, iter_media_parts
+
+# NOTE: limits are read at validation time, so a deployment (or a test) may change them.
+MAX_MESSAGES = 4096
+MAX_PARTS_PER_REQUEST = 2048
+MAX_TOOLS = 256
+MAX_STOP_SEQUENCES = 16
+MAX_STOP_TOKEN_IDS = 256
+MAX_N = 16
+MAX_TOP_LOGPROBS = 20
+
+_TOOL_NAME_PATTERN = r"^[A-Za-z0-9_.\-]{1,64}$"
+
+
+class FunctionDefinition(BaseModel):
+    """A function the model may call; `parameters` is a JSON Schema of type "object"."""
+
+    name: str = Field(pattern=_TOOL_NAME_PATTERN)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+    @field_validator("parameters")
+    @classmethod
+    def _object_schema(cls, schema: dict[str, Any] | None) -> dict[str, Any] | None:
+        if schema is not None and schema.get("type") != "object":
+            raise ValueError(
+                'must be a JSON Schema with "type": "object" (use {"type": "object", '
+                f'"properties": {{}}}} for no arguments); got type {schema.get("type")!r}'
+            )
+        return schema
+
+
+class ToolDefinition(BaseModel):
+    """`{"type": "function", "function": {...}}`."""
+
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class ToolChoiceFunction(BaseModel):
+    """The `function` object of a named tool choice."""
+
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    """`{"type": "function", "function": {"name": ...}}`: the model must call this tool."""
+
+    type: Literal["function"] = "function"
+    function: ToolChoiceFunction
+
+
+class StreamOptions(BaseModel):
+    """`stream_options`; only valid with `stream: true`."""
+
+    include_usage: bool | None = None
+
+
+def _tagged_by_python_type(tags: dict[type, str], message: str) -> Discriminator:
+    def tag_of(value: Any) -> str | None:
+        return next((tag for kind, tag in tags.items() if isinstance(value, kind)), None)
+
+    return Discriminator(tag_of, custom_error_type="wire_type", custom_error_message=message)
+
+
+ToolChoice = Annotated[
+    Union[  # noqa: UP007 -- tagged unions need the runtime Union
+        Annotated[Literal["none", "auto", "required"], Tag("mode")],
+        Annotated[NamedToolChoice, Tag("named")],
+    ],
+    _tagged_by_python_type(
+        {str: "mode", dict: "named", NamedToolChoice: "named"},
+        "Input should be 'none', 'auto', 'required' or "
+        '{"type": "function", "function": {"name": ...}}',
+    ),
+]
+
+
+def _check_length(limit_name: str, what: str) -> BeforeValidator:
+    def check(value: Any) -> Any:
+        limit = globals()[limit_name]
+        if isinstance(value, list) and len(value) > limit:
+            raise ValueError(f"{len(value)} {what} exceed the limit of {limit}")
+        return value
+
+    return BeforeValidator(check)
+
+
+_StopSequence = Annotated[str, Field(min_length=1)]
+Stop = Annotated[
+    Union[  # noqa: UP007
+        Annotated[_StopSequence, Tag("str")],
+        Annotated[
+            list[_StopSequence], _check_length("MAX_STOP_SEQUENCES", "stop sequences"), Tag("list")
+        ],
+    ],
+    _tagged_by_python_type(
+        {str: "str", list: "list"}, "Input should be a string or an array of strings"
+    ),
+]
+
+
+def _count_parts(messages: Any) -> Any:
+    """Refuse oversized bodies before validating their parts one by one."""
+    if not isinstance(messages, list):
+        return messages
+    if len(messages) > MAX_MESSAGES:
+        raise ValueError(f"{len(messages)} messages exceed the limit of {MAX_MESSAGES}")
+    contents = (m.get("content") for m in messages if isinstance(m, dict))
+    num_parts = sum(len(c) for c in contents if isinstance(c, list))
+    if num_parts > MAX_PARTS_PER_REQUEST:
+        raise ValueError(
+            f"{num_parts} content parts exceed the limit of {MAX_PARTS_PER_REQUEST} per request"
+        )
+    return messages
+
+
+class ChatCompletionRequest(BaseModel):
+    """`POST /v1/chat/completions` body.
+
+    Extensions beyond OpenAI (as vLLM names them): `top_k`, `min_p`, `repetition_penalty`,
+    `stop_token_ids`, `ignore_eos`, `chat_template_kwargs` (e.g. `{"enable_thinking": false}`).
+    `model` is optional: the server answers with the model it serves.
+    """
+
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+
+    # NOTE: validators below read earlier fields; keep tools before tool_choice, logprobs before
+    # top_logprobs and stream before stream_options.
+    model: str | None = None
+    messages: Annotated[list[ChatMessage], BeforeValidator(_count_parts)] = Field(min_length=1)
+    tools: Annotated[list[ToolDefinition], _check_length("MAX_TOOLS", "tools")] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+
+    temperature: float | None = Field(default=None, ge=0, le=2)
+    top_p: float | None = Field(default=None, gt=0, le=1)
+    top_k: int | None = None
+    min_p: float | None = Field(default=None, ge=0, le=1)
+    presence_penalty: float | None = Field(default=None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
+    repetition_penalty: float | None = Field(default=None, gt=0)
+    seed: int | None = Field(default=None, ge=-(2**63), lt=2**64)
+    n: int = Field(default=1, ge=1, le=MAX_N)
+
+    max_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    stop: Stop | None = None
+    stop_token_ids: (
+        Annotated[
+            list[Annotated[int, Field(ge=0)]],
+            _check_length("MAX_STOP_TOKEN_IDS", "stop token ids"),
+        ]
+        | None
+    ) = None
+    ignore_eos: bool = False
+
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+
+    user: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    metadata: dict[str, Any] | None = None
+
+    @field_validator("n", "logprobs", "stream", "ignore_eos", mode="before")
+    @classmethod
+    def _null_is_default(cls, value: Any, info: ValidationInfo) -> Any:
+        # Client wrappers often send `null` for "not set".
+        return cls.model_fields[info.field_name].default if value is None else value
+
+    @field_validator("tools")
+    @classmethod
+    def _unique_tool_names(cls, tools: list[ToolDefinition] | None) -> list[ToolDefinition] | None:
+        names = [tool.function.name for tool in tools or ()]
+        duplicates = sorted({name for name in names if names.count(name) > 1})
+        if duplicates:
+            raise ValueError(f"tool names must be unique; repeated: {', '.join(duplicates)}")
+        return tools
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _choice_names_a_tool(cls, choice: Any, info: ValidationInfo) -> Any:
+        if choice is None or "tools" not in info.data:  # no choice, or tools already invalid
+            return choice
+        names = [tool.function.name for tool in info.data["tools"] or ()]
+        if choice == "required" and not names:
+            raise ValueError("'required' needs a non-empty 'tools' list")
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+            available = ", ".join(names) if names else "the request has no tools"
+            raise ValueError(
+                f"names tool {choice.function.name!r}, which is not in 'tools' ({available})"
+            )
+        return choice
+
+    @field_validator("top_k")
+    @classmethod
+    def _top_k_range(cls, top_k: int | None) -> int | None:
+        if top_k is not None and top_k != -1 and top_k < 1:
+            raise ValueError("must be -1 (disabled) or at least 1")
+        return top_k
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_logprobs_need_logprobs(cls, top_logprobs: int | None, info: ValidationInfo) -> Any:
+        if top_logprobs and not info.data.get("logprobs", True):
+            raise ValueError("requires 'logprobs': true")
+        return top_logprobs
+
+    @field_validator("stream_options")
+    @classmethod
+    def _stream_options_need_stream(cls, options: Any, info: ValidationInfo) -> Any:
+        if options is not None and not info.data.get("stream", True):
+            raise ValueError("only allowed with 'stream': true")
+        return options
+
+    @property
+    def max_new_tokens(self) -> int | None:
+        """The generation limit: `max_completion_tokens` if given, else `max_tokens`."""
+        if self.max_completion_tokens is not None:
+            return self.max_completion_tokens
+        return self.max_tokens
+
+    @property
+    def stop_sequences(self) -> list[str]:
+        """`stop` as a list (empty when not given)."""
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+    @property
+    def include_usage(self) -> bool:
+        """Whether a stream ends with a usage chunk."""
+        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+    def media_parts(self) -> Iterator[tuple[int, MediaPart]]:
+        """`(message_index, part)` for every media part of the request, in order."""
+        return iter_media_parts(self.messages)

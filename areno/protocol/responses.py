@@ -1,0 +1,191 @@
+"""What the server sends back: completions, stream chunks, usage, logprobs, and the model list.
+
+Every type validates with the official `openai` client's types when dumped with `model_dump()`
+(or `model_dump(exclude_none=True)` for compact SSE chunks). The one exception is the extension
+finish reason "abort" (a request cancelled by the server), which the client's lenient parser passes
+through but its strict `model_validate` refuses.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Literal
+
+from pydantic import BaseModel, Field
+
+FinishReason = Literal["stop", "length", "tool_calls", "abort"]
+
+
+def new_completion_id() -> str:
+    """A fresh `chatcmpl-...` id."""
+    return f"chatcmpl-{uuid.uuid4().hex}"
+
+
+def new_tool_call_id() -> str:
+    """A fresh `call_...` id, 24 hex characters after the prefix as OpenAI's are."""
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+def _now() -> int:
+    return int(time.time())
+
+
+class TopLogprob(BaseModel):
+    """One alternative token at a position, with its logprob and UTF-8 bytes."""
+
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class TokenLogprob(TopLogprob):
+    """The sampled token at a position, with the most likely alternatives."""
+
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChoiceLogprobs(BaseModel):
+    """`choices[i].logprobs`: one entry per generated token."""
+
+    content: list[TokenLogprob] | None = None
+
+
+class FunctionCall(BaseModel):
+    """The function a tool call invokes; `arguments` is a JSON string, as the model wrote it."""
+
+    name: str
+    arguments: str
+
+
+class ToolCall(BaseModel):
+    """A parsed tool call in a completion's message."""
+
+    id: str = Field(default_factory=new_tool_call_id)
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class ResponseMessage(BaseModel):
+    """The assistant message of a non-streaming choice."""
+
+    role: Literal["assistant"] = "assistant"
+    content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[ToolCall] = Field(default_factory=list)
+
+
+class Choice(BaseModel):
+    """One of the `n` completions of a request."""
+
+    index: int
+    message: ResponseMessage
+    finish_reason: FinishReason
+    logprobs: ChoiceLogprobs | None = None
+
+
+class PromptTokensDetails(BaseModel):
+    """Where the prompt's tokens came from; media counts are after processor expansion."""
+
+    cached_tokens: int | None = None
+    text_tokens: int | None = None
+    image_tokens: int | None = None
+    audio_tokens: int | None = None
+
+
+class Usage(BaseModel):
+    """Token counts of a request; the prompt count is the encoded (media-expanded) length."""
+
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
+
+    @classmethod
+    def from_counts(
+        cls,
+        prompt_tokens: int,
+        completion_tokens: int,
+        prompt_tokens_details: PromptTokensDetails | None = None,
+    ) -> Usage:
+        """Usage with `total_tokens` computed."""
+        return cls(
+            prompt_tokens=prompt_tokens,
+            completion_tokens=completion_tokens,
+            total_tokens=prompt_tokens + completion_tokens,
+            prompt_tokens_details=prompt_tokens_details,
+        )
+
+
+class ChatCompletionResponse(BaseModel):
+    """The body of a non-streaming `POST /v1/chat/completions` answer."""
+
+    id: str = Field(default_factory=new_completion_id)
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=_now)
+    model: str
+    choices: list[Choice]
+    usage: Usage | None = None
+
+
+class FunctionCallDelta(BaseModel):
+    """A piece of a streamed tool call's function: the name once, then argument fragments."""
+
+    name: str | None = None
+    arguments: str | None = None
+
+
+class ToolCallDelta(BaseModel):
+    """A piece of the `index`-th tool call of a streamed choice; `id` and `type` come first."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: FunctionCallDelta | None = None
+
+
+class DeltaMessage(BaseModel):
+    """What a stream chunk adds to a choice's message."""
+
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
+
+
+class ChunkChoice(BaseModel):
+    """One choice's part of a stream chunk; `finish_reason` is set on its last chunk."""
+
+    index: int
+    delta: DeltaMessage = Field(default_factory=DeltaMessage)
+    finish_reason: FinishReason | None = None
+    logprobs: ChoiceLogprobs | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    """One `data:` event of a streamed answer; the usage-only last chunk has no choices."""
+
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int = Field(default_factory=_now)
+    model: str
+    choices: list[ChunkChoice] = Field(default_factory=list)
+    usage: Usage | None = None
+
+
+class ModelCard(BaseModel):
+    """One entry of `GET /v1/models`."""
+
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=_now)
+    owned_by: str = "areno"
+    root: str | None = None
+    max_model_len: int | None = None
+
+
+class ModelList(BaseModel):
+    """The body of `GET /v1/models`."""
+
+    object: Literal["list"] = "list"
+    data: list[ModelCard] = Field(default_factory=list)
