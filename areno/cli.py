@@ -31,7 +31,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     tiny = sub.add_parser("make-tiny", help="build a tiny random checkpoint of a family, offline")
-    tiny.add_argument("out_dir", help="directory to write (with --family all: one subdir per family)")
+    tiny.add_argument(
+        "out_dir", help="directory to write (with --family all: one subdir per family)"
+    )
     tiny.add_argument("--family", default=DEFAULT_FAMILY, choices=[*TINY_FAMILIES, "all"])
     tiny.add_argument("--seed", type=int, default=0)
     tiny.set_defaults(func=_make_tiny)
@@ -42,8 +44,12 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument(
         "--model-path", default=None, help="checkpoint directory (default: the embedded tiny model)"
     )
-    demo.add_argument("--family", default=DEFAULT_FAMILY, choices=TINY_FAMILIES,
-                      help="tiny family to use when --model-path is not given")
+    demo.add_argument(
+        "--family",
+        default=DEFAULT_FAMILY,
+        choices=TINY_FAMILIES,
+        help="tiny family to use when --model-path is not given",
+    )
     demo.set_defaults(func=_demo)
     return parser
 

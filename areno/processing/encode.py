@@ -52,7 +52,9 @@ class PromptLimits:
             )
 
 
-def _expand_video_audio(template_messages: list[dict], media: list[DecodedMedia]) -> list[DecodedMedia]:
+def _expand_video_audio(
+    template_messages: list[dict], media: list[DecodedMedia]
+) -> list[DecodedMedia]:
     """Give each video's audio track its own audio item right after the video (in place)."""
     items = iter(media)
     expanded: list[DecodedMedia] = []
@@ -73,7 +75,9 @@ def _expand_video_audio(template_messages: list[dict], media: list[DecodedMedia]
     return expanded
 
 
-def _processor_call_kwargs(adapter: FamilyAdapter, hf_processor: Any, media: list[DecodedMedia]) -> dict:
+def _processor_call_kwargs(
+    adapter: FamilyAdapter, hf_processor: Any, media: list[DecodedMedia]
+) -> dict:
     images = [m.image for m in media if isinstance(m, DecodedImage)]
     audios = [m.waveform for m in media if isinstance(m, DecodedAudio)]
     videos = [m for m in media if isinstance(m, DecodedVideo)]
@@ -84,7 +88,9 @@ def _processor_call_kwargs(adapter: FamilyAdapter, hf_processor: Any, media: lis
     if audios:
         kwargs["audio"] = audios
         rate = next(m.sampling_rate for m in media if isinstance(m, DecodedAudio))
-        kwargs["audio_kwargs"] = {"sampling_rate": rate} | adapter.processor_kwargs.get("audio_kwargs", {})
+        kwargs["audio_kwargs"] = {"sampling_rate": rate} | adapter.processor_kwargs.get(
+            "audio_kwargs", {}
+        )
     if videos:
         from transformers.video_utils import VideoMetadata
 
@@ -152,7 +158,7 @@ def encode_prompt(
     tools: list[dict] | None = None,
     chat_template_kwargs: dict | None = None,
     add_generation_prompt: bool = True,
-    limits: PromptLimits = PromptLimits(),
+    limits: PromptLimits | None = None,
     max_new_tokens: int | None = None,
 ) -> PromptInputs:
     """Render the checkpoint's chat template and run its native processor on the media.
@@ -186,5 +192,5 @@ def encode_prompt(
     input_ids = out["input_ids"][0].tolist()
     spans = _spans(out, media, placeholder_token_ids(hf_processor)) if media else []
     mm_inputs = {k: v for k, v in out.items() if k not in _TEXT_KEYS}
-    limits.check(len(input_ids), max_new_tokens)
+    (limits or PromptLimits()).check(len(input_ids), max_new_tokens)
     return PromptInputs(input_ids=input_ids, mm_inputs=mm_inputs, mm_spans=spans, prompt_text=text)

@@ -26,13 +26,13 @@ from areno.processing.types import PromptInputs
 class Processor:
     """Encodes chat messages (+ tools) and decoded media into `PromptInputs`."""
 
-    def __init__(self, model_path: str | os.PathLike, *, limits: PromptLimits = PromptLimits()):
+    def __init__(self, model_path: str | os.PathLike, *, limits: PromptLimits | None = None):
         from transformers import AutoProcessor
 
         self.model_path = str(model_path)
         self.adapter: FamilyAdapter = adapter_for_checkpoint(model_path)
         self.hf_processor = AutoProcessor.from_pretrained(self.model_path)
-        self.limits = limits
+        self.limits = limits or PromptLimits()
 
     @property
     def tokenizer(self) -> Any:

@@ -43,5 +43,7 @@ def test_media_towers_and_projectors_exist(tiny_path, family):
         module = model.get_submodule(name)
         assert sum(p.numel() for p in module.parameters()) > 0, name
     lm = model.get_submodule("model.language_model")
-    tower_params = {id(p) for n in adapter.media_towers for p in model.get_submodule(n).parameters()}
+    tower_params = {
+        id(p) for n in adapter.media_towers for p in model.get_submodule(n).parameters()
+    }
     assert not tower_params & {id(p) for p in lm.parameters()}

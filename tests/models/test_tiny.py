@@ -11,7 +11,11 @@ from transformers import AutoProcessor, AutoTokenizer
 from areno.models import adapter_for_checkpoint
 from areno.models.tiny import TINY_FAMILIES
 
-TEXTS = ["Hello world!", "  leading spaces, ünïcode 中文 and emoji 🙂", '{"x": [1, 2.5, null]}\n\tend']
+TEXTS = [
+    "Hello world!",
+    "  leading spaces, ünïcode 中文 and emoji 🙂",
+    '{"x": [1, 2.5, null]}\n\tend',
+]
 
 
 @pytest.mark.parametrize("family", TINY_FAMILIES)
@@ -58,18 +62,35 @@ def test_special_tokens_are_single_tokens(tiny_path, family):
 @pytest.mark.parametrize("family", TINY_FAMILIES)
 def test_template_renders_tools_calls_and_responses(tiny_path, family):
     processor = AutoProcessor.from_pretrained(tiny_path(family))
-    tools = [{"type": "function", "function": {
-        "name": "inspect_range", "description": "Look at a time range.",
-        "parameters": {"type": "object", "properties": {"start": {"type": "number"}}}}}]
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": "inspect_range",
+                "description": "Look at a time range.",
+                "parameters": {"type": "object", "properties": {"start": {"type": "number"}}},
+            },
+        }
+    ]
     messages = [
         {"role": "system", "content": "You are careful."},
         {"role": "user", "content": [{"type": "text", "text": "What happens?"}]},
-        {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function",
-            "function": {"name": "inspect_range", "arguments": {"start": 1.5}}}]},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "inspect_range", "arguments": {"start": 1.5}},
+                }
+            ],
+        },
         {"role": "tool", "tool_call_id": "call_1", "content": "a dog barks"},
     ]
-    text = processor.apply_chat_template(messages, tools=tools, add_generation_prompt=True,
-                                         tokenize=False)
+    text = processor.apply_chat_template(
+        messages, tools=tools, add_generation_prompt=True, tokenize=False
+    )
     assert "inspect_range" in text and "Look at a time range." in text
     assert "1.5" in text and "a dog barks" in text and "You are careful." in text
     assert text.index("What happens?") < text.index("a dog barks")

@@ -9,7 +9,12 @@ from areno.models.tiny.common import TinyParts, load_template, train_tokenizer
 BASE_VOCAB = {"<pad>": 0, "<eos>": 1, "<bos>": 2, "<unk>": 3, "<mask>": 4}
 TURN_TOKENS = ["<|turn>", "<turn|>"]
 TOOL_TOKENS = [
-    "<|tool>", "<tool|>", "<|tool_call>", "<tool_call|>", "<|tool_response>", "<tool_response|>"
+    "<|tool>",
+    "<tool|>",
+    "<|tool_call>",
+    "<tool_call|>",
+    "<|tool_response>",
+    "<tool_response|>",
 ]
 MEDIA_TOKENS = {
     "image_token": "<|image|>",
@@ -37,7 +42,11 @@ def _tokenizer() -> tf.PreTrainedTokenizerBase:
 
 
 def _processor(tok: tf.PreTrainedTokenizerBase) -> tf.ProcessorMixin:
-    image_kwargs = {"patch_size": 16, "pooling_kernel_size": 3, "max_soft_tokens": SOFT_TOKENS_PER_IMAGE}
+    image_kwargs = {
+        "patch_size": 16,
+        "pooling_kernel_size": 3,
+        "max_soft_tokens": SOFT_TOKENS_PER_IMAGE,
+    }
     return tf.Gemma4Processor(
         feature_extractor=tf.Gemma4AudioFeatureExtractor(),
         image_processor=tf.Gemma4ImageProcessor(**image_kwargs),

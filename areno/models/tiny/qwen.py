@@ -101,9 +101,7 @@ def build_qwen3_5() -> TinyParts:
             "mrope_interleaved": True,
         },
     }
-    config = tf.Qwen3_5Config(
-        text_config=text, vision_config=_vision_common(), **_token_ids(tok)
-    )
+    config = tf.Qwen3_5Config(text_config=text, vision_config=_vision_common(), **_token_ids(tok))
     model = tf.Qwen3_5ForConditionalGeneration(config)
     return TinyParts(model, _processor(tok, "qwen3_5"), eos_tokens=["<|im_end|>"])
 

@@ -27,11 +27,16 @@ def train_bpe(template: Tokenizer, *, vocab_size: int, byte_fallback: bool) -> t
         alphabet = pre_tokenizers.ByteLevel.alphabet()
         special = []
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, initial_alphabet=alphabet, special_tokens=special, show_progress=False
+        vocab_size=vocab_size,
+        initial_alphabet=alphabet,
+        special_tokens=special,
+        show_progress=False,
     )
     tok.train_from_iterator(corpus(), trainer)
     data = json.loads(tok.to_str())
     vocab = data["model"]["vocab"]
     # NOTE: tokenizers' BPE constructor wants merges as tuples, not "a b" strings.
-    merges = [tuple(m) if isinstance(m, list) else tuple(m.split(" ")) for m in data["model"]["merges"]]
+    merges = [
+        tuple(m) if isinstance(m, list) else tuple(m.split(" ")) for m in data["model"]["merges"]
+    ]
     return vocab, merges
