@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-import httpx
+import httpx2 as httpx
 import openai
 import pytest
 from openai.types import Model
