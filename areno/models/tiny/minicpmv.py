@@ -5,7 +5,7 @@ from __future__ import annotations
 import transformers as tf
 
 from areno.models.tiny.common import TinyParts, load_template, train_tokenizer
-from areno.models.tiny.qwen import CHAT_TOKENS, TOOL_TOKENS
+from areno.models.tiny.qwen import CHAT_TOKENS, HYBRID_LAYERS, TOOL_TOKENS, text_config
 
 MEDIA_TOKENS = {
     "image_token": "<|image_pad|>",
@@ -31,24 +31,7 @@ def _tokenizer() -> tf.PreTrainedTokenizerBase:
 
 
 def _config(tok: tf.PreTrainedTokenizerBase) -> tf.MiniCPMV4_6Config:
-    text = {
-        "model_type": "qwen3_5_text",
-        "vocab_size": len(tok),
-        "hidden_size": 64,
-        "intermediate_size": 128,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "head_dim": 32,
-        "layer_types": ["linear_attention", "full_attention"],
-        "linear_num_key_heads": 2,
-        "linear_num_value_heads": 4,
-        "linear_key_head_dim": 16,
-        "linear_value_head_dim": 16,
-        "max_position_embeddings": 4096,
-        "pad_token_id": tok.pad_token_id,
-        "eos_token_id": tok.eos_token_id,
-    }
+    text = {"model_type": "qwen3_5_text", **text_config(tok), **HYBRID_LAYERS}
     vision = {
         "hidden_size": 32,
         "intermediate_size": 64,

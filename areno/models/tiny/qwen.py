@@ -56,7 +56,18 @@ def _token_ids(tok: tf.PreTrainedTokenizerBase) -> dict[str, int]:
     }
 
 
-def _text_common(tok: tf.PreTrainedTokenizerBase) -> dict:
+# Qwen3.5's hybrid stack: one gated-delta-net (linear attention) layer, one full-attention layer.
+HYBRID_LAYERS = {
+    "head_dim": 32,
+    "layer_types": ["linear_attention", "full_attention"],
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4,
+    "linear_key_head_dim": 16,
+    "linear_value_head_dim": 16,
+}
+
+
+def text_config(tok: tf.PreTrainedTokenizerBase) -> dict:
     return {
         "vocab_size": len(tok),
         "hidden_size": 64,
@@ -86,21 +97,19 @@ def _vision_common() -> dict:
 
 def build_qwen3_5() -> TinyParts:
     tok = _tokenizer(tf.Qwen3_5Tokenizer)
-    text = _text_common(tok) | {
-        "head_dim": 32,
-        "layer_types": ["linear_attention", "full_attention"],
-        "linear_num_key_heads": 2,
-        "linear_num_value_heads": 4,
-        "linear_key_head_dim": 16,
-        "linear_value_head_dim": 16,
-        "rope_parameters": {
-            "rope_type": "default",
-            "rope_theta": 1e7,
-            "partial_rotary_factor": 0.25,
-            "mrope_section": [2, 1, 1],
-            "mrope_interleaved": True,
-        },
-    }
+    text = (
+        text_config(tok)
+        | HYBRID_LAYERS
+        | {
+            "rope_parameters": {
+                "rope_type": "default",
+                "rope_theta": 1e7,
+                "partial_rotary_factor": 0.25,
+                "mrope_section": [2, 1, 1],
+                "mrope_interleaved": True,
+            },
+        }
+    )
     config = tf.Qwen3_5Config(text_config=text, vision_config=_vision_common(), **_token_ids(tok))
     model = tf.Qwen3_5ForConditionalGeneration(config)
     return TinyParts(model, _processor(tok, "qwen3_5"), eos_tokens=["<|im_end|>"])
@@ -108,7 +117,7 @@ def build_qwen3_5() -> TinyParts:
 
 def build_qwen3_vl() -> TinyParts:
     tok = _tokenizer(tf.Qwen2Tokenizer)
-    text = _text_common(tok) | {
+    text = text_config(tok) | {
         "head_dim": 16,
         "rope_parameters": {
             "rope_type": "default",
