@@ -8,7 +8,9 @@ runs the tiny model's forward on the result (Hugging Face checks features == pla
 from __future__ import annotations
 
 import base64
+import http.server
 import mimetypes
+import threading
 from pathlib import Path
 
 import pytest
@@ -26,7 +28,7 @@ PART_TYPES = {
     "audio": ["audio_url", "audio", "input_audio"],
     "video": ["video_url", "video"],
 }
-SOURCES = ["absolute", "relative", "file_url", "data_url"]
+SOURCES = ["absolute", "relative", "file_url", "data_url", "http"]
 FAMILY_MODALITIES = {
     "qwen3_5": ("image", "video"),
     "qwen3_vl": ("image", "video"),
@@ -44,7 +46,9 @@ def write_media(directory: Path, modality: str, suffix: str) -> Path:
     return write_video(path, seconds=2.0, fps=4.0, width=64, height=48)
 
 
-def reference(path: Path, source: str, cwd: Path) -> str:
+def reference(path: Path, source: str, cwd: Path, http_root: str) -> str:
+    if source == "http":
+        return f"{http_root}/{path.relative_to(cwd)}"
     if source == "absolute":
         return str(path)
     if source == "relative":
@@ -81,6 +85,27 @@ def cases():
                         )
 
 
+class _Handler(http.server.SimpleHTTPRequestHandler):
+    def log_message(self, *args):  # keep test output quiet
+        pass
+
+    def translate_path(self, path):
+        # Serve from the test's working directory (each test chdirs into its tmp_path).
+        return str(Path.cwd() / path.lstrip("/").split("?")[0])
+
+
+@pytest.fixture(scope="module")
+def http_root():
+    """A real HTTP server on loopback serving the current test's files."""
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    server.server_close()
+    thread.join()
+
+
 @pytest.fixture(scope="module")
 def workers(tiny_path):
     cache = {}
@@ -88,7 +113,9 @@ def workers(tiny_path):
     def get(family: str):
         if family not in cache:
             processor = Processor(tiny_path(family))
-            decoder = MediaDecoder(MediaPolicy.for_training(), processor.decode_options())
+            # Remote media on, loopback allowed: the test's HTTP server lives on 127.0.0.1.
+            policy = MediaPolicy.for_training(allow_remote=True, allow_private_network=True)
+            decoder = MediaDecoder(policy, processor.decode_options())
             model = processor.adapter.load_model(tiny_path(family)).eval()
             cache[family] = (processor, decoder, model)
         return cache[family]
@@ -98,14 +125,14 @@ def workers(tiny_path):
 
 @pytest.mark.parametrize("family,modality,part_type,source,suffix", list(cases()))
 def test_part_through_processor_and_forward(
-    workers, tmp_path, monkeypatch, family, modality, part_type, source, suffix
+    workers, http_root, tmp_path, monkeypatch, family, modality, part_type, source, suffix
 ):
     assert family in TINY_FAMILIES
     monkeypatch.chdir(tmp_path)
     media_dir = tmp_path / "media"
     media_dir.mkdir()
     path = write_media(media_dir, modality, suffix)
-    ref = reference(path, source, tmp_path)
+    ref = reference(path, source, tmp_path, http_root)
     messages = [
         {
             "role": "user",
