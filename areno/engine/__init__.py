@@ -1,0 +1,1 @@
+"""The generator engine: scheduler, cache, runner, sampler and the async engine API."""

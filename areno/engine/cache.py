@@ -1,0 +1,142 @@
+"""Slot cache: one slot per running sequence, holding its KV (attention layers) and its fixed-size
+conv / recurrent state (linear-attention layers) up to max_context_len tokens.
+
+It presents itself to transformers' model code as a `Cache` whose layers act on the rows of the
+current batch: before each forward the runner binds the batch's slots and per-row positions;
+attention layers write new keys / values straight into their slot rows and read back the batch's
+rows; linear-attention layers work on gathered copies of the batch's states that `commit` writes
+back after the forward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin, LinearAttentionLayer
+
+
+@dataclass
+class BatchBinding:
+    """What one forward sees: the slots of its rows and where their new tokens go."""
+
+    slots_B: torch.Tensor  # (B,) long
+    positions_BQ: torch.Tensor  # (B, Q) long: cache position of each new token
+    kv_len: int  # keys to read back: max over rows of (last position + 1)
+    num_cached: int = 0  # tokens already cached before this forward (0 for a prefill)
+
+
+class SlotAttentionLayer(CacheLayerMixin):
+    """KV storage (num_slots, kv_heads, max_len, head_dim), allocated on first write."""
+
+    is_sliding = False
+    is_compileable = False
+
+    def __init__(self, num_slots: int, max_len: int):
+        super().__init__()
+        self.num_slots, self.max_len = num_slots, max_len
+        self.binding: BatchBinding | None = None
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        _, heads, _, head_dim = key_states.shape
+        shape = (self.num_slots, heads, self.max_len, head_dim)
+        self.keys = torch.zeros(shape, dtype=key_states.dtype, device=key_states.device)
+        self.values = torch.zeros(shape, dtype=value_states.dtype, device=value_states.device)
+        self.is_initialized = True
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        b = self.binding
+        slots_BQ = b.slots_B[:, None].expand_as(b.positions_BQ)
+        # (B, H, Q, D) -> (B, Q, H, D) to match the advanced-index layout [slot, :, pos, :].
+        self.keys[slots_BQ, :, b.positions_BQ] = key_states.transpose(1, 2)
+        self.values[slots_BQ, :, b.positions_BQ] = value_states.transpose(1, 2)
+        return self.keys[b.slots_B, :, : b.kv_len], self.values[b.slots_B, :, : b.kv_len]
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.binding.kv_len, 0
+
+    def get_seq_length(self) -> int:
+        return self.binding.num_cached if self.binding is not None else 0
+
+    def get_max_length(self) -> int:
+        return self.max_len
+
+
+class SlotLinearState:
+    """Conv / recurrent state storage for one linear-attention layer, one row per slot."""
+
+    def __init__(self, num_slots: int):
+        self.num_slots = num_slots
+        self.conv: torch.Tensor | None = None
+        self.recurrent: torch.Tensor | None = None
+        self.kernel_size: int | None = None
+
+    def bind(self, slots_B: torch.Tensor, is_prefill: bool) -> LinearAttentionLayer:
+        layer = LinearAttentionLayer()
+        if is_prefill or self.conv is None:
+            return layer  # a fresh state: transformers' own prefill path fills it
+        layer.lazy_initialization(conv_states=self.conv[slots_B], conv_kernel_size=self.kernel_size)
+        layer.conv_states[0].copy_(self.conv[slots_B])
+        layer.lazy_initialization(recurrent_states=self.recurrent[slots_B])
+        layer.recurrent_states[0].copy_(self.recurrent[slots_B])
+        layer.has_previous_state[0] = True
+        return layer
+
+    def commit(self, slots_B: torch.Tensor, layer: LinearAttentionLayer) -> None:
+        conv, recurrent = layer.conv_states[0], layer.recurrent_states[0]
+        if self.conv is None:
+            self.kernel_size = layer.conv_kernel_size[0]
+            self.conv = conv.new_zeros((self.num_slots, *conv.shape[1:]))
+            self.recurrent = recurrent.new_zeros((self.num_slots, *recurrent.shape[1:]))
+        self.conv[slots_B] = conv
+        self.recurrent[slots_B] = recurrent
+
+
+class SlotCache(Cache):
+    """The engine's cache for all layers of one model's text stack."""
+
+    def __init__(self, layer_types: list[str], num_slots: int, max_len: int):
+        self.layer_types = list(layer_types)
+        self.attention = {
+            i: SlotAttentionLayer(num_slots, max_len)
+            for i, t in enumerate(layer_types)
+            if t != "linear_attention"
+        }
+        self.linear = {
+            i: SlotLinearState(num_slots)
+            for i, t in enumerate(layer_types)
+            if t == "linear_attention"
+        }
+        super().__init__(layers=[None] * len(layer_types))
+        self._binding: BatchBinding | None = None
+
+    def bind(self, binding: BatchBinding, *, is_prefill: bool) -> None:
+        self._binding = binding
+        for i, layer in self.attention.items():
+            layer.binding = binding
+            self.layers[i] = layer
+        for i, state in self.linear.items():
+            self.layers[i] = state.bind(binding.slots_B, is_prefill)
+
+    def commit(self) -> None:
+        """Write the linear-attention states of the bound batch back to their slots."""
+        for i, state in self.linear.items():
+            state.commit(self._binding.slots_B, self.layers[i])
+
+    def is_recording_past(self, layer_idx: int) -> bool:
+        return False
+
+
+def copy_slot(cache: SlotCache, src: int, dsts: list[int]) -> None:
+    """Fork a prefilled sequence: copy slot `src`'s whole state into `dsts` (n > 1 samples)."""
+    index = torch.tensor(dsts)
+    for layer in cache.attention.values():
+        if layer.is_initialized:
+            layer.keys[index] = layer.keys[src].clone()
+            layer.values[index] = layer.values[src].clone()
+    for state in cache.linear.values():
+        if state.conv is not None:
+            state.conv[index] = state.conv[src].clone()
+            state.recurrent[index] = state.recurrent[src].clone()

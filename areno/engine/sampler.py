@@ -1,0 +1,162 @@
+"""Token sampling on the device: temperature, top-k, top-p, min-p, per-row seeds, logprobs.
+
+Everything is batched over rows (one row per sequence of the step) and stays on the device:
+`sample` never calls `.item()` or reads a tensor on the host, so the engine copies the small
+`SamplerOutput` to the host once per step. Filtering sorts each row once and never loops over rows;
+only seeded rows loop, to draw their noise from their own generator.
+
+NOTE: logprobs are always the log-softmax of the RAW logits (temperature 1, before top-k / top-p /
+min-p), at the chosen token and for the top-K list. That is the model's own distribution, which
+is what RL needs for the behaviour policy and what a trainer's forward pass recomputes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+from torch import Tensor
+
+from areno.engine.sampling import MAX_SEED, SamplingParams
+
+
+def generator_for(seed: int, device: torch.device | str = "cpu") -> torch.Generator:
+    """A fresh generator on `device` seeded with `seed` (any int; wrapped into torch's range)."""
+    generator = torch.Generator(device=device)
+    generator.manual_seed(seed % (MAX_SEED + 1))
+    return generator
+
+
+@dataclass
+class SamplingTensors:
+    """Per-row sampling parameters as device tensors; build once per batch composition.
+
+    Greedy rows carry temperature 1 so the division is safe; `greedy_B` picks argmax for them.
+    top_k 0 means off. The Python flags let `sample` skip work no row asks for without a sync.
+    """
+
+    temperature_B: Tensor
+    greedy_B: Tensor
+    top_k_B: Tensor
+    top_p_B: Tensor
+    min_p_B: Tensor
+    num_top_logprobs: int
+    all_greedy: bool
+    use_top_k: bool
+    use_top_p: bool
+    use_min_p: bool
+
+    @classmethod
+    def from_params(
+        cls, params_list: list[SamplingParams], device: torch.device | str
+    ) -> SamplingTensors:
+        """Tensors for rows sampled with `params_list[i]` (one entry per row)."""
+        greedy = [p.is_greedy for p in params_list]
+        sampled = [p for p in params_list if not p.is_greedy]  # filters matter only for these
+
+        def column(values: list, dtype: torch.dtype) -> Tensor:
+            return torch.tensor(values, dtype=dtype, device=device)
+
+        return cls(
+            temperature_B=column([p.temperature or 1.0 for p in params_list], torch.float32),
+            greedy_B=column(greedy, torch.bool),
+            top_k_B=column([max(p.top_k, 0) for p in params_list], torch.int64),
+            top_p_B=column([p.top_p for p in params_list], torch.float32),
+            min_p_B=column([p.min_p for p in params_list], torch.float32),
+            num_top_logprobs=max((p.top_logprobs for p in params_list), default=0),
+            all_greedy=all(greedy),
+            use_top_k=any(p.top_k > 0 for p in sampled),
+            use_top_p=any(p.top_p < 1 for p in sampled),
+            use_min_p=any(p.min_p > 0 for p in sampled),
+        )
+
+
+@dataclass
+class SamplerOutput:
+    """One step's sampled tokens and their raw-logit logprobs, still on the device.
+
+    top_logprobs_ids_BK / top_logprobs_BK hold K = the largest `top_logprobs` in the batch,
+    sorted by descending logprob; a row that asked for fewer uses its first entries.
+    """
+
+    token_ids_B: Tensor
+    logprobs_B: Tensor
+    top_logprobs_ids_BK: Tensor
+    top_logprobs_BK: Tensor
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> SamplerOutput:
+        """A copy on `device` (the engine's one host copy per step)."""
+        moved = {
+            f.name: getattr(self, f.name).to(device, non_blocking=non_blocking)
+            for f in fields(self)
+        }
+        return SamplerOutput(**moved)
+
+
+def sample(
+    logits_BV: Tensor, tensors: SamplingTensors, generators: list[torch.Generator | None]
+) -> SamplerOutput:
+    """Choose one token per row of `logits_BV`.
+
+    `generators[i]` is row i's own generator (a seeded sequence) or None (the device's default
+    generator). A seeded row draws the same tokens whatever else is in the batch.
+    """
+    assert len(generators) == logits_BV.shape[0], "one generator (or None) per row"
+    logits_BV = logits_BV.float()
+    logprobs_BV = torch.log_softmax(logits_BV, dim=-1)
+    greedy_B = logits_BV.argmax(dim=-1)
+    if tensors.all_greedy:
+        token_ids_B = greedy_B
+    else:
+        filtered_BV = _filter(logits_BV / tensors.temperature_B[:, None], tensors)
+        sampled_B = _exponential_race(filtered_BV, generators)
+        token_ids_B = torch.where(tensors.greedy_B, greedy_B, sampled_B)
+    logprobs_B = logprobs_BV.gather(-1, token_ids_B[:, None]).squeeze(-1)
+    top_logprobs_BK, top_ids_BK = logprobs_BV.topk(tensors.num_top_logprobs, dim=-1)
+    return SamplerOutput(token_ids_B, logprobs_B, top_ids_BK, top_logprobs_BK)
+
+
+def _filter(logits_BV: Tensor, tensors: SamplingTensors) -> Tensor:
+    """Temperature-scaled logits with tokens removed (-inf) by top-k, then top-p, then min-p
+    (the order Hugging Face applies them)."""
+    if tensors.use_top_k or tensors.use_top_p:
+        sorted_BV, order_BV = logits_BV.sort(dim=-1, descending=True)
+        vocab_size = logits_BV.shape[-1]
+        remove_BV = torch.zeros_like(sorted_BV, dtype=torch.bool)
+        if tensors.use_top_k:
+            ranks_V = torch.arange(vocab_size, device=logits_BV.device)
+            top_k_B = torch.where(tensors.top_k_B > 0, tensors.top_k_B, vocab_size)
+            remove_BV |= ranks_V[None, :] >= top_k_B[:, None]
+        if tensors.use_top_p:
+            probs_BV = sorted_BV.masked_fill(remove_BV, float("-inf")).softmax(dim=-1)
+            mass_before_BV = probs_BV.cumsum(dim=-1) - probs_BV
+            # Keep the smallest prefix reaching top_p (the first token always stays); rows with
+            # top_p == 1 are exempt so float error in the cumsum never trims their tail.
+            remove_BV |= (mass_before_BV > tensors.top_p_B[:, None]) & (tensors.top_p_B < 1)[
+                :, None
+            ]
+        # Back from sorted order to vocab order, so the noise below is drawn per vocab entry and
+        # does not depend on how ties happened to sort.
+        remove_vocab_BV = torch.empty_like(remove_BV).scatter_(-1, order_BV, remove_BV)
+        logits_BV = logits_BV.masked_fill(remove_vocab_BV, float("-inf"))
+    if tensors.use_min_p:
+        probs_BV = logits_BV.softmax(dim=-1)
+        floor_B1 = tensors.min_p_B[:, None] * probs_BV.amax(dim=-1, keepdim=True)
+        logits_BV = logits_BV.masked_fill(probs_BV < floor_B1, float("-inf"))
+    return logits_BV
+
+
+def _exponential_race(logits_BV: Tensor, generators: list[torch.Generator | None]) -> Tensor:
+    """Draw from softmax(logits) per row as argmax(probs / E) with E ~ Exponential(1): the
+    smallest of independent exponential clocks with rates `probs` wins with probability equal to
+    its rate. Unlike torch.multinomial, the noise can come from a different generator per row."""
+    probs_BV = logits_BV.softmax(dim=-1)
+    noise_BV = torch.empty_like(probs_BV)
+    if any(g is None for g in generators):
+        noise_BV.exponential_()
+    for row, generator in enumerate(generators):
+        if generator is not None:
+            noise_BV[row].exponential_(generator=generator)
+    # A zero draw would give inf (or 0/0 = nan for a removed token); clamp keeps argmax sound.
+    noise_BV.clamp_min_(torch.finfo(noise_BV.dtype).tiny)
+    return probs_BV.div_(noise_BV).argmax(dim=-1)

@@ -1,0 +1,137 @@
+"""Per-request sampling parameters, validated once at the engine boundary.
+
+`SamplingParams` is what the scheduler and the sampler read; it is immutable so that the n
+sequences of a request (and the rows built from them) can share one instance safely.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from areno.errors import ConfigError
+
+if TYPE_CHECKING:
+    from areno.protocol import ChatCompletionRequest
+
+MAX_TOP_LOGPROBS = 20
+# The range torch.Generator.manual_seed accepts; the protocol enforces the same bounds.
+MIN_SEED = -(2**63)
+MAX_SEED = 2**64 - 1
+
+
+def _is_int(value: object) -> bool:
+    # bool is an int subclass, but `n=True` is a caller bug, not a count.
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: object) -> bool:
+    return (_is_int(value) or isinstance(value, float)) and math.isfinite(value)
+
+
+def _fail(param: str, message: str) -> ConfigError:
+    return ConfigError(f"SamplingParams.{param} {message}", param=param)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to draw the tokens of one request.
+
+    temperature: 0 is greedy (argmax); otherwise logits are divided by it before filtering.
+    top_p: nucleus mass in (0, 1]; 1 keeps every token.
+    top_k: -1 (or 0) keeps every token, else the k most likely; 0 is normalised to -1.
+    min_p: drop tokens whose probability is below min_p x the most likely token's; 0 is off.
+    seed: a per-request seed; sample i of the request uses `seed + i` (see `Sequence.seed`).
+    max_tokens: generation limit (None: only the context length limits it).
+    stop / stop_token_ids: strings and token ids that end generation with reason "stop".
+    ignore_eos: keep generating past the model's EOS tokens (benchmarks, RL with fixed lengths).
+    n: number of samples drawn from one shared prompt.
+    logprobs / top_logprobs: return the chosen token's logprob / the K most likely (0..20).
+    include_stop_str_in_output: keep a matched stop string at the end of the output text.
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    seed: int | None = None
+    max_tokens: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    n: int = 1
+    logprobs: bool = False
+    top_logprobs: int = 0
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        # Lists are accepted for convenience; tuples keep the instance hashable and immutable.
+        object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        if self.top_k == 0:
+            object.__setattr__(self, "top_k", -1)
+        self._check_filters()
+        self._check_limits()
+        self._check_outputs()
+
+    def _check_filters(self) -> None:
+        if not _is_number(self.temperature) or self.temperature < 0:
+            raise _fail(
+                "temperature",
+                f"must be a finite number >= 0 (0 = greedy); got {self.temperature!r}",
+            )
+        if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
+            raise _fail("top_p", f"must be in (0, 1] (1 = off); got {self.top_p!r}")
+        if not _is_int(self.top_k) or (self.top_k != -1 and self.top_k < 1):
+            raise _fail("top_k", f"must be -1 or 0 (off) or an integer >= 1; got {self.top_k!r}")
+        if not _is_number(self.min_p) or not 0 <= self.min_p <= 1:
+            raise _fail("min_p", f"must be in [0, 1] (0 = off); got {self.min_p!r}")
+        if self.seed is not None and (
+            not _is_int(self.seed) or not MIN_SEED <= self.seed <= MAX_SEED
+        ):
+            raise _fail("seed", f"must be None or an integer in [-2**63, 2**64); got {self.seed!r}")
+
+    def _check_limits(self) -> None:
+        if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
+            raise _fail("max_tokens", f"must be None or an integer >= 1; got {self.max_tokens!r}")
+        if not _is_int(self.n) or self.n < 1:
+            raise _fail("n", f"must be an integer >= 1; got {self.n!r}")
+        if not all(isinstance(s, str) and s for s in self.stop):
+            raise _fail("stop", f"must hold non-empty strings; got {self.stop!r}")
+        if not all(_is_int(t) and t >= 0 for t in self.stop_token_ids):
+            raise _fail("stop_token_ids", f"must hold integers >= 0; got {self.stop_token_ids!r}")
+
+    def _check_outputs(self) -> None:
+        k = self.top_logprobs
+        if not _is_int(k) or not 0 <= k <= MAX_TOP_LOGPROBS:
+            raise _fail("top_logprobs", f"must be an integer in [0, {MAX_TOP_LOGPROBS}]; got {k!r}")
+        if k and not self.logprobs:
+            raise _fail("top_logprobs", f"= {k} requires logprobs=True")
+
+    @property
+    def is_greedy(self) -> bool:
+        """Whether tokens are chosen by argmax (temperature 0)."""
+        return self.temperature == 0
+
+    @classmethod
+    def from_request(cls, request: ChatCompletionRequest) -> SamplingParams:
+        """The sampling parameters of a Chat Completions request; unset fields take defaults."""
+
+        def given(value, default):
+            return default if value is None else value
+
+        return cls(
+            temperature=given(request.temperature, 1.0),
+            top_p=given(request.top_p, 1.0),
+            top_k=given(request.top_k, -1),
+            min_p=given(request.min_p, 0.0),
+            seed=request.seed,
+            max_tokens=request.max_new_tokens,
+            stop=tuple(request.stop_sequences),
+            stop_token_ids=tuple(given(request.stop_token_ids, ())),
+            ignore_eos=request.ignore_eos,
+            n=request.n,
+            logprobs=request.logprobs,
+            top_logprobs=given(request.top_logprobs, 0),
+        )

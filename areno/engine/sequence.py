@@ -1,0 +1,170 @@
+"""Request state the scheduler works on: one `Sequence` per sample, one `SequenceGroup` per request.
+
+A request with `n` samples is a group of n sequences sharing one prompt: the prompt is prefilled
+once and its cache state copied into the n slots, after which each sequence decodes on its own.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+from dataclasses import dataclass, field
+from typing import Any
+
+from areno.engine.sampling import MAX_SEED, SamplingParams
+
+# Process-wide counters: ids stay unique and arrivals ordered across every scheduler.
+_next_seq_id = itertools.count()
+_next_arrival = itertools.count()
+
+
+class SequenceStatus(enum.Enum):
+    """Where a sequence is in its life: waiting for a slot, running, or finished (and why)."""
+
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED_STOPPED = "finished_stopped"
+    FINISHED_LENGTH = "finished_length"
+    FINISHED_ABORTED = "finished_aborted"
+
+    @property
+    def is_finished(self) -> bool:
+        """Whether the sequence will produce no more tokens."""
+        return self in _FINISH_REASONS
+
+    @property
+    def finish_reason(self) -> str | None:
+        """The OpenAI-style reason ("stop", "length", "abort"), or None while unfinished."""
+        return _FINISH_REASONS.get(self)
+
+    @classmethod
+    def finished_for(cls, reason: str) -> SequenceStatus:
+        """The finished status for a reason string ("stop", "length" or "abort")."""
+        for status, status_reason in _FINISH_REASONS.items():
+            if status_reason == reason:
+                return status
+        raise ValueError(f"unknown finish reason {reason!r}; expected stop, length or abort")
+
+
+_FINISH_REASONS = {
+    SequenceStatus.FINISHED_STOPPED: "stop",
+    SequenceStatus.FINISHED_LENGTH: "length",
+    SequenceStatus.FINISHED_ABORTED: "abort",
+}
+
+
+# NOTE: eq=False: sequences are compared by identity, never by their (possibly equal) token lists.
+@dataclass(eq=False)
+class Sequence:
+    """One sample of a request: its prompt, the tokens generated so far, and its cache slot."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    sample_index: int = 0
+    seq_id: int = field(default_factory=lambda: next(_next_seq_id))
+    arrival: int = field(default_factory=lambda: next(_next_arrival))
+    output_token_ids: list[int] = field(default_factory=list)
+    status: SequenceStatus = SequenceStatus.WAITING
+    slot: int | None = None
+    finish_reason: str | None = None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt plus generated tokens: the context length this sequence occupies."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def last_token_id(self) -> int:
+        """The token the next decode step feeds to the model."""
+        return self.output_token_ids[-1] if self.output_token_ids else self.prompt_token_ids[-1]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    @property
+    def seed(self) -> int | None:
+        """This sample's seed: `params.seed + sample_index`, so the n samples of a seeded request
+        differ from each other yet each is reproducible (the convention vLLM uses)."""
+        if self.params.seed is None:
+            return None
+        return (self.params.seed + self.sample_index) % (MAX_SEED + 1)
+
+    def append_token(self, token_id: int) -> None:
+        """Record a newly sampled token."""
+        assert not self.is_finished, f"sequence {self.seq_id} is finished ({self.status})"
+        self.output_token_ids.append(token_id)
+
+    def finish(self, reason: str) -> None:
+        """Mark the sequence finished with "stop", "length" or "abort" (the slot is freed by the
+        scheduler's `update` / `cancel`, not here)."""
+        self.status = SequenceStatus.finished_for(reason)
+        self.finish_reason = reason
+
+
+@dataclass(eq=False)
+class SequenceGroup:
+    """The n sequences of one request, sharing one prompt and one arrival time.
+
+    `inputs` is opaque to the scheduler: the engine keeps the request's processor outputs (media
+    tensors, positions) there so that prefill can find them.
+    """
+
+    request_id: str
+    seqs: list[Sequence]
+    inputs: Any = None
+
+    @classmethod
+    def create(
+        cls,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        inputs: Any = None,
+    ) -> SequenceGroup:
+        """A new waiting group of `params.n` sequences, stamped with the next arrival."""
+        if not prompt_token_ids:
+            raise ValueError(f"request {request_id!r} has an empty prompt; nothing to prefill")
+        arrival = next(_next_arrival)
+        seqs = [
+            Sequence(request_id, list(prompt_token_ids), params, sample_index=i, arrival=arrival)
+            for i in range(params.n)
+        ]
+        return cls(request_id, seqs, inputs)
+
+    @property
+    def params(self) -> SamplingParams:
+        return self.seqs[0].params
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.seqs[0].prompt_token_ids
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return self.seqs[0].num_prompt_tokens
+
+    @property
+    def num_seqs(self) -> int:
+        """How many cache slots the group needs while running."""
+        return len(self.seqs)
+
+    @property
+    def arrival(self) -> int:
+        return self.seqs[0].arrival
+
+    @property
+    def is_finished(self) -> bool:
+        return all(seq.is_finished for seq in self.seqs)
+
+    def unfinished_seqs(self) -> list[Sequence]:
+        return [seq for seq in self.seqs if not seq.is_finished]

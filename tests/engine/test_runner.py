@@ -1,0 +1,146 @@
+"""Slot-cache runner: batched decode of staggered, mixed requests equals transformers' generate."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from areno.engine.runner import ModelRunner
+from areno.media import MediaDecoder, MediaPolicy
+from areno.media.samples import write_audio, write_image, write_video
+from areno.processing import Processor, process_messages
+
+NUM_NEW = 10
+FAMILIES = ["qwen3_5", "qwen3_vl", "minicpmv4_6", "gemma4"]
+
+
+@pytest.fixture(scope="module")
+def media(tmp_path_factory):
+    d = tmp_path_factory.mktemp("runner-media")
+    return {
+        "image": write_image(d / "a.png", 64, 48),
+        "video": write_video(d / "v.mp4", seconds=2.0, fps=4.0),
+        "audio": write_audio(d / "a.wav", seconds=1.0),
+    }
+
+
+def requests(media, modalities):
+    reqs = [
+        [{"role": "user", "content": "Hello there, how are you doing today my friend?"}],
+        [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "image_url", "image_url": {"url": str(media["image"])}},
+                    {"type": "text", "text": "Describe."},
+                ],
+            }
+        ],
+        [{"role": "user", "content": "Short."}],
+        [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "video_url", "video_url": {"url": str(media["video"])}},
+                    {"type": "text", "text": "What happens?"},
+                ],
+            }
+        ],
+    ]
+    if "audio" in modalities:
+        reqs.append(
+            [
+                {
+                    "role": "user",
+                    "content": [{"type": "audio_url", "audio_url": {"url": str(media["audio"])}}],
+                }
+            ]
+        )
+    return reqs
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_staggered_batched_greedy_equals_generate(tiny_path, media, family):
+    processor = Processor(tiny_path(family))
+    decoder = MediaDecoder(MediaPolicy.for_training(), processor.decode_options())
+    model = processor.adapter.load_model(tiny_path(family)).eval()
+    inputs = [
+        process_messages(processor, decoder, r)
+        for r in requests(media, processor.adapter.modalities)
+    ]
+    expected = []
+    for x in inputs:
+        out = model.generate(
+            **x.model_inputs(), max_new_tokens=NUM_NEW, min_new_tokens=NUM_NEW, do_sample=False
+        )
+        expected.append(out[0, x.num_prompt_tokens :].tolist())
+
+    # generate's min_new_tokens bans EOS; ban it here too so both run NUM_NEW steps.
+    eos = model.generation_config.eos_token_id
+    eos = torch.tensor(eos if isinstance(eos, list) else [eos])
+
+    def greedy(logits):
+        return int(logits.index_fill(-1, eos, float("-inf")).argmax())
+
+    runner = ModelRunner(model, num_slots=8, max_len=1024)
+    running: list[dict] = []
+    done: dict[int, list[int]] = {}
+    pending = list(enumerate(inputs))
+    step = 0
+    while pending or running:
+        # One new request joins every other step, while the others keep decoding.
+        if pending and step % 2 == 0:
+            index, x = pending.pop(0)
+            slot = 7 - index  # slots need not follow arrival order
+            token = greedy(runner.prefill(x, [slot]))
+            running.append(
+                {"index": index, "slot": slot, "pos": x.num_prompt_tokens, "out": [token]}
+            )
+        elif running:
+            logits = runner.decode(
+                [r["slot"] for r in running],
+                [r["pos"] for r in running],
+                [r["out"][-1] for r in running],
+            )
+            for row, r in enumerate(running):
+                r["out"].append(greedy(logits[row]))
+                r["pos"] += 1
+        for r in [r for r in running if len(r["out"]) == NUM_NEW]:
+            done[r["index"]] = r["out"]
+            running.remove(r)
+        step += 1
+    for i, want in enumerate(expected):
+        assert done[i] == want, (i, done[i], want)
+
+
+def test_forked_samples_share_one_prefill(tiny_path, media):
+    processor = Processor(tiny_path("qwen3_5"))
+    decoder = MediaDecoder(MediaPolicy.for_training(), processor.decode_options())
+    model = processor.adapter.load_model(tiny_path("qwen3_5")).eval()
+    x = process_messages(processor, decoder, requests(media, {"image"})[1])
+    runner = ModelRunner(model, num_slots=4, max_len=512)
+    first = int(runner.prefill(x, [1, 3]).argmax())
+    logits = runner.decode([1, 3], [x.num_prompt_tokens] * 2, [first, first])
+    assert (logits[0] - logits[1]).abs().max() < 1e-5, (logits[0] - logits[1]).abs().max()
+
+
+def test_decode_logprobs_match_a_full_forward(tiny_path, media):
+    processor = Processor(tiny_path("gemma4"))
+    decoder = MediaDecoder(MediaPolicy.for_training(), processor.decode_options())
+    model = processor.adapter.load_model(tiny_path("gemma4")).eval()
+    x = process_messages(processor, decoder, requests(media, {"image"})[1])
+    runner = ModelRunner(model, num_slots=2, max_len=512)
+    tokens = [int(runner.prefill(x, [0]).argmax())]
+    logps = []
+    for i in range(5):
+        logits = runner.decode([0], [x.num_prompt_tokens + i], [tokens[-1]])
+        logps.append(torch.log_softmax(logits[0], -1))
+        tokens.append(int(logits[0].argmax()))
+    full = dict(x.model_inputs())
+    full["input_ids"] = torch.tensor([x.input_ids + tokens[:-1]])
+    full["attention_mask"] = torch.ones_like(full["input_ids"])
+    full["mm_token_type_ids"] = torch.nn.functional.pad(full["mm_token_type_ids"], (0, 5))
+    with torch.no_grad():
+        ref = torch.log_softmax(model(**full).logits[0, -5:].float(), -1)
+    for i in range(5):
+        assert torch.allclose(logps[i], ref[i], atol=1e-4), i

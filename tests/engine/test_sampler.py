@@ -1,0 +1,154 @@
+"""Sampler: greedy, raw-logit logprobs, top-k / top-p / min-p, per-row seeds, distributions."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from areno.engine.sampler import SamplingTensors, generator_for, sample
+from areno.engine.sampling import SamplingParams
+
+PROBS = torch.tensor([0.5, 0.3, 0.15, 0.05])
+
+
+def run(logits_BV: torch.Tensor, params: list[SamplingParams], generators=None):
+    tensors = SamplingTensors.from_params(params, logits_BV.device)
+    return sample(logits_BV, tensors, generators or [None] * len(params))
+
+
+def random_logits(rows: int = 6, vocab: int = 50, seed: int = 0) -> torch.Tensor:
+    return torch.randn(rows, vocab, generator=generator_for(seed)) * 3
+
+
+def frequencies(params: SamplingParams, draws: int = 20_000) -> torch.Tensor:
+    torch.manual_seed(1234)
+    logits = PROBS.log().expand(draws, -1).contiguous()
+    tokens = run(logits, [params] * draws).token_ids_B
+    return torch.bincount(tokens, minlength=len(PROBS)).float() / draws
+
+
+def test_greedy_is_argmax() -> None:
+    logits = random_logits()
+    out = run(logits, [SamplingParams(temperature=0)] * 6)
+    assert torch.equal(out.token_ids_B, logits.argmax(-1))
+
+
+def test_greedy_rows_in_a_mixed_batch() -> None:
+    logits = random_logits()
+    params = [SamplingParams(temperature=0 if i % 2 else 1.5, top_k=3) for i in range(6)]
+    out = run(logits, params)
+    assert torch.equal(out.token_ids_B[1::2], logits[1::2].argmax(-1))
+
+
+def test_logprobs_are_log_softmax_of_raw_logits() -> None:
+    logits = random_logits()
+    params = [SamplingParams(temperature=0.7, top_k=5, top_p=0.8, min_p=0.05)] * 6
+    out = run(logits, params)
+    expected = torch.log_softmax(logits, -1).gather(-1, out.token_ids_B[:, None]).squeeze(-1)
+    assert torch.allclose(out.logprobs_B, expected, atol=1e-6, rtol=0)
+    assert out.logprobs_B.dtype == torch.float32
+
+
+def test_top_logprobs_are_sorted_and_use_the_largest_k() -> None:
+    logits = random_logits()
+    params = [SamplingParams(logprobs=True, top_logprobs=k) for k in (0, 2, 5, 1, 0, 3)]
+    out = run(logits, params)
+    assert out.top_logprobs_BK.shape == (6, 5) and out.top_logprobs_ids_BK.shape == (6, 5)
+    assert torch.all(out.top_logprobs_BK[:, :-1] >= out.top_logprobs_BK[:, 1:])
+    logprobs = torch.log_softmax(logits, -1)
+    assert torch.equal(out.top_logprobs_ids_BK, logprobs.topk(5, -1).indices)
+    gathered = logprobs.gather(-1, out.top_logprobs_ids_BK)
+    assert torch.allclose(out.top_logprobs_BK, gathered, atol=1e-6, rtol=0)
+
+
+def test_no_top_logprobs_gives_empty_columns() -> None:
+    out = run(random_logits(), [SamplingParams()] * 6)
+    assert out.top_logprobs_BK.shape == (6, 0) and out.top_logprobs_ids_BK.shape == (6, 0)
+
+
+@pytest.mark.parametrize(
+    "params",
+    [SamplingParams(top_k=1), SamplingParams(top_p=1e-6), SamplingParams(min_p=1.0)],
+    ids=["top_k=1", "tiny top_p", "min_p=1"],
+)
+def test_filters_that_leave_one_token_equal_greedy(params: SamplingParams) -> None:
+    logits = random_logits(rows=64, seed=3)
+    torch.manual_seed(0)
+    out = run(logits, [params] * 64)
+    assert torch.equal(out.token_ids_B, logits.argmax(-1))
+
+
+def test_sampling_follows_the_distribution() -> None:
+    assert torch.allclose(frequencies(SamplingParams()), PROBS, atol=0.02)
+
+
+def test_temperature_reshapes_the_distribution() -> None:
+    expected = PROBS.sqrt() / PROBS.sqrt().sum()  # temperature 2 halves the log-probabilities
+    assert torch.allclose(frequencies(SamplingParams(temperature=2.0)), expected, atol=0.02)
+
+
+def test_top_k_and_top_p_renormalise_the_kept_tokens() -> None:
+    kept = torch.tensor([0.625, 0.375, 0.0, 0.0])
+    assert torch.allclose(frequencies(SamplingParams(top_k=2)), kept, atol=0.02)
+    # 0.5 + 0.3 reaches 0.8; the third token is needed only above it.
+    assert torch.allclose(frequencies(SamplingParams(top_p=0.75)), kept, atol=0.02)
+    kept3 = torch.tensor([0.5, 0.3, 0.15, 0.0]) / 0.95
+    assert torch.allclose(frequencies(SamplingParams(top_p=0.85)), kept3, atol=0.02)
+
+
+def test_min_p_drops_tokens_below_a_fraction_of_the_top() -> None:
+    # Threshold 0.4 * 0.5 = 0.2: tokens 2 and 3 go.
+    kept = torch.tensor([0.625, 0.375, 0.0, 0.0])
+    assert torch.allclose(frequencies(SamplingParams(min_p=0.4)), kept, atol=0.02)
+
+
+def test_mixed_filters_apply_per_row() -> None:
+    rows = 300
+    logits = PROBS.log().expand(3 * rows, -1).contiguous()
+    params = [SamplingParams(top_k=1), SamplingParams(), SamplingParams(top_p=0.4)] * rows
+    torch.manual_seed(0)
+    tokens_R3 = run(logits, params).token_ids_B.view(rows, 3)
+    assert torch.all(tokens_R3[:, 0] == 0) and torch.all(tokens_R3[:, 2] == 0)
+    assert len(tokens_R3[:, 1].unique()) == 4  # the unfiltered rows still explore
+
+
+def draws(logits_V: torch.Tensor, seed: int, batch_rows: int, steps: int = 20) -> list[int]:
+    """Tokens the seeded row (placed in the middle of a batch) draws over `steps` calls."""
+    params = SamplingParams(temperature=1.3, top_p=0.9, seed=seed)
+    others = [SamplingParams(temperature=0.5, top_k=4), SamplingParams(min_p=0.1)]
+    row = batch_rows // 2
+    batch_params = [others[i % 2] for i in range(batch_rows)]
+    batch_params[row] = params
+    generator = generator_for(seed)
+    generators = [None] * batch_rows
+    generators[row] = generator
+    logits = random_logits(rows=batch_rows, vocab=logits_V.numel(), seed=99 + batch_rows)
+    logits[row] = logits_V
+    tensors = SamplingTensors.from_params(batch_params, logits.device)
+    return [sample(logits, tensors, generators).token_ids_B[row].item() for _ in range(steps)]
+
+
+def test_seeded_rows_are_reproducible_and_independent_of_the_batch() -> None:
+    logits_V = random_logits(rows=1, vocab=200, seed=5)[0] / 3
+    alone = draws(logits_V, seed=42, batch_rows=1)
+    assert draws(logits_V, seed=42, batch_rows=1) == alone
+    assert draws(logits_V, seed=42, batch_rows=5) == alone
+    assert len(set(alone)) > 1  # it really samples
+    assert draws(logits_V, seed=43, batch_rows=1) != alone
+
+
+def test_generator_for_accepts_the_whole_seed_range() -> None:
+    for seed in (0, -1, -(2**63), 2**64 - 1):
+        generator_for(seed).initial_seed()
+    a = torch.rand(3, generator=generator_for(7))
+    assert torch.equal(a, torch.rand(3, generator=generator_for(7)))
+
+
+def test_sample_accepts_low_precision_logits() -> None:
+    logits = random_logits().to(torch.bfloat16)
+    out = run(logits, [SamplingParams(temperature=0.8, top_k=10)] * 6)
+    assert out.token_ids_B.dtype == torch.int64
+    assert torch.all(torch.isfinite(out.logprobs_B)) and math.isfinite(out.logprobs_B.sum())
+    assert out.to("cpu").token_ids_B.device.type == "cpu"

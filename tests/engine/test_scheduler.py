@@ -1,0 +1,269 @@
+"""Scheduler: FCFS admission into slots, prefill budget, n > 1, cancellation, stop checks."""
+
+from __future__ import annotations
+
+import pytest
+
+from areno.engine.sampling import SamplingParams
+from areno.engine.scheduler import (
+    DuplicateRequestError,
+    Scheduler,
+    SchedulerConfig,
+    SequenceTooLongError,
+    SlotAllocator,
+    TooManySamplesError,
+    check_stop,
+)
+from areno.engine.sequence import SequenceGroup, SequenceStatus
+from areno.errors import ArenoError, ConfigError, PromptTooLongError
+
+EOS = frozenset({2})
+
+
+def group(request_id: str, num_prompt_tokens: int = 4, **params) -> SequenceGroup:
+    return SequenceGroup.create(
+        request_id, list(range(10, 10 + num_prompt_tokens)), SamplingParams(**params)
+    )
+
+
+def scheduler(max_running_seqs: int = 4, max_context_len: int = 64, budget: int = 1000):
+    return Scheduler(SchedulerConfig(max_running_seqs, max_context_len, budget))
+
+
+def ids(groups: list[SequenceGroup]) -> list[str]:
+    return [g.request_id for g in groups]
+
+
+def finish_all(sched: Scheduler, g: SequenceGroup, reason: str = "stop") -> list[int]:
+    for seq in g.seqs:
+        seq.finish(reason)
+    return sched.update(g.seqs)
+
+
+def test_config_is_validated() -> None:
+    with pytest.raises(ConfigError, match="max_running_seqs must be an integer >= 1; got 0"):
+        SchedulerConfig(0, 64)
+    with pytest.raises(ConfigError, match="max_context_len must be an integer >= 2"):
+        SchedulerConfig(4, 1)
+    with pytest.raises(ConfigError, match="max_prefill_tokens_per_step"):
+        SchedulerConfig(4, 64, 0)
+
+
+def test_slot_allocator_hands_out_lowest_free_slots() -> None:
+    slots = SlotAllocator(4)
+    assert slots.allocate(3) == [0, 1, 2]
+    slots.free(1)
+    assert slots.can_allocate(2) and not slots.can_allocate(3)
+    assert slots.allocate(2) == [1, 3]
+    assert slots.num_free == 0 and slots.num_used == 4
+    with pytest.raises(RuntimeError, match="only 0 free"):
+        slots.allocate(1)
+    slots.free(2)
+    with pytest.raises(RuntimeError, match="double free"):
+        slots.free(2)
+
+
+def test_fcfs_admission_respects_max_running_and_queues() -> None:
+    sched = scheduler(max_running_seqs=2)
+    groups = [group(f"r{i}") for i in range(4)]
+    for g in groups:
+        sched.add(g)
+    out = sched.schedule()
+    assert ids(out.prefill) == ["r0", "r1"] and out.decode == []
+    assert (out.num_running, out.num_waiting) == (2, 2)
+    assert [g.seqs[0].slot for g in out.prefill] == [0, 1]
+    assert all(g.seqs[0].status is SequenceStatus.RUNNING for g in out.prefill)
+
+    # Full: the next step only decodes; nothing is dropped.
+    out = sched.schedule()
+    assert out.prefill == [] and [s.request_id for s in out.decode] == ["r0", "r1"]
+    assert sched.num_free_slots == 0 and sched.num_waiting == 2
+
+    # Freeing r0 admits r2 (the oldest waiting) into r0's slot; r2 does not decode this step.
+    assert finish_all(sched, groups[0]) == [0]
+    out = sched.schedule()
+    assert ids(out.prefill) == ["r2"] and groups[2].seqs[0].slot == 0
+    assert [s.request_id for s in out.decode] == ["r1"]
+    out = sched.schedule()
+    assert [s.request_id for s in out.decode] == ["r1", "r2"]
+
+
+def test_admission_follows_arrival_not_add_order() -> None:
+    sched = scheduler(max_running_seqs=1)
+    early, late = group("early"), group("late")
+    sched.add(late)
+    sched.add(early)
+    assert ids(sched.schedule().prefill) == ["early"]
+
+
+def test_prefill_token_budget_limits_admission_per_step() -> None:
+    sched = scheduler(max_running_seqs=8, budget=10)
+    for name, length in [("a", 4), ("b", 5), ("c", 4)]:
+        sched.add(group(name, length))
+    assert ids(sched.schedule().prefill) == ["a", "b"]  # 9 tokens; c would make 13
+    assert ids(sched.schedule().prefill) == ["c"]
+
+
+def test_prompt_over_budget_is_admitted_alone() -> None:
+    sched = scheduler(max_running_seqs=8, budget=10)
+    sched.add(group("long", 30))
+    sched.add(group("short", 2))
+    out = sched.schedule()
+    assert ids(out.prefill) == ["long"] and out.num_prefill_tokens == 30
+    assert ids(sched.schedule().prefill) == ["short"]
+
+
+def test_group_with_n_samples_needs_n_slots_and_is_admitted_atomically() -> None:
+    sched = scheduler(max_running_seqs=4)
+    sched.add(group("one", n=2))
+    sched.add(group("pair", n=3))
+    sched.add(group("small"))
+    out = sched.schedule()
+    # "pair" needs 3 slots with 2 free: it waits whole, and FCFS keeps "small" behind it.
+    assert ids(out.prefill) == ["one"] and [s.slot for s in out.prefill[0].seqs] == [0, 1]
+    assert out.num_waiting == 4 and sched.num_free_slots == 2
+    out = sched.schedule()
+    assert out.prefill == [] and len(out.decode) == 2
+
+    first = sched.schedule().decode[0]
+    first.finish("length")
+    assert sched.update([first]) == [0]
+    out = sched.schedule()  # 3 slots free now: "pair" takes all of them, "small" keeps waiting
+    assert ids(out.prefill) == ["pair"] and [s.slot for s in out.prefill[0].seqs] == [0, 2, 3]
+    assert out.num_waiting == 1 and out.num_running == 4
+
+
+def test_n_samples_fork_after_one_admission() -> None:
+    sched = scheduler(max_running_seqs=4)
+    g = group("fork", n=3, seed=7)
+    sched.add(g)
+    out = sched.schedule()
+    assert out.prefill == [g] and sorted(s.slot for s in g.seqs) == [0, 1, 2]
+    assert [s.sample_index for s in g.seqs] == [0, 1, 2]
+    assert [s.seed for s in g.seqs] == [7, 8, 9]
+    assert len({s.seq_id for s in g.seqs}) == 3
+    for seq in g.seqs:
+        seq.append_token(5)
+    assert [s.slot for s in sched.schedule().decode] == [0, 1, 2]
+
+
+def test_cancel_waiting_request() -> None:
+    sched = scheduler(max_running_seqs=1)
+    running, waiting = group("run"), group("wait", n=1)
+    sched.add(running)
+    sched.add(waiting)
+    sched.schedule()
+    assert sched.cancel("wait") == []
+    assert waiting.seqs[0].status is SequenceStatus.FINISHED_ABORTED
+    assert waiting.seqs[0].finish_reason == "abort"
+    assert sched.num_waiting == 0 and sched.cancel("wait") == []
+
+
+def test_cancel_running_request_frees_its_slots() -> None:
+    sched = scheduler(max_running_seqs=3)
+    g = group("big", n=3)
+    sched.add(g)
+    sched.add(group("next"))
+    sched.schedule()
+    g.seqs[1].finish("stop")  # one sample already done and freed; cancel skips it
+    assert sched.update([g.seqs[1]]) == [1]
+    assert sorted(sched.cancel("big")) == [0, 2]
+    assert [s.finish_reason for s in g.seqs] == ["abort", "stop", "abort"]
+    assert all(s.slot is None for s in g.seqs)
+    assert sched.num_free_slots == 3
+    assert ids(sched.schedule().prefill) == ["next"]
+    assert sched.cancel("unknown") == []
+
+
+def test_finished_group_leaves_and_has_work_ends() -> None:
+    sched = scheduler()
+    g = group("a", n=2)
+    sched.add(g)
+    assert sched.has_work
+    sched.schedule()
+    g.seqs[0].finish("stop")
+    sched.update([g.seqs[0]])
+    assert sched.has_work and len(sched.schedule().decode) == 1
+    g.seqs[1].finish("length")
+    sched.update([g.seqs[1]])
+    assert not sched.has_work and sched.schedule().is_empty
+
+
+def test_too_long_prompt_is_rejected_with_lengths() -> None:
+    sched = scheduler(max_context_len=16)
+    with pytest.raises(SequenceTooLongError) as info:
+        sched.add(group("long", 16))
+    message = str(info.value)
+    assert "16 tokens" in message and "max_context_len is 16" in message
+    assert "at most 15" in message and "--max-context-len" in message
+    assert isinstance(info.value, PromptTooLongError) and isinstance(info.value, ArenoError)
+    sched.add(group("fits", 15))  # one token of room is enough
+
+
+def test_unschedulable_or_duplicate_requests_are_rejected() -> None:
+    sched = scheduler(max_running_seqs=2)
+    with pytest.raises(TooManySamplesError, match="n=3 needs 3 cache slots but the engine has 2"):
+        sched.add(group("many", n=3))
+    sched.add(group("dup"))
+    with pytest.raises(DuplicateRequestError, match="'dup'"):
+        sched.add(group("dup"))
+
+
+# check_stop: the caller appends the token, then asks.
+
+
+def decoded(num_prompt_tokens: int = 4, **params):
+    seq = group("s", num_prompt_tokens, **params).seqs[0]
+    seq.status = SequenceStatus.RUNNING
+    return seq
+
+
+def step(seq, token_id: int, tail: str | None = None, max_context_len: int = 64):
+    seq.append_token(token_id)
+    return check_stop(seq, token_id, EOS, tail, max_context_len=max_context_len)
+
+
+def test_check_stop_on_eos_and_stop_token_ids() -> None:
+    assert step(decoded(), 2).reason == "stop"
+    assert step(decoded(stop_token_ids=(7,)), 7).reason == "stop"
+    assert step(decoded(), 7) is None
+
+
+def test_check_stop_ignore_eos_keeps_going_but_honours_stop_token_ids() -> None:
+    assert step(decoded(ignore_eos=True), 2) is None
+    assert step(decoded(ignore_eos=True, stop_token_ids=(2,)), 2).reason == "stop"
+
+
+def test_check_stop_on_max_tokens() -> None:
+    seq = decoded(max_tokens=3)
+    assert step(seq, 5) is None and step(seq, 6) is None
+    assert step(seq, 7).reason == "length"
+
+
+def test_check_stop_on_max_context_len() -> None:
+    seq = decoded(num_prompt_tokens=6)
+    assert step(seq, 5, max_context_len=8) is None
+    assert step(seq, 5, max_context_len=8).reason == "length"  # 8 tokens: the slot is full
+
+
+def test_stop_beats_length() -> None:
+    assert step(decoded(max_tokens=1), 2).reason == "stop"
+
+
+def test_stop_string_spanning_two_tokens() -> None:
+    seq = decoded(stop=("END",))
+    assert step(seq, 5, "Hello E") is None
+    result = step(seq, 6, "llo END!")  # "E" came with the last token, "ND!" with this one
+    assert result.reason == "stop" and result.stop_str == "END"
+    assert result.stop_str_start == 4 and result.text_end == 4
+    assert "llo END!"[: result.text_end] == "llo "
+
+
+def test_stop_string_kept_when_requested_and_earliest_wins() -> None:
+    seq = decoded(stop=("world", "lo"), include_stop_str_in_output=True)
+    result = step(seq, 5, "hello world")
+    assert (result.stop_str, result.stop_str_start, result.text_end) == ("lo", 3, 5)
+
+
+def test_no_stop_string_check_without_text() -> None:
+    assert step(decoded(stop=("x",)), 5, None) is None
