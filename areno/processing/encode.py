@@ -75,9 +75,7 @@ def _expand_video_audio(
     return expanded
 
 
-def _processor_call_kwargs(
-    adapter: FamilyAdapter, hf_processor: Any, media: list[DecodedMedia]
-) -> dict:
+def _processor_call_kwargs(adapter: FamilyAdapter, media: list[DecodedMedia]) -> dict:
     images = [m.image for m in media if isinstance(m, DecodedImage)]
     audios = [m.waveform for m in media if isinstance(m, DecodedAudio)]
     videos = [m for m in media if isinstance(m, DecodedVideo)]
@@ -180,7 +178,7 @@ def encode_prompt(
         tokenize=False,
         **(chat_template_kwargs or {}),
     )
-    call_kwargs = _processor_call_kwargs(adapter, hf_processor, media)
+    call_kwargs = _processor_call_kwargs(adapter, media)
     out = hf_processor(
         text=[text],
         return_tensors="pt",

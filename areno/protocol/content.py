@@ -73,8 +73,12 @@ class MediaPart(_Part):
 
     @property
     def media_url(self) -> str:
-        """A local path, `file://`, `data:` or `http(s)://` URL; resolved by the media layer."""
-        raise NotImplementedError
+        """A local path, `file://`, `data:` or `http(s)://` URL; resolved by the media layer.
+
+        Every concrete part class overrides this; the base is never instantiated (the
+        discriminated union only holds the concrete classes).
+        """
+        raise NotImplementedError(f"{type(self).__name__} must define media_url")
 
     @property
     def media_options(self) -> dict[str, Any]:

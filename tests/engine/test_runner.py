@@ -59,11 +59,15 @@ def requests(media, modalities):
     return reqs
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-def test_staggered_batched_greedy_equals_generate(tiny_path, media, family):
+def load(tiny_path, family):
     processor = Processor(tiny_path(family))
     decoder = MediaDecoder(MediaPolicy.for_training(), processor.decode_options())
-    model = processor.adapter.load_model(tiny_path(family)).eval()
+    return processor, decoder, processor.adapter.load_model(tiny_path(family)).eval()
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_staggered_batched_greedy_equals_generate(tiny_path, media, family):
+    processor, decoder, model = load(tiny_path, family)
     inputs = [
         process_messages(processor, decoder, r)
         for r in requests(media, processor.adapter.modalities)
@@ -114,9 +118,7 @@ def test_staggered_batched_greedy_equals_generate(tiny_path, media, family):
 
 
 def test_forked_samples_share_one_prefill(tiny_path, media):
-    processor = Processor(tiny_path("qwen3_5"))
-    decoder = MediaDecoder(MediaPolicy.for_training(), processor.decode_options())
-    model = processor.adapter.load_model(tiny_path("qwen3_5")).eval()
+    processor, decoder, model = load(tiny_path, "qwen3_5")
     x = process_messages(processor, decoder, requests(media, {"image"})[1])
     runner = ModelRunner(model, num_slots=4, max_len=512)
     first = int(runner.prefill(x, [1, 3]).argmax())
@@ -125,9 +127,7 @@ def test_forked_samples_share_one_prefill(tiny_path, media):
 
 
 def test_decode_logprobs_match_a_full_forward(tiny_path, media):
-    processor = Processor(tiny_path("gemma4"))
-    decoder = MediaDecoder(MediaPolicy.for_training(), processor.decode_options())
-    model = processor.adapter.load_model(tiny_path("gemma4")).eval()
+    processor, decoder, model = load(tiny_path, "gemma4")
     x = process_messages(processor, decoder, requests(media, {"image"})[1])
     runner = ModelRunner(model, num_slots=2, max_len=512)
     tokens = [int(runner.prefill(x, [0]).argmax())]
