@@ -49,6 +49,7 @@ class SamplingParams:
     n: number of samples drawn from one shared prompt.
     logprobs / top_logprobs: return the chosen token's logprob / the K most likely (0..20).
     include_stop_str_in_output: keep a matched stop string at the end of the output text.
+    detokenize: produce text; off for token-only work (benchmarks, scoring), not with `stop`.
     """
 
     temperature: float = 1.0
@@ -64,6 +65,7 @@ class SamplingParams:
     logprobs: bool = False
     top_logprobs: int = 0
     include_stop_str_in_output: bool = False
+    detokenize: bool = True
 
     def __post_init__(self) -> None:
         # Lists are accepted for convenience; tuples keep the instance hashable and immutable.
@@ -99,6 +101,8 @@ class SamplingParams:
             raise _fail("n", f"must be an integer >= 1; got {self.n!r}")
         if not all(isinstance(s, str) and s for s in self.stop):
             raise _fail("stop", f"must hold non-empty strings; got {self.stop!r}")
+        if self.stop and not self.detokenize:
+            raise _fail("stop", "needs detokenize=True: stop strings are matched on the text")
         if not all(_is_int(t) and t >= 0 for t in self.stop_token_ids):
             raise _fail("stop_token_ids", f"must hold integers >= 0; got {self.stop_token_ids!r}")
 

@@ -27,7 +27,7 @@ from areno.engine.sequence import Sequence, SequenceGroup, SequenceStatus
 from areno.errors import ArenoError, ConfigError, PromptTooLongError
 
 FLAG_MAX_CONTEXT_LEN = "--max-context-len"
-FLAG_MAX_RUNNING = "--max-running-seqs"
+FLAG_MAX_RUNNING = "--max-running-prompts"
 
 
 class SequenceTooLongError(PromptTooLongError):
@@ -141,6 +141,7 @@ class Scheduler:
         self.slots = SlotAllocator(config.max_running_seqs)
         self._waiting: list[SequenceGroup] = []  # sorted by arrival
         self._running: dict[str, SequenceGroup] = {}  # in admission order
+        self.hold_admission = False
 
     @property
     def num_waiting(self) -> int:
@@ -167,38 +168,55 @@ class Scheduler:
         Raises SequenceTooLongError, TooManySamplesError or DuplicateRequestError for a request
         that could never run, so it fails at once instead of waiting forever.
         """
-        self._check_fits(group)
+        self.check_fits(group.num_prompt_tokens, group.num_seqs)
         if group.request_id in self._running or any(
             g.request_id == group.request_id for g in self._waiting
         ):
             raise DuplicateRequestError(f"request id {group.request_id!r} is already in use")
         bisect.insort(self._waiting, group, key=lambda g: g.arrival)
 
-    def _check_fits(self, group: SequenceGroup) -> None:
+    def check_fits(self, num_prompt_tokens: int, num_seqs: int) -> None:
+        """Raise for a request that could never run (see `add`)."""
         limit = self.config.max_context_len
-        if group.num_prompt_tokens >= limit:
+        if num_prompt_tokens >= limit:
             raise SequenceTooLongError(
-                f"the prompt has {group.num_prompt_tokens} tokens but max_context_len is {limit}, "
+                f"the prompt has {num_prompt_tokens} tokens but max_context_len is {limit}, "
                 f"which must also fit at least one generated token; shorten the prompt to at most "
                 f"{limit - 1} tokens or raise {FLAG_MAX_CONTEXT_LEN}",
                 param="messages",
             )
-        if group.num_seqs > self.config.max_running_seqs:
+        if num_seqs > self.config.max_running_seqs:
             raise TooManySamplesError(
-                f"n={group.num_seqs} needs {group.num_seqs} cache slots but the engine has "
+                f"n={num_seqs} needs {num_seqs} cache slots but the engine has "
                 f"{self.config.max_running_seqs} ({FLAG_MAX_RUNNING}); ask for fewer samples",
                 param="n",
             )
 
+    @property
+    def max_context_len(self) -> int:
+        return self.config.max_context_len
+
+    def find(self, request_id: str) -> SequenceGroup | None:
+        """The waiting or running group of `request_id`, if any."""
+        group = self._running.get(request_id)
+        if group is None:
+            group = next((g for g in self._waiting if g.request_id == request_id), None)
+        return group
+
+    def request_ids(self) -> list[str]:
+        """Ids of every waiting or running request."""
+        return [*self._running, *(g.request_id for g in self._waiting)]
+
     def schedule(self) -> SchedulerOutput:
-        """Decide this step's work: decode every running sequence, then admit waiting groups."""
+        """Decide this step's work: decode every running sequence, then admit waiting groups
+        (unless `hold_admission` is set, e.g. while the engine drains for a pause)."""
         decode = [
             seq
             for group in self._running.values()
             for seq in group.seqs
             if seq.status is SequenceStatus.RUNNING
         ]
-        prefill = self._admit()
+        prefill = [] if self.hold_admission else self._admit()
         return SchedulerOutput(prefill, decode, self.num_waiting, self.num_running)
 
     def _admit(self) -> list[SequenceGroup]:

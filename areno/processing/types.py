@@ -54,3 +54,23 @@ class PromptInputs:
 
     def num_tokens(self, modality: str) -> int:
         return sum(s.num_placeholder_tokens for s in self.mm_spans if s.modality == modality)
+
+    def with_tokens(self, input_ids: list[int]) -> PromptInputs:
+        """The same media with a longer token sequence (this prompt followed by more tokens, e.g.
+        a sampled continuation to score). Per-token tensors such as Gemma's `mm_token_type_ids`
+        are extended with zeros (text) to the new length."""
+        n = self.num_prompt_tokens
+        if input_ids[:n] != self.input_ids:
+            raise ValueError("input_ids must start with this prompt's token ids")
+        extra = len(input_ids) - n
+        mm_inputs = {
+            key: torch.nn.functional.pad(value, (0, extra))
+            if _is_per_token(key, value, n)
+            else value
+            for key, value in self.mm_inputs.items()
+        }
+        return PromptInputs(list(input_ids), mm_inputs, list(self.mm_spans), self.prompt_text)
+
+
+def _is_per_token(key: str, value: torch.Tensor, num_tokens: int) -> bool:
+    return key.endswith("token_type_ids") and value.ndim == 2 and value.shape[-1] == num_tokens

@@ -1,0 +1,55 @@
+"""The engine's configuration: one typed dataclass, validated on construction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from areno.errors import ConfigError
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+DEVICES = ("auto", "cpu", "cuda")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """How one Generator replica runs.
+
+    tp_size: ranks of the tensor-parallel group (`--tp-size`).
+    max_running_prompts: cache slots, i.e. sequences decoding at once (`--max-running-prompts`);
+        each of a request's n samples takes one.
+    max_context_len: tokens one slot holds, prompt plus output (`--max-context-len`); None: the
+        model's max_position_embeddings, capped at DEFAULT_MAX_CONTEXT_LEN so an unset flag
+        never allocates a 128k-token cache per slot.
+    max_prefill_tokens_per_step: prompt tokens admitted per step (see SchedulerConfig).
+    dtype: "auto" is float32 on CPU and bfloat16 on CUDA.
+    device: "auto" is CUDA when available.
+    """
+
+    tp_size: int = 1
+    max_running_prompts: int = 8
+    max_context_len: int | None = None
+    max_prefill_tokens_per_step: int = 8192
+    dtype: str = "auto"
+    device: str = "auto"
+
+    def __post_init__(self) -> None:
+        for name in ("tp_size", "max_running_prompts", "max_prefill_tokens_per_step"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"{name} must be an integer >= 1; got {value!r}", param=name)
+        if self.max_context_len is not None and (
+            not isinstance(self.max_context_len, int) or self.max_context_len < 2
+        ):
+            raise ConfigError(
+                f"max_context_len must be an integer >= 2; got {self.max_context_len!r}",
+                param="max_context_len",
+            )
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"dtype must be one of {DTYPES}; got {self.dtype!r}", param="dtype")
+        if self.device not in DEVICES:
+            raise ConfigError(
+                f"device must be one of {DEVICES}; got {self.device!r}", param="device"
+            )
+
+
+DEFAULT_MAX_CONTEXT_LEN = 8192

@@ -1,0 +1,192 @@
+"""The engine core: one synchronous step is schedule -> execute -> update.
+
+`EngineCore` owns the scheduler and the per-sequence output text; the executor owns every tensor.
+It is single-threaded by design: the async `Generator` calls it from one engine thread only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+from typing import Any
+
+from areno.engine.detokenizer import IncrementalDetokenizer
+from areno.engine.executor import Executor
+from areno.engine.outputs import RequestOutput, SampleDelta
+from areno.engine.sampling import SamplingParams
+from areno.engine.scheduler import (
+    Scheduler,
+    SchedulerConfig,
+    SchedulerOutput,
+    StopCheck,
+    check_stop,
+)
+from areno.engine.sequence import Sequence, SequenceGroup
+from areno.engine.worker import PrefillItem, RowSampling, StepInput, StepOutput
+from areno.processing.types import PromptInputs
+
+
+class OutputText:
+    """One sequence's output text: detokenized incrementally, released as it becomes final.
+
+    With stop strings, the last `max(len(stop)) - 1` characters are held back until the next
+    token shows they do not begin a stop string, so a stop string never leaks into a stream.
+    """
+
+    def __init__(self, tokenizer: Any, seq: Sequence):
+        self.detokenizer = IncrementalDetokenizer(tokenizer, seq.prompt_token_ids)
+        self.hold = max((len(s) for s in seq.params.stop), default=1) - 1
+        self.has_stops = bool(seq.params.stop)
+        self.num_sent = 0
+        self._tail_start = 0
+
+    def add(self, token_id: int) -> str | None:
+        """Detokenize a new token; return the text tail `check_stop` needs (None: no stops)."""
+        new_text = self.detokenizer.add(token_id)
+        if not self.has_stops:
+            return None
+        text = self.detokenizer.text
+        self._tail_start = max(0, len(text) - len(new_text) - self.hold)
+        return text[self._tail_start :]
+
+    def release(self, stop: StopCheck | None, finished: bool) -> str:
+        """The text that became final with this step's token."""
+        if stop is not None and stop.text_end is not None:
+            end = self._tail_start + stop.text_end
+            text = self.detokenizer.text
+        elif finished:
+            self.detokenizer.flush()
+            text = self.detokenizer.text
+            end = len(text)
+        else:
+            text = self.detokenizer.text
+            end = len(text) - self.hold
+        delta = text[self.num_sent : end] if end > self.num_sent else ""
+        self.num_sent = max(self.num_sent, end)
+        return delta
+
+
+class EngineCore:
+    """Requests in, per-step `RequestOutput`s out; see the module docstring."""
+
+    def __init__(
+        self,
+        executor: Executor,
+        tokenizer: Any,
+        scheduler_config: SchedulerConfig,
+        eos_token_ids: Collection[int],
+    ):
+        self.executor = executor
+        self.tokenizer = tokenizer
+        self.scheduler = Scheduler(scheduler_config)
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.policy_version = 0
+        self._texts: dict[int, OutputText] = {}
+        self._freed_seq_ids: list[int] = []
+
+    @property
+    def has_work(self) -> bool:
+        return self.scheduler.has_work
+
+    def check_request(self, inputs: PromptInputs, params: SamplingParams) -> None:
+        """Raise the error `add_request` would raise for a request that can never run."""
+        self.scheduler.check_fits(inputs.num_prompt_tokens, params.n)
+
+    def add_request(self, request_id: str, inputs: PromptInputs, params: SamplingParams) -> None:
+        """Queue a request; its outputs come from later `step()` calls."""
+        group = SequenceGroup.create(request_id, inputs.input_ids, params, inputs=inputs)
+        self.scheduler.add(group)
+        if params.detokenize:
+            for seq in group.seqs:
+                self._texts[seq.seq_id] = OutputText(self.tokenizer, seq)
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Stop a request now; returns its final output (None if unknown or already done)."""
+        group = self.scheduler.find(request_id)
+        if group is None:
+            return None
+        unfinished = group.unfinished_seqs()
+        self.scheduler.cancel(request_id)
+        self._forget(group.seqs)
+        deltas = [SampleDelta(seq.sample_index, [], finish_reason="abort") for seq in unfinished]
+        return self._output(group, deltas)
+
+    def step(self) -> list[RequestOutput]:
+        """Run one engine step and return the news of every request that had any."""
+        scheduled = self.scheduler.schedule()
+        if scheduled.is_empty:
+            return []
+        step = self._step_input(scheduled)
+        result = self.executor.execute(step)
+        return self._update(scheduled, result)
+
+    def _step_input(self, scheduled: SchedulerOutput) -> StepInput:
+        step = StepInput(finished_seq_ids=self._freed_seq_ids)
+        self._freed_seq_ids = []
+        for group in scheduled.prefill:
+            step.prefill.append(PrefillItem(group.inputs, [seq.slot for seq in group.seqs]))
+            step.rows += [RowSampling(seq.seq_id, seq.params, seq.seed) for seq in group.seqs]
+        for seq in scheduled.decode:
+            step.decode_slots.append(seq.slot)
+            step.decode_positions.append(seq.num_tokens - 1)
+            step.decode_token_ids.append(seq.last_token_id)
+            step.rows.append(RowSampling(seq.seq_id, seq.params, seq.seed))
+        return step
+
+    def _update(self, scheduled: SchedulerOutput, result: StepOutput) -> list[RequestOutput]:
+        seqs = [seq for group in scheduled.prefill for seq in group.seqs] + scheduled.decode
+        for group in scheduled.prefill:
+            group.inputs = None  # the media tensors are in the cache now; let them go
+        deltas: dict[str, list[SampleDelta]] = {}
+        finished: list[Sequence] = []
+        for row, seq in enumerate(seqs):
+            delta = self._append(seq, row, result)
+            deltas.setdefault(seq.request_id, []).append(delta)
+            if delta.finish_reason is not None:
+                finished.append(seq)
+        groups = {seq.request_id: self.scheduler.find(seq.request_id) for seq in seqs}
+        self.scheduler.update(finished)
+        self._forget(finished)
+        return [self._output(groups[rid], request_deltas) for rid, request_deltas in deltas.items()]
+
+    def _append(self, seq: Sequence, row: int, result: StepOutput) -> SampleDelta:
+        token_id = result.token_ids[row]
+        seq.append_token(token_id)
+        text = self._texts.get(seq.seq_id)
+        tail = text.add(token_id) if text is not None else None
+        stop = check_stop(
+            seq, token_id, self.eos_token_ids, tail, max_context_len=self.scheduler.max_context_len
+        )
+        if stop is not None:
+            seq.finish(stop.reason)
+        params = seq.params
+        return SampleDelta(
+            index=seq.sample_index,
+            token_ids=[token_id],
+            text=text.release(stop, stop is not None) if text is not None else "",
+            logprobs=[result.logprobs[row]] if params.logprobs else None,
+            top_logprobs=[result.top_logprobs[row]] if params.top_logprobs else None,
+            finish_reason=stop.reason if stop is not None else None,
+            stop_reason=_stop_reason(stop, token_id, params),
+        )
+
+    def _forget(self, seqs: list[Sequence]) -> None:
+        for seq in seqs:
+            self._texts.pop(seq.seq_id, None)
+            self._freed_seq_ids.append(seq.seq_id)
+
+    def _output(self, group: SequenceGroup, deltas: list[SampleDelta]) -> RequestOutput:
+        return RequestOutput(
+            request_id=group.request_id,
+            samples=deltas,
+            num_prompt_tokens=group.num_prompt_tokens,
+            policy_version=self.policy_version,
+            finished=group.is_finished,
+        )
+
+
+def _stop_reason(stop: StopCheck | None, token_id: int, params: SamplingParams) -> str | int | None:
+    if stop is None or stop.reason != "stop":
+        return None
+    if stop.stop_str is not None:
+        return stop.stop_str
+    return token_id if token_id in params.stop_token_ids else None

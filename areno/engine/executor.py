@@ -1,0 +1,46 @@
+"""Executors carry the engine's step messages to the workers of one model replica.
+
+`LocalExecutor` runs a single worker in the engine's process (`--tp-size 1`);
+`areno.engine.parallel.RayTPExecutor` runs a tensor-parallel group of Ray actors.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Protocol
+
+import torch
+
+from areno.engine.worker import StepInput, StepOutput, Worker
+from areno.processing.types import PromptInputs
+
+
+class Executor(Protocol):
+    """What the engine needs from the workers of one replica."""
+
+    def execute(self, step: StepInput) -> StepOutput: ...
+
+    def score(self, inputs: PromptInputs) -> list[float]: ...
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> int: ...
+
+    def shutdown(self) -> None: ...
+
+
+class LocalExecutor:
+    """One worker, in this process."""
+
+    def __init__(self, worker: Worker):
+        self.worker = worker
+
+    def execute(self, step: StepInput) -> StepOutput:
+        return self.worker.execute(step)
+
+    def score(self, inputs: PromptInputs) -> list[float]:
+        return self.worker.score(inputs)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
+        return self.worker.load_weights(weights)
+
+    def shutdown(self) -> None:
+        pass

@@ -1,0 +1,307 @@
+"""The Generator: the engine's async API and RL hooks, around one engine thread.
+
+All engine state is touched by one thread only. `generate`, `score`, `update_weights`, `pause`
+and `resume` are coroutines that hand commands to that thread and await the results, so the
+engine steps continuously while callers on the event loop stream their deltas. The same class
+serves HTTP (a Ray Serve replica) and RL rollouts (a Ray actor).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import threading
+import uuid
+from collections.abc import AsyncIterator, Callable, Collection, Iterable, Mapping
+from typing import Any
+
+import torch
+
+from areno.engine.config import DEFAULT_MAX_CONTEXT_LEN, EngineConfig
+from areno.engine.core import EngineCore
+from areno.engine.executor import Executor, LocalExecutor
+from areno.engine.outputs import RequestOutput, merge_outputs
+from areno.engine.sampling import SamplingParams
+from areno.engine.scheduler import DuplicateRequestError, SchedulerConfig
+from areno.engine.worker import Worker
+from areno.errors import ConfigError
+from areno.processing.types import PromptInputs
+
+PAUSE_MODES = ("keep", "drain", "abort")
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread hit an internal error or was shut down; requests cannot proceed."""
+
+
+class Generator:
+    """Continuous-batching generation over one model replica (see the module docstring)."""
+
+    def __init__(
+        self,
+        executor: Executor,
+        tokenizer: Any,
+        config: EngineConfig,
+        *,
+        max_context_len: int,
+        eos_token_ids: Collection[int],
+    ):
+        self.config = config
+        self.tokenizer = tokenizer
+        self.max_context_len = max_context_len
+        scheduler_config = SchedulerConfig(
+            max_running_seqs=config.max_running_prompts,
+            max_context_len=max_context_len,
+            max_prefill_tokens_per_step=config.max_prefill_tokens_per_step,
+        )
+        self.core = EngineCore(executor, tokenizer, scheduler_config, eos_token_ids)
+        self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._commands: list[tuple[Callable[[], Any], concurrent.futures.Future]] = []
+        self._wake = threading.Condition()
+        self._paused = False
+        self._stopped = False
+        self._idle_waiters: list[concurrent.futures.Future] = []
+        self._thread = threading.Thread(target=self._run, name="areno-engine", daemon=True)
+        self._thread.start()
+
+    # ---- construction -------------------------------------------------------------------
+
+    @classmethod
+    def from_model(
+        cls,
+        model: torch.nn.Module,
+        tokenizer: Any,
+        config: EngineConfig,
+        *,
+        eos_token_ids: Collection[int] = (),
+    ) -> Generator:
+        """A single-process Generator over an already loaded model (tests, benchmarks)."""
+        max_len = resolve_max_context_len(config, model.config)
+        worker = Worker(model, num_slots=config.max_running_prompts, max_len=max_len, sample=True)
+        eos = set(eos_token_ids) | set(model_eos_token_ids(model))
+        return cls(
+            LocalExecutor(worker), tokenizer, config, max_context_len=max_len, eos_token_ids=eos
+        )
+
+    # ---- public API -----------------------------------------------------------------------
+
+    @property
+    def policy_version(self) -> int:
+        return self.core.policy_version
+
+    @property
+    def is_paused(self) -> bool:
+        return self._paused
+
+    async def generate(
+        self, inputs: PromptInputs, params: SamplingParams, request_id: str | None = None
+    ) -> AsyncIterator[RequestOutput]:
+        """Stream a request's per-step deltas until it finishes.
+
+        Raises at once for a request that can never run (prompt too long for max_context_len,
+        n over the slot count, duplicate id). Leaving the iteration early (client gone, task
+        cancelled) aborts the request and frees its cache slots.
+        """
+        request_id = request_id or uuid.uuid4().hex
+        self.core.check_request(inputs, params)
+        if request_id in self._queues:
+            raise DuplicateRequestError(f"request id {request_id!r} is already in use")
+        queue: asyncio.Queue = asyncio.Queue()
+        self._queues[request_id] = (asyncio.get_running_loop(), queue)
+        finished = False
+        try:
+            await self._call(lambda: self.core.add_request(request_id, inputs, params))
+            while not finished:
+                output = await queue.get()
+                if isinstance(output, BaseException):
+                    raise output
+                finished = output.finished
+                yield output
+        finally:
+            self._queues.pop(request_id, None)
+            if not finished and not self._stopped:
+                self._submit(lambda: self.core.abort(request_id))
+
+    async def generate_all(
+        self, inputs: PromptInputs, params: SamplingParams, request_id: str | None = None
+    ) -> RequestOutput:
+        """Run a request to the end and return its samples merged (one delta per sample)."""
+        return merge_outputs([out async for out in self.generate(inputs, params, request_id)])
+
+    async def abort(self, request_id: str) -> None:
+        """Stop a request; its stream ends with finish_reason "abort"."""
+        await self._call(lambda: self._deliver([self.core.abort(request_id)]))
+
+    async def score(self, inputs: PromptInputs) -> list[float]:
+        """Log-probabilities of tokens 1..N-1 of `inputs` (the prompt plus a continuation, with
+        the prompt's media) under the current weights: one full forward, no cache."""
+        return await self._call(lambda: self.core.executor.score(inputs))
+
+    async def update_weights(
+        self,
+        weights: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]] | Any,
+        version: int,
+    ) -> int:
+        """Load new weights in place between two steps and set `policy_version`.
+
+        `weights` maps parameter names to full tensors (or is an iterable of pairs, or a Ray
+        object ref to either). Requests in flight continue on the new weights; pause first to
+        keep a rollout on one version. Returns the number of tensors loaded.
+        """
+        weights = _resolve(weights)
+        pairs = list(weights.items()) if isinstance(weights, Mapping) else list(weights)
+
+        def load() -> int:
+            count = self.core.executor.load_weights(pairs)
+            self.core.policy_version = version
+            return count
+
+        return await self._call(load)
+
+    async def pause(self, mode: str = "drain") -> None:
+        """Stop stepping. "drain": admit nothing new and return once the running requests have
+        finished; "keep": stop at once, in-flight requests stay in their slots and continue on
+        `resume()`; "abort": abort every request, then stop. New requests queue meanwhile."""
+        if mode not in PAUSE_MODES:
+            raise ConfigError(f"pause mode must be one of {PAUSE_MODES}; got {mode!r}")
+        if mode == "abort":
+            await self._call(self._abort_all)
+        elif mode == "drain":
+            await self._call(lambda: setattr(self.core.scheduler, "hold_admission", True))
+            await asyncio.wrap_future(self._when_idle())
+        await self._call(lambda: setattr(self, "_paused", True))
+
+    async def resume(self) -> None:
+        """Undo `pause`: admit and step again."""
+
+        def resume() -> None:
+            self._paused = False
+            self.core.scheduler.hold_admission = False
+
+        await self._call(resume)
+
+    def stats(self) -> dict[str, int]:
+        """Queue depth and occupancy (read without locking: a snapshot for metrics)."""
+        scheduler = self.core.scheduler
+        return {
+            "num_waiting": scheduler.num_waiting,
+            "num_running": scheduler.num_running,
+            "num_free_slots": scheduler.num_free_slots,
+            "policy_version": self.core.policy_version,
+        }
+
+    def shutdown(self) -> None:
+        """Stop the engine thread; streams in flight end with EngineDeadError."""
+        with self._wake:
+            self._stopped = True
+            self._wake.notify()
+        self._thread.join(timeout=30)
+        self._fail_all(EngineDeadError("the engine was shut down"))
+        self.core.executor.shutdown()
+
+    # ---- the engine thread ----------------------------------------------------------------
+
+    def _submit(self, fn: Callable[[], Any]) -> concurrent.futures.Future:
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        with self._wake:
+            if self._stopped:
+                future.set_exception(EngineDeadError("the engine is shut down"))
+                return future
+            self._commands.append((fn, future))
+            self._wake.notify()
+        return future
+
+    async def _call(self, fn: Callable[[], Any]) -> Any:
+        return await asyncio.wrap_future(self._submit(fn))
+
+    def _when_idle(self) -> concurrent.futures.Future:
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._submit(lambda: self._idle_waiters.append(future))
+        return future
+
+    def _run(self) -> None:
+        while True:
+            with self._wake:
+                while not (self._stopped or self._commands or self._can_step()):
+                    self._wake.wait()
+                if self._stopped:
+                    return
+                commands, self._commands = self._commands, []
+            for fn, future in commands:
+                _run_command(fn, future)
+            if self._can_step():
+                self._step()
+            if self.core.scheduler.num_running == 0 and self._idle_waiters:
+                for future in self._idle_waiters:
+                    future.set_result(None)
+                self._idle_waiters = []
+
+    def _can_step(self) -> bool:
+        return not self._paused and self.core.has_work
+
+    def _step(self) -> None:
+        try:
+            outputs = self.core.step()
+        except Exception as e:  # noqa: BLE001 - fail the requests, keep the engine alive
+            self._fail_all(EngineDeadError(f"engine step failed: {type(e).__name__}: {e}"), e)
+            self._abort_all()
+            return
+        self._deliver(outputs)
+
+    def _deliver(self, outputs: list[RequestOutput | None]) -> None:
+        for output in outputs:
+            if output is None:
+                continue
+            entry = self._queues.get(output.request_id)
+            if entry is not None:
+                loop, queue = entry
+                loop.call_soon_threadsafe(queue.put_nowait, output)
+
+    def _abort_all(self) -> None:
+        for request_id in self.core.scheduler.request_ids():
+            self._deliver([self.core.abort(request_id)])
+
+    def _fail_all(self, error: Exception, cause: Exception | None = None) -> None:
+        if cause is not None:
+            error.__cause__ = cause
+        for loop, queue in list(self._queues.values()):
+            loop.call_soon_threadsafe(queue.put_nowait, error)
+
+
+def _run_command(fn: Callable[[], Any], future: concurrent.futures.Future) -> None:
+    try:
+        future.set_result(fn())
+    except BaseException as e:  # noqa: BLE001 - the caller receives it
+        future.set_exception(e)
+
+
+def _resolve(weights: Any) -> Any:
+    if type(weights).__name__ == "ObjectRef":
+        import ray
+
+        return ray.get(weights)
+    return weights
+
+
+def resolve_max_context_len(config: EngineConfig, model_config: Any) -> int:
+    """The configured max_context_len, or the model's limit capped at DEFAULT_MAX_CONTEXT_LEN."""
+    text_config = model_config.get_text_config()
+    model_limit = getattr(text_config, "max_position_embeddings", None) or DEFAULT_MAX_CONTEXT_LEN
+    if config.max_context_len is None:
+        return min(model_limit, DEFAULT_MAX_CONTEXT_LEN)
+    if config.max_context_len > model_limit:
+        raise ConfigError(
+            f"--max-context-len {config.max_context_len} exceeds the model's "
+            f"max_position_embeddings ({model_limit})",
+            param="max_context_len",
+        )
+    return config.max_context_len
+
+
+def model_eos_token_ids(model: torch.nn.Module) -> list[int]:
+    """The EOS ids of the model's generation config (an int or a list there)."""
+    generation_config = getattr(model, "generation_config", None)
+    eos = getattr(generation_config, "eos_token_id", None)
+    if eos is None:
+        return []
+    return list(eos) if isinstance(eos, list | tuple) else [eos]

@@ -1,0 +1,62 @@
+"""What the engine streams back: per-step deltas of each request's samples."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SampleDelta:
+    """What one sample (0 <= index < n) produced in one step.
+
+    token_ids are exactly the sampled tokens (token-in, token-out); text is the newly final text,
+    which may lag the tokens (an incomplete UTF-8 character, or a possible stop-string prefix is
+    held back) and never contains a matched stop string unless `include_stop_str_in_output`.
+    logprobs are raw-logit log-probabilities of token_ids (None unless requested); top_logprobs
+    has one list of (token_id, logprob) per token.
+    """
+
+    index: int
+    token_ids: list[int]
+    text: str = ""
+    logprobs: list[float] | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+    finish_reason: str | None = None  # "stop", "length" or "abort" once finished
+    stop_reason: str | int | None = None  # the matched stop string or stop token id
+
+
+@dataclass
+class RequestOutput:
+    """One step's news for one request; `finished` once all its samples are."""
+
+    request_id: str
+    samples: list[SampleDelta] = field(default_factory=list)
+    num_prompt_tokens: int = 0
+    policy_version: int = 0
+    finished: bool = False
+
+
+def merge_outputs(outputs: list[RequestOutput]) -> RequestOutput:
+    """Fold a request's stream of deltas into one output with one delta per sample."""
+    if not outputs:
+        raise ValueError("no outputs to merge")
+    merged: dict[int, SampleDelta] = {}
+    for output in outputs:
+        for delta in output.samples:
+            total = merged.setdefault(delta.index, SampleDelta(delta.index, []))
+            total.token_ids += delta.token_ids
+            total.text += delta.text
+            if delta.logprobs is not None:
+                total.logprobs = (total.logprobs or []) + delta.logprobs
+            if delta.top_logprobs is not None:
+                total.top_logprobs = (total.top_logprobs or []) + delta.top_logprobs
+            total.finish_reason = delta.finish_reason or total.finish_reason
+            total.stop_reason = delta.stop_reason or total.stop_reason
+    last = outputs[-1]
+    return RequestOutput(
+        last.request_id,
+        [merged[i] for i in sorted(merged)],
+        last.num_prompt_tokens,
+        last.policy_version,
+        last.finished,
+    )

@@ -1,0 +1,154 @@
+"""The worker: one rank's tensor work. It owns the model, the runner and the sampler.
+
+The engine sends one `StepInput` per step and gets one `StepOutput` back (host lists, copied
+once). Under tensor parallelism every rank runs the same forward; only the rank that reports to
+the engine samples (`Worker(sample=True)`), the others just follow.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import torch
+
+from areno.engine.runner import ModelRunner
+from areno.engine.sampler import SamplingTensors, generator_for, sample
+from areno.engine.sampling import SamplingParams
+from areno.errors import ArenoError
+from areno.processing.types import PromptInputs
+
+
+class WeightUpdateError(ArenoError):
+    """New weights do not fit the loaded model (unknown name, wrong shape)."""
+
+    code = "weight_update_mismatch"
+
+
+@dataclass
+class PrefillItem:
+    """One prompt to run into `slots[0]` and fork into the rest (its n samples)."""
+
+    inputs: PromptInputs
+    slots: list[int]
+
+
+@dataclass
+class RowSampling:
+    """How to sample one output row: its sequence (keys a seeded generator) and parameters."""
+
+    seq_id: int
+    params: SamplingParams
+    seed: int | None = None
+
+
+@dataclass
+class StepInput:
+    """One engine step. Output rows: each prefill item's slots in order, then the decode rows."""
+
+    prefill: list[PrefillItem] = field(default_factory=list)
+    decode_slots: list[int] = field(default_factory=list)
+    decode_positions: list[int] = field(default_factory=list)
+    decode_token_ids: list[int] = field(default_factory=list)
+    rows: list[RowSampling] = field(default_factory=list)
+    finished_seq_ids: list[int] = field(default_factory=list)  # drop their generators
+
+    @property
+    def num_rows(self) -> int:
+        return sum(len(item.slots) for item in self.prefill) + len(self.decode_slots)
+
+    def for_followers(self) -> StepInput:
+        """What a non-sampling rank needs: the forward inputs only (keeps the message small)."""
+        return StepInput(
+            self.prefill, self.decode_slots, self.decode_positions, self.decode_token_ids
+        )
+
+
+@dataclass
+class StepOutput:
+    """Sampled tokens per row, on the host. Top-logprob lists hold `params.top_logprobs` items."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    top_logprobs: list[list[tuple[int, float]]]
+
+
+class Worker:
+    """Runs steps for one model replica shard; see the module docstring."""
+
+    def __init__(self, model: torch.nn.Module, *, num_slots: int, max_len: int, sample: bool):
+        self.runner = ModelRunner(model, num_slots=num_slots, max_len=max_len)
+        self.samples = sample
+        self._generators: dict[int, torch.Generator] = {}
+
+    @property
+    def model(self) -> torch.nn.Module:
+        return self.runner.model
+
+    @property
+    def device(self) -> torch.device:
+        return self.runner.device
+
+    def execute(self, step: StepInput) -> StepOutput | None:
+        """Run the step's forwards and (on the sampling rank) sample one token per row."""
+        for seq_id in step.finished_seq_ids:
+            self._generators.pop(seq_id, None)
+        logits = []
+        for item in step.prefill:
+            last_V = self.runner.prefill(item.inputs, item.slots)
+            logits.append(last_V.expand(len(item.slots), -1))
+        if step.decode_slots:
+            logits.append(
+                self.runner.decode(step.decode_slots, step.decode_positions, step.decode_token_ids)
+            )
+        if not self.samples or not logits:
+            return None
+        return self._sample(torch.cat(logits), step.rows)
+
+    def _sample(self, logits_BV: torch.Tensor, rows: list[RowSampling]) -> StepOutput:
+        params = [row.params for row in rows]
+        tensors = SamplingTensors.from_params(params, self.device)
+        generators = [self._generator(row) for row in rows]
+        out = sample(logits_BV, tensors, generators).to("cpu")
+        token_ids = out.token_ids_B.tolist()
+        top_ids, top_lps = out.top_logprobs_ids_BK.tolist(), out.top_logprobs_BK.tolist()
+        top = [
+            list(zip(top_ids[i][: p.top_logprobs], top_lps[i][: p.top_logprobs], strict=True))
+            for i, p in enumerate(params)
+        ]
+        return StepOutput(token_ids, out.logprobs_B.tolist(), top)
+
+    def _generator(self, row: RowSampling) -> torch.Generator | None:
+        if row.seed is None or row.params.is_greedy:
+            return None
+        generator = self._generators.get(row.seq_id)
+        if generator is None:
+            generator = self._generators[row.seq_id] = generator_for(row.seed, self.device)
+        return generator
+
+    def score(self, inputs: PromptInputs) -> list[float] | None:
+        """Log-probabilities of tokens 1..N-1 of `inputs` (None on a following rank)."""
+        logprobs = self.runner.score(inputs)
+        return logprobs.tolist() if self.samples else None
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
+        """Copy `weights` (name, full tensor) into the model in place; returns how many.
+
+        Names are the model's own `named_parameters()` names; a subset is fine (frozen towers
+        need not be sent). Every name and shape is checked before anything is written, so a bad
+        update leaves the model as it was.
+        """
+        params = dict(self.model.named_parameters())
+        updates = list(weights)
+        for name, tensor in updates:
+            if name not in params:
+                raise WeightUpdateError(f"the model has no parameter named {name!r}")
+            if tuple(tensor.shape) != tuple(params[name].shape):
+                raise WeightUpdateError(
+                    f"parameter {name!r} has shape {tuple(params[name].shape)} but the update "
+                    f"has {tuple(tensor.shape)}"
+                )
+        for name, tensor in updates:
+            params[name].copy_(tensor.to(params[name].device, params[name].dtype))
+        return len(updates)

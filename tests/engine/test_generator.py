@@ -1,0 +1,370 @@
+"""The async Generator end to end on tiny checkpoints: equality with transformers' generate,
+logprobs, n > 1, stop strings, limits, cancellation, queueing, pause / resume and weight updates."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from areno.engine.config import EngineConfig
+from areno.engine.generator import Generator
+from areno.engine.sampling import SamplingParams
+from areno.engine.scheduler import SequenceTooLongError, TooManySamplesError
+from areno.engine.worker import WeightUpdateError
+from areno.media import MediaDecoder, MediaPolicy
+from areno.media.samples import write_audio, write_image, write_video
+from areno.processing import Processor, process_messages
+
+FAMILIES = ["qwen3_5", "qwen3_vl", "minicpmv4_6", "gemma4"]
+GREEDY = SamplingParams(temperature=0, max_tokens=12)
+
+
+def text(content: str) -> list[dict]:
+    return [{"role": "user", "content": content}]
+
+
+def with_media(kind: str, url: str, prompt: str) -> list[dict]:
+    part = {"type": f"{kind}_url", f"{kind}_url": {"url": url}}
+    return [{"role": "user", "content": [part, {"type": "text", "text": prompt}]}]
+
+
+@pytest.fixture(scope="module")
+def media(tmp_path_factory):
+    d = tmp_path_factory.mktemp("generator-media")
+    return {
+        "image": str(write_image(d / "a.png", 64, 48)),
+        "video": str(write_video(d / "v.mp4", seconds=2.0, fps=4.0)),
+        "audio": str(write_audio(d / "a.wav", seconds=1.0)),
+    }
+
+
+class Setup:
+    """A family's processor, decoder and model, plus a Generator factory."""
+
+    def __init__(self, path):
+        self.processor = Processor(path)
+        self.decoder = MediaDecoder(MediaPolicy.for_training(), self.processor.decode_options())
+        self.model = self.processor.adapter.load_model(path).eval()
+
+    def encode(self, messages):
+        return process_messages(self.processor, self.decoder, messages)
+
+    def generator(self, **config) -> Generator:
+        config = {"max_running_prompts": 4, "max_context_len": 1024} | config
+        return Generator.from_model(self.model, self.processor.tokenizer, EngineConfig(**config))
+
+    def reference(self, inputs, max_new_tokens: int) -> list[int]:
+        """transformers' greedy generate, cut after the first EOS as the engine stops there."""
+        out = self.model.generate(
+            **inputs.model_inputs(), max_new_tokens=max_new_tokens, do_sample=False
+        )
+        tokens = out[0, inputs.num_prompt_tokens :].tolist()
+        eos = set(self.model.generation_config.eos_token_id)
+        for i, token in enumerate(tokens):
+            if token in eos:
+                return tokens[: i + 1]
+        return tokens
+
+
+@pytest.fixture(scope="module")
+def setups(tiny_path):
+    cache: dict[str, Setup] = {}
+
+    def get(family: str) -> Setup:
+        if family not in cache:
+            cache[family] = Setup(tiny_path(family))
+        return cache[family]
+
+    return get
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+async def collect(stream) -> tuple[list[int], str, list]:
+    tokens, out_text, deltas = [], "", []
+    async for output in stream:
+        for delta in output.samples:
+            tokens += delta.token_ids
+            out_text += delta.text
+            deltas.append(delta)
+    return tokens, out_text, deltas
+
+
+def mixed_requests(setup: Setup, media) -> list:
+    requests = [
+        text("Hello there, how are you doing today my friend?"),
+        with_media("image", media["image"], "Describe."),
+        text("Short."),
+        with_media("video", media["video"], "What happens?"),
+    ]
+    if "audio" in setup.processor.adapter.modalities:
+        requests.append(with_media("audio", media["audio"], "Listen."))
+    return [setup.encode(m) for m in requests]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_staggered_greedy_equals_generate(setups, media, family):
+    setup = setups(family)
+    inputs = mixed_requests(setup, media)
+    expected = [setup.reference(x, GREEDY.max_tokens) for x in inputs]
+    gen = setup.generator(max_running_prompts=3)  # fewer slots than requests: some queue
+
+    async def main():
+        started = [asyncio.Event() for _ in inputs]
+
+        async def one(i, x):
+            if i:
+                await started[i - 1].wait()  # arrive while the previous one is decoding
+            tokens = []
+            async for output in gen.generate(x, GREEDY):
+                tokens += output.samples[0].token_ids
+                if len(tokens) >= 2:
+                    started[i].set()
+            started[i].set()
+            return tokens
+
+        return await asyncio.gather(*(one(i, x) for i, x in enumerate(inputs)))
+
+    try:
+        got = run(main())
+    finally:
+        gen.shutdown()
+    for i, (want, have) in enumerate(zip(expected, got, strict=True)):
+        assert have == want, (i, have, want)
+
+
+def test_logprobs_match_a_full_forward_and_score(setups, media):
+    setup = setups("gemma4")
+    x = setup.encode(with_media("image", media["image"], "Describe."))
+    params = SamplingParams(temperature=0, max_tokens=6, logprobs=True, top_logprobs=3)
+    gen = setup.generator()
+    try:
+        output = run(gen.generate_all(x, params))
+        sample = output.samples[0]
+        full = x.with_tokens(x.input_ids + sample.token_ids)
+        scored = run(gen.score(full))
+    finally:
+        gen.shutdown()
+    with torch.no_grad():
+        logits = setup.model(**full.model_inputs()).logits[0].float()
+    ref_all = torch.log_softmax(logits, -1)[x.num_prompt_tokens - 1 : -1]
+    ref = ref_all.gather(-1, torch.tensor(sample.token_ids)[:, None]).squeeze(-1)
+    assert torch.allclose(torch.tensor(sample.logprobs), ref, atol=1e-4)
+    assert torch.allclose(torch.tensor(scored[x.num_prompt_tokens - 1 :]), ref, atol=1e-4)
+    for step, top in enumerate(sample.top_logprobs):
+        ids, lps = zip(*top, strict=True)
+        want_lps, want_ids = ref_all[step].topk(3)
+        assert list(ids) == want_ids.tolist()
+        assert torch.allclose(torch.tensor(lps), want_lps, atol=1e-4)
+
+
+def test_n_samples_share_a_prefill_and_match_separate_seeded_requests(setups, media):
+    setup = setups("qwen3_5")
+    x = setup.encode(with_media("image", media["image"], "Describe."))
+    params = SamplingParams(temperature=1.0, max_tokens=8, seed=7, n=3, ignore_eos=True)
+    gen = setup.generator()
+    prefills = []
+    runner = gen.core.executor.worker.runner
+    original = runner.prefill
+    runner.prefill = lambda inputs, slots: prefills.append(slots) or original(inputs, slots)
+    try:
+        together = run(gen.generate_all(x, params))
+        apart = [
+            run(gen.generate_all(x, SamplingParams(temperature=1.0, max_tokens=8, seed=7 + i)))
+            for i in range(3)
+        ]
+    finally:
+        gen.shutdown()
+    assert len(prefills[0]) == 3  # one prefill forked into three slots
+    assert [s.index for s in together.samples] == [0, 1, 2]
+    for i in range(3):
+        assert together.samples[i].token_ids == apart[i].samples[0].token_ids
+    assert len({tuple(s.token_ids) for s in together.samples}) > 1
+
+
+def test_stop_strings_end_the_text_and_never_leak_into_the_stream(setups):
+    setup = setups("qwen3_5")
+    x = setup.encode(text("Tell me a story about a cat."))
+    gen = setup.generator()
+    try:
+        base = run(gen.generate_all(x, SamplingParams(temperature=0, max_tokens=24)))
+        full_text = base.samples[0].text
+        words = full_text.split()
+        assert len(words) >= 3, full_text
+        stop = words[len(words) // 2]
+        cut = full_text.index(stop)
+        stream = run(
+            collect(gen.generate(x, SamplingParams(temperature=0, max_tokens=24, stop=[stop])))
+        )
+        kept = run(
+            gen.generate_all(
+                x,
+                SamplingParams(
+                    temperature=0, max_tokens=24, stop=[stop], include_stop_str_in_output=True
+                ),
+            )
+        )
+    finally:
+        gen.shutdown()
+    _, stream_text, deltas = stream
+    assert stream_text == full_text[:cut]
+    assert deltas[-1].finish_reason == "stop" and deltas[-1].stop_reason == stop
+    assert kept.samples[0].text == full_text[: cut + len(stop)]
+
+
+def test_max_tokens_and_context_limit(setups):
+    setup = setups("qwen3_5")
+    x = setup.encode(text("Count with me."))
+    gen = setup.generator(max_context_len=x.num_prompt_tokens + 5)
+    try:
+        short = run(gen.generate_all(x, SamplingParams(max_tokens=3, ignore_eos=True, seed=1)))
+        capped = run(gen.generate_all(x, SamplingParams(max_tokens=50, ignore_eos=True, seed=1)))
+        with pytest.raises(SequenceTooLongError, match="max_context_len"):
+            run(gen.generate_all(setup.encode(text("word " * 40)), GREEDY))
+        with pytest.raises(TooManySamplesError, match="--max-running-prompts"):
+            run(gen.generate_all(x, SamplingParams(n=5)))
+    finally:
+        gen.shutdown()
+    assert len(short.samples[0].token_ids) == 3 and short.samples[0].finish_reason == "length"
+    assert len(capped.samples[0].token_ids) == 5 and capped.samples[0].finish_reason == "length"
+
+
+def test_leaving_a_stream_cancels_it_and_frees_its_slots(setups):
+    setup = setups("qwen3_5")
+    x = setup.encode(text("Go on forever."))
+    gen = setup.generator(max_running_prompts=2)
+    long = SamplingParams(max_tokens=500, ignore_eos=True, n=2, seed=0)
+
+    async def main():
+        stream = gen.generate(x, long)
+        async for output in stream:
+            if output.samples[0].token_ids:
+                break
+        await stream.aclose()
+        for _ in range(200):
+            if gen.stats()["num_free_slots"] == 2:
+                break
+            await asyncio.sleep(0.01)
+        stats_after_cancel = gen.stats()
+        # The freed slots serve the next request; abort() ends a stream with "abort".
+        task = asyncio.create_task(collect(gen.generate(x, long, request_id="r2")))
+        while gen.stats()["num_running"] == 0:
+            await asyncio.sleep(0.01)
+        await gen.abort("r2")
+        return stats_after_cancel, await task
+
+    try:
+        stats, (_, _, deltas) = run(main())
+    finally:
+        gen.shutdown()
+    assert stats["num_free_slots"] == 2 and stats["num_running"] == 0
+    assert {d.finish_reason for d in deltas if d.finish_reason} == {"abort"}
+
+
+def test_more_requests_than_slots_queue_and_all_finish(setups):
+    setup = setups("qwen3_5")
+    inputs = [setup.encode(text(f"Request number {i}.")) for i in range(6)]
+    gen = setup.generator(max_running_prompts=2)
+
+    async def main():
+        return await asyncio.gather(*(gen.generate_all(x, GREEDY) for x in inputs))
+
+    try:
+        outputs = run(main())
+    finally:
+        gen.shutdown()
+    for x, output in zip(inputs, outputs, strict=True):
+        assert output.finished
+        assert output.samples[0].token_ids == setup.reference(x, GREEDY.max_tokens)
+
+
+def test_pause_keep_holds_requests_and_resume_finishes_them(setups):
+    setup = setups("qwen3_5")
+    x = setup.encode(text("Pause me."))
+    gen = setup.generator()
+    params = SamplingParams(max_tokens=40, ignore_eos=True, seed=3)
+
+    async def main():
+        counts = []
+        task = asyncio.create_task(gen.generate_all(x, params))
+        while gen.stats()["num_running"] == 0:
+            await asyncio.sleep(0.005)
+        await gen.pause("keep")
+        running = gen.stats()["num_running"]
+        await asyncio.sleep(0.2)
+        counts.append(gen.stats()["num_running"])
+        assert not task.done()
+        # A request arriving while paused waits for resume.
+        late = asyncio.create_task(gen.generate_all(x, GREEDY))
+        await asyncio.sleep(0.1)
+        assert not late.done()
+        await gen.resume()
+        return running, counts, await task, await late
+
+    try:
+        running, counts, output, late = run(main())
+    finally:
+        gen.shutdown()
+    assert running == 1 and counts == [1]
+    assert len(output.samples[0].token_ids) == 40
+    assert late.finished
+
+
+def test_pause_drain_waits_for_running_requests(setups):
+    setup = setups("qwen3_5")
+    x = setup.encode(text("Drain me."))
+    gen = setup.generator()
+
+    async def main():
+        task = asyncio.create_task(
+            gen.generate_all(x, SamplingParams(max_tokens=20, ignore_eos=True))
+        )
+        while gen.stats()["num_running"] == 0:
+            await asyncio.sleep(0.005)
+        await gen.pause("drain")
+        done_at_pause = task.done()
+        await gen.resume()
+        return done_at_pause, await task
+
+    try:
+        done_at_pause, output = run(main())
+    finally:
+        gen.shutdown()
+    assert done_at_pause and len(output.samples[0].token_ids) == 20
+
+
+def test_update_weights_changes_outputs_and_policy_version(setups, tiny_path):
+    from areno.models.tiny import build_tiny
+
+    setup = setups("qwen3_5")
+    x = setup.encode(text("Which weights am I?"))
+    other_path = build_tiny("qwen3_5", tiny_path("qwen3_5").parent / "qwen3_5-seed1", seed=1)
+    other = Setup(other_path)
+    new_weights = dict(other.model.state_dict())
+    gen = Generator.from_model(
+        Setup(tiny_path("qwen3_5")).model,  # a private copy: the update writes in place
+        setup.processor.tokenizer,
+        EngineConfig(max_running_prompts=2, max_context_len=512),
+    )
+    try:
+        before = run(gen.generate_all(x, GREEDY))
+        with pytest.raises(WeightUpdateError, match="no parameter named"):
+            run(gen.update_weights({"not.a.weight": torch.zeros(1)}, version=9))
+        name, value = next(iter(new_weights.items()))
+        with pytest.raises(WeightUpdateError, match="shape"):
+            run(gen.update_weights({name: value[..., :1]}, version=9))
+        assert gen.policy_version == 0
+        params = {n for n, _ in gen.core.executor.worker.model.named_parameters()}
+        count = run(gen.update_weights({n: new_weights[n] for n in params}, version=1))
+        after = run(gen.generate_all(x, GREEDY))
+    finally:
+        gen.shutdown()
+    assert count == len(params)
+    assert before.policy_version == 0 and after.policy_version == 1
+    assert before.samples[0].token_ids == setup.reference(x, GREEDY.max_tokens)
+    assert after.samples[0].token_ids == other.reference(x, GREEDY.max_tokens)
+    assert after.samples[0].token_ids != before.samples[0].token_ids
