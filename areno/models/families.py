@@ -29,6 +29,8 @@ QWEN3_VL = register(
         tool_format="hermes_json",
         stop_tokens=("<|im_end|>",),
         processor_kwargs=_QWEN_VIDEO_KWARGS,
+        # Its text config has no base_model_tp_plan: only lm_head would be sharded.
+        supports_tp=False,
     )
 )
 
@@ -42,6 +44,12 @@ GEMMA4 = register(
         tool_format="gemma4",
         stop_tokens=("<turn|>",),
         video_with_audio=True,
+        # The default plan row-shards embed_tokens, which Gemma 4 indexes directly (pad row) and
+        # which lm_head is tied to; sharded, it crashes or gives wrong logits. Keep both whole.
+        tp_plan_overrides={
+            "model.language_model.embed_tokens": "replicated_with_grad_allreduce",
+            "lm_head": "replicated_with_grad_allreduce",
+        },
     )
 )
 

@@ -30,6 +30,10 @@ class FamilyAdapter:
     video_with_audio: bool = False  # a video's audio track goes to the model as an audio item
     # Extra kwargs for the processor call, per modality group ("images_kwargs", "videos_kwargs"...).
     processor_kwargs: dict[str, dict] = field(default_factory=dict)
+    # Tensor parallelism: whether transformers has a TP plan for the family's text stack, and
+    # rules that override that plan (module path -> style) where the default one is wrong.
+    supports_tp: bool = True
+    tp_plan_overrides: dict[str, str] = field(default_factory=dict)
 
     def check_modality(self, modality: str) -> None:
         """Raise a clear error when this family cannot take `modality`."""
