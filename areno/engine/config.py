@@ -23,6 +23,7 @@ class EngineConfig:
     max_prefill_tokens_per_step: prompt tokens admitted per step (see SchedulerConfig).
     dtype: "auto" is float32 on CPU and bfloat16 on CUDA.
     device: "auto" is CUDA when available.
+    num_cpus_per_rank: CPUs Ray reserves for each tensor-parallel follower actor.
     """
 
     tp_size: int = 1
@@ -31,6 +32,7 @@ class EngineConfig:
     max_prefill_tokens_per_step: int = 8192
     dtype: str = "auto"
     device: str = "auto"
+    num_cpus_per_rank: float = 1.0
 
     def __post_init__(self) -> None:
         for name in ("tp_size", "max_running_prompts", "max_prefill_tokens_per_step"):
@@ -44,6 +46,11 @@ class EngineConfig:
                 f"max_context_len must be an integer >= 2; got {self.max_context_len!r}",
                 param="max_context_len",
             )
+        if not isinstance(self.num_cpus_per_rank, int | float) or self.num_cpus_per_rank < 0:
+            raise ConfigError(
+                f"num_cpus_per_rank must be a number >= 0; got {self.num_cpus_per_rank!r}",
+                param="num_cpus_per_rank",
+            )
         if self.dtype not in DTYPES:
             raise ConfigError(f"dtype must be one of {DTYPES}; got {self.dtype!r}", param="dtype")
         if self.device not in DEVICES:
@@ -53,3 +60,23 @@ class EngineConfig:
 
 
 DEFAULT_MAX_CONTEXT_LEN = 8192
+
+
+def resolve_device(device: str) -> str:
+    """ "auto" -> "cuda" when a GPU is visible, else "cpu"."""
+    import torch
+
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("device 'cuda' was asked for but no GPU is visible", param="device")
+    return device
+
+
+def resolve_dtype(dtype: str, device: str):
+    """ "auto" -> bfloat16 on CUDA, float32 on CPU; else the named torch dtype."""
+    import torch
+
+    if dtype == "auto":
+        return torch.bfloat16 if device.startswith("cuda") else torch.float32
+    return getattr(torch, dtype)

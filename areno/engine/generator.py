@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import os
 import threading
 import uuid
 from collections.abc import AsyncIterator, Callable, Collection, Iterable, Mapping
@@ -17,14 +18,21 @@ from typing import Any
 
 import torch
 
-from areno.engine.config import DEFAULT_MAX_CONTEXT_LEN, EngineConfig
+from areno.engine.config import (
+    DEFAULT_MAX_CONTEXT_LEN,
+    EngineConfig,
+    resolve_device,
+    resolve_dtype,
+)
 from areno.engine.core import EngineCore
 from areno.engine.executor import Executor, LocalExecutor
 from areno.engine.outputs import RequestOutput, merge_outputs
+from areno.engine.parallel import load_model_for_rank
 from areno.engine.sampling import SamplingParams
 from areno.engine.scheduler import DuplicateRequestError, SchedulerConfig
 from areno.engine.worker import Worker
 from areno.errors import ConfigError
+from areno.models.registry import adapter_for_checkpoint
 from areno.processing.types import PromptInputs
 
 PAUSE_MODES = ("keep", "drain", "abort")
@@ -82,6 +90,40 @@ class Generator:
         return cls(
             LocalExecutor(worker), tokenizer, config, max_context_len=max_len, eos_token_ids=eos
         )
+
+    @classmethod
+    def from_config(cls, model_path: str | os.PathLike, config: EngineConfig) -> Generator:
+        """Load a checkpoint of a supported family: in this process with `tp_size` 1, else as
+        rank 0 of a tensor-parallel group whose other ranks are Ray actors on this node."""
+        from transformers import AutoConfig, AutoTokenizer
+
+        adapter = adapter_for_checkpoint(model_path)
+        device = resolve_device(config.device)
+        dtype = resolve_dtype(config.dtype, device)
+        max_len = resolve_max_context_len(config, AutoConfig.from_pretrained(model_path))
+        tokenizer = AutoTokenizer.from_pretrained(model_path)
+        num_slots = config.max_running_prompts
+        if config.tp_size == 1:
+            model = load_model_for_rank(adapter, model_path, tp_size=1, dtype=dtype, device=device)
+            executor = LocalExecutor(
+                Worker(model, num_slots=num_slots, max_len=max_len, sample=True)
+            )
+        else:
+            from areno.engine.tp_executor import TPExecutor
+
+            spec = {
+                "model_path": str(model_path),
+                "tp_size": config.tp_size,
+                "dtype": dtype,
+                "device": device,
+                "num_slots": num_slots,
+                "max_len": max_len,
+            }
+            executor = TPExecutor.create(spec, num_cpus_per_rank=config.num_cpus_per_rank)
+            model = executor.worker.model
+        eos = model_eos_token_ids(model)
+        eos += [tokenizer.convert_tokens_to_ids(token) for token in adapter.stop_tokens]
+        return cls(executor, tokenizer, config, max_context_len=max_len, eos_token_ids=eos)
 
     # ---- public API -----------------------------------------------------------------------
 

@@ -11,6 +11,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from areno.engine.runner import ModelRunner
 from areno.engine.sampler import SamplingTensors, generator_for, sample
@@ -76,9 +78,18 @@ class StepOutput:
 class Worker:
     """Runs steps for one model replica shard; see the module docstring."""
 
-    def __init__(self, model: torch.nn.Module, *, num_slots: int, max_len: int, sample: bool):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        *,
+        num_slots: int,
+        max_len: int,
+        sample: bool,
+        tensor_parallel: bool = False,
+    ):
         self.runner = ModelRunner(model, num_slots=num_slots, max_len=max_len)
         self.samples = sample
+        self.tensor_parallel = tensor_parallel
         self._generators: dict[int, torch.Generator] = {}
 
     @property
@@ -131,16 +142,9 @@ class Worker:
         logprobs = self.runner.score(inputs)
         return logprobs.tolist() if self.samples else None
 
-    @torch.no_grad()
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
-        """Copy `weights` (name, full tensor) into the model in place; returns how many.
-
-        Names are the model's own `named_parameters()` names; a subset is fine (frozen towers
-        need not be sent). Every name and shape is checked before anything is written, so a bad
-        update leaves the model as it was.
-        """
+    def check_weights(self, updates: list[tuple[str, torch.Tensor]]) -> None:
+        """Raise WeightUpdateError unless every (name, tensor) fits a parameter of the model."""
         params = dict(self.model.named_parameters())
-        updates = list(weights)
         for name, tensor in updates:
             if name not in params:
                 raise WeightUpdateError(f"the model has no parameter named {name!r}")
@@ -149,6 +153,30 @@ class Worker:
                     f"parameter {name!r} has shape {tuple(params[name].shape)} but the update "
                     f"has {tuple(tensor.shape)}"
                 )
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
+        """Copy `weights` (name, full tensor) into the model in place; returns how many.
+
+        Names are the model's own `named_parameters()` names; a subset is fine (frozen towers
+        need not be sent). Every name and shape is checked before anything is written, so a bad
+        update leaves the model as it was. A tensor-parallel shard (a DTensor) takes its part of
+        rank 0's tensor: every rank of the group calls this with the same names in the same order
+        (the followers with empty tensors of the right shape).
+        """
+        params = dict(self.model.named_parameters())
+        updates = list(weights)
+        self.check_weights(updates)
         for name, tensor in updates:
-            params[name].copy_(tensor.to(params[name].device, params[name].dtype))
+            param = params[name]
+            full = tensor.to(param.device, param.dtype)
+            if isinstance(param, DTensor):
+                shard = distribute_tensor(
+                    full, param.device_mesh, param.placements, src_data_rank=0
+                )
+                param.to_local().copy_(shard.to_local())
+                continue
+            if self.tensor_parallel:  # a parameter every rank holds whole (norms, media towers)
+                dist.broadcast(full, src=0)
+            param.copy_(full)
         return len(updates)

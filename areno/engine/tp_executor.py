@@ -1,0 +1,165 @@
+"""The tensor-parallel executor: rank 0 runs in the engine's process, ranks 1.. are Ray actors.
+
+Rank 0 schedules (the engine lives there) and the others follow: every step rank 0 broadcasts
+the step's forward inputs over the gloo control group, all ranks run the same forward (the TP
+collectives run on the default group, NCCL on GPU), and only rank 0 samples. The followers sit on
+the same node as rank 0: in the bundles of the caller's placement group when it has one per rank
+(a Serve replica with STRICT_PACK bundles), else pinned to rank 0's node.
+"""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from areno.engine import parallel
+from areno.engine.worker import StepInput, StepOutput, Worker
+from areno.models.registry import adapter_for_checkpoint
+from areno.processing.types import PromptInputs
+
+LOOPBACK = "127.0.0.1"  # every rank is on one node (see the module docstring)
+
+
+@dataclass(frozen=True)
+class RankSpec:
+    """What every rank needs to load its shard and join the group."""
+
+    model_path: str
+    tp_size: int
+    dtype: torch.dtype
+    device: str
+    num_slots: int
+    max_len: int
+    master_port: int
+
+
+def _load_worker(rank: int, spec: RankSpec) -> Worker:
+    parallel.init_distributed(rank, spec.tp_size, LOOPBACK, spec.master_port, spec.device)
+    adapter = adapter_for_checkpoint(spec.model_path)
+    model = parallel.load_model_for_rank(
+        adapter, spec.model_path, tp_size=spec.tp_size, dtype=spec.dtype, device=spec.device
+    )
+    return Worker(
+        model,
+        num_slots=spec.num_slots,
+        max_len=spec.max_len,
+        sample=rank == 0,
+        tensor_parallel=True,
+    )
+
+
+def _broadcast(message: Any = None) -> Any:
+    box = [message]
+    dist.broadcast_object_list(box, src=0, group=parallel.control_group())
+    return box[0]
+
+
+class TPFollower:
+    """Ranks 1..N-1: load a shard, then run whatever rank 0 broadcasts until told to stop."""
+
+    def __init__(self, rank: int, spec: RankSpec):
+        self.worker = _load_worker(rank, spec)
+
+    def ready(self) -> bool:
+        return True
+
+    def follow(self) -> int:
+        """Serve rank 0's messages until "stop"; returns the number of steps run."""
+        num_steps = 0
+        while True:
+            kind, payload = _broadcast()
+            if kind == "execute":
+                self.worker.execute(payload)
+                num_steps += 1
+            elif kind == "score":
+                self.worker.score(payload)
+            elif kind == "load_weights":
+                self.worker.load_weights((n, torch.empty(s, dtype=d)) for n, s, d in payload)
+            elif kind == "stop":
+                parallel.shutdown_distributed()
+                return num_steps
+
+
+class TPExecutor:
+    """Rank 0 of a tensor-parallel group, in this process; see the module docstring."""
+
+    def __init__(self, spec: RankSpec, *, num_cpus_per_rank: float = 1.0):
+        import ray
+
+        if not ray.is_initialized():
+            ray.init()
+        num_gpus = 1 if torch.device(spec.device).type == "cuda" else 0
+        follower = ray.remote(TPFollower)
+        self.followers = [
+            follower.options(
+                num_cpus=num_cpus_per_rank,
+                num_gpus=num_gpus,
+                scheduling_strategy=_follower_strategy(rank, spec.tp_size),
+            ).remote(rank, spec)
+            for rank in range(1, spec.tp_size)
+        ]
+        try:
+            self.worker = _load_worker(0, spec)
+            ray.get([f.ready.remote() for f in self.followers])
+        except BaseException:
+            for actor in self.followers:
+                ray.kill(actor)
+            raise
+        self._loops = [f.follow.remote() for f in self.followers]
+        self._stopped = False
+
+    @classmethod
+    def create(cls, spec_without_port: dict, **kwargs) -> TPExecutor:
+        """A group on a free loopback port."""
+        return cls(RankSpec(**spec_without_port, master_port=_free_port()), **kwargs)
+
+    def execute(self, step: StepInput) -> StepOutput:
+        _broadcast(("execute", step.for_followers()))
+        return self.worker.execute(step)
+
+    def score(self, inputs: PromptInputs) -> list[float]:
+        _broadcast(("score", inputs))
+        return self.worker.score(inputs)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
+        updates = list(weights)
+        self.worker.check_weights(updates)  # fail before any rank starts a collective
+        _broadcast(("load_weights", [(n, tuple(t.shape), t.dtype) for n, t in updates]))
+        return self.worker.load_weights(updates)
+
+    def shutdown(self) -> None:
+        if self._stopped:
+            return
+        import ray
+
+        self._stopped = True
+        _broadcast(("stop", None))
+        parallel.shutdown_distributed()
+        ray.get(self._loops, timeout=60)
+        for actor in self.followers:
+            ray.kill(actor)
+
+
+def _follower_strategy(rank: int, tp_size: int) -> Any:
+    import ray
+    from ray.util.scheduling_strategies import (
+        NodeAffinitySchedulingStrategy,
+        PlacementGroupSchedulingStrategy,
+    )
+
+    group = ray.util.get_current_placement_group()
+    if group is not None and len(group.bundle_specs) >= tp_size:
+        return PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=rank)
+    node_id = ray.get_runtime_context().get_node_id()
+    return NodeAffinitySchedulingStrategy(node_id, soft=False)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind((LOOPBACK, 0))
+        return s.getsockname()[1]

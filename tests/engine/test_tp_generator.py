@@ -1,0 +1,113 @@
+"""`--tp-size 2` end to end: the Generator as rank 0 with a Ray actor as rank 1 (gloo on CPU)
+gives the same tokens as `--tp-size 1`, and takes weight updates into its shards."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+import pytest
+import torch
+
+from areno.engine.config import EngineConfig
+from areno.engine.generator import Generator
+from areno.engine.sampling import SamplingParams
+from areno.errors import ConfigError
+from areno.media import MediaDecoder, MediaPolicy
+from areno.media.samples import write_audio, write_image
+from areno.models.tiny import build_tiny
+from areno.processing import Processor, process_messages
+
+ray = pytest.importorskip("ray")
+
+PARAMS = SamplingParams(temperature=0, max_tokens=8, logprobs=True)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def ray_local():
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+def config(tp_size: int) -> EngineConfig:
+    return EngineConfig(
+        tp_size=tp_size, max_running_prompts=4, max_context_len=1024, num_cpus_per_rank=0.5
+    )
+
+
+def encode_requests(path, tmp_path):
+    processor = Processor(path)
+    decoder = MediaDecoder(MediaPolicy.for_training(), processor.decode_options())
+    image = str(write_image(tmp_path / "a.png", 64, 48))
+    requests = [
+        [{"role": "user", "content": "Hello there, how are you doing today?"}],
+        [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "image_url", "image_url": {"url": image}},
+                    {"type": "text", "text": "Describe."},
+                ],
+            }
+        ],
+    ]
+    if "audio" in processor.adapter.modalities:
+        audio = str(write_audio(tmp_path / "a.wav", seconds=1.0))
+        part = {"type": "audio_url", "audio_url": {"url": audio}}
+        requests.append([{"role": "user", "content": [part]}])
+    return [process_messages(processor, decoder, r) for r in requests]
+
+
+async def run_all(gen: Generator, inputs) -> list:
+    return await asyncio.gather(*(gen.generate_all(x, PARAMS) for x in inputs))
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "gemma4", "minicpmv4_6"])
+def test_tp2_gives_the_same_tokens_as_tp1(tiny_path, tmp_path, family):
+    path = tiny_path(family)
+    inputs = encode_requests(path, tmp_path)
+    single = Generator.from_config(path, config(1))
+    try:
+        want = asyncio.run(run_all(single, inputs))
+    finally:
+        single.shutdown()
+    split = Generator.from_config(path, config(2))
+    try:
+        have = asyncio.run(run_all(split, inputs))
+    finally:
+        split.shutdown()
+    for w, h in zip(want, have, strict=True):
+        assert h.samples[0].token_ids == w.samples[0].token_ids
+        assert torch.allclose(
+            torch.tensor(h.samples[0].logprobs), torch.tensor(w.samples[0].logprobs), atol=1e-4
+        )
+
+
+def test_tp2_update_weights_reaches_every_shard(tiny_path, tmp_path):
+    path = tiny_path("qwen3_5")
+    other = build_tiny("qwen3_5", tmp_path / "seed1", seed=1)
+    inputs = encode_requests(path, tmp_path)
+    reference = Generator.from_config(other, config(1))
+    try:
+        want = asyncio.run(run_all(reference, inputs))
+        weights = dict(reference.core.executor.worker.model.named_parameters())
+        weights = {name: p.detach().clone() for name, p in weights.items()}
+    finally:
+        reference.shutdown()
+    split = Generator.from_config(path, config(2))
+    try:
+        before = asyncio.run(run_all(split, inputs))
+        asyncio.run(split.update_weights(ray.put(weights), version=3))
+        after = asyncio.run(run_all(split, inputs))
+    finally:
+        split.shutdown()
+    assert [o.samples[0].token_ids for o in after] == [o.samples[0].token_ids for o in want]
+    assert [o.samples[0].token_ids for o in before] != [o.samples[0].token_ids for o in want]
+    assert {o.policy_version for o in after} == {3}
+
+
+def test_tp_is_refused_for_a_family_without_a_plan(tiny_path):
+    with pytest.raises(ConfigError, match="tensor-parallel plan"):
+        Generator.from_config(tiny_path("qwen3_vl"), config(2))
