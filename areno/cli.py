@@ -3,9 +3,23 @@
 from __future__ import annotations
 
 import argparse
+import math
 import sys
+from pathlib import Path
 
 from areno.errors import ArenoError
+
+
+def _num_params(checkpoint: Path) -> int:
+    """Parameters stored in a checkpoint's safetensors files (tied weights are stored once)."""
+    from safetensors import safe_open
+
+    total = 0
+    for file in sorted(checkpoint.glob("*.safetensors")):
+        with safe_open(file, "pt") as f:
+            names = f.keys()  # noqa: SIM118 -- safe_open is not iterable
+            total += sum(math.prod(f.get_slice(name).get_shape()) for name in names)
+    return total
 
 
 def _make_tiny(args: argparse.Namespace) -> None:
@@ -14,8 +28,9 @@ def _make_tiny(args: argparse.Namespace) -> None:
     families = TINY_FAMILIES if args.family == "all" else (args.family,)
     for family in families:
         out = args.out_dir if len(families) == 1 else f"{args.out_dir}/{family}"
-        path = build_tiny(family, out, seed=args.seed)
-        print(f"{family}: {path}")
+        path = build_tiny(family, out, seed=args.seed, size=args.size)
+        num_params = _num_params(path)
+        print(f"{family} ({args.size}, {num_params / 1e6:.2f} M parameters): {path}")
 
 
 def _demo(args: argparse.Namespace) -> None:
@@ -25,7 +40,7 @@ def _demo(args: argparse.Namespace) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from areno.models.tiny import DEFAULT_FAMILY, TINY_FAMILIES
+    from areno.models.tiny import DEFAULT_FAMILY, TINY_FAMILIES, TINY_SIZES
 
     parser = argparse.ArgumentParser(prog="areno", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -36,6 +51,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     tiny.add_argument("--family", default=DEFAULT_FAMILY, choices=[*TINY_FAMILIES, "all"])
     tiny.add_argument("--seed", type=int, default=0)
+    tiny.add_argument(
+        "--size",
+        default="tiny",
+        choices=TINY_SIZES,
+        help="text model size: tiny (~0.3 M parameters) or small (~30 M, for CPU benchmarks)",
+    )
     tiny.set_defaults(func=_make_tiny)
 
     demo = sub.add_parser(

@@ -3,7 +3,9 @@
 `build_tiny(family, out_dir)` writes a checkpoint directory that the Auto classes reload: a
 tokenizer trained locally with the family's special tokens, a chat template written for AReno
 (with tool support), the family's real processor configs and random weights (~0.3 M parameters).
-Real checkpoints go through exactly the same code paths.
+Real checkpoints go through exactly the same code paths. `size="small"` scales the text model to
+~30 M parameters (same tokenizer, processor and template) for CPU benchmarks, where compute rather
+than Python overhead must dominate.
 """
 
 from __future__ import annotations
@@ -21,26 +23,39 @@ from areno.models.tiny.gemma4 import build_gemma4
 from areno.models.tiny.minicpmv import build_minicpmv4_6
 from areno.models.tiny.qwen import build_qwen3_5, build_qwen3_vl
 
-BUILDERS: dict[str, Callable[[], TinyParts]] = {
+BUILDERS: dict[str, Callable[[str], TinyParts]] = {
     "qwen3_5": build_qwen3_5,
     "gemma4": build_gemma4,
     "minicpmv4_6": build_minicpmv4_6,
     "qwen3_vl": build_qwen3_vl,
 }
 TINY_FAMILIES = tuple(BUILDERS)
+TINY_SIZES = ("tiny", "small")  # every builder knows each of these text-model shapes
 DEFAULT_FAMILY = "gemma4"  # the one family that takes all three modalities
 # Bump when a builder changes, so cached checkpoints are rebuilt.
 TINY_VERSION = 1
 
 
-def build_tiny(family: str, out_dir: str | os.PathLike, *, seed: int = 0) -> Path:
-    """Build a tiny random checkpoint of `family` into `out_dir` and return the path."""
+def build_tiny(
+    family: str, out_dir: str | os.PathLike, *, seed: int = 0, size: str = "tiny"
+) -> Path:
+    """Build a random checkpoint of `family` with a `size` text model into `out_dir`."""
     if family not in BUILDERS:
         raise ConfigError(
             f"no tiny checkpoint builder for family {family!r}; choose one of {list(TINY_FAMILIES)}"
         )
+    check_size(size)
     torch.manual_seed(seed)
-    return save_tiny(BUILDERS[family](), Path(out_dir))
+    return save_tiny(BUILDERS[family](size), Path(out_dir))
+
+
+def check_size(size: str) -> None:
+    """Raise ConfigError unless `size` is one of TINY_SIZES."""
+    if size not in TINY_SIZES:
+        raise ConfigError(
+            f"unknown tiny checkpoint size {size!r}; choose one of {list(TINY_SIZES)} "
+            f"(tiny: ~0.3 M parameters, small: ~30 M in the text model)"
+        )
 
 
 def cache_dir() -> Path:
@@ -48,12 +63,15 @@ def cache_dir() -> Path:
     return Path(root) / "tiny"
 
 
-def tiny_checkpoint(family: str = DEFAULT_FAMILY) -> Path:
-    """The cached tiny checkpoint of `family`, built on first use (the embedded default model)."""
-    path = cache_dir() / f"{family}-v{TINY_VERSION}"
+def tiny_checkpoint(family: str = DEFAULT_FAMILY, size: str = "tiny") -> Path:
+    """The cached checkpoint of `family` and `size`, built on first use (the embedded default)."""
+    check_size(size)
+    # NOTE: "tiny" keeps the original directory name, so caches built before sizes existed hold.
+    name = family if size == "tiny" else f"{family}-{size}"
+    path = cache_dir() / f"{name}-v{TINY_VERSION}"
     if not (path / "config.json").exists():
         tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
-        build_tiny(family, tmp)
+        build_tiny(family, tmp, size=size)
         if path.exists():  # another process won the race
             shutil.rmtree(tmp, ignore_errors=True)
         else:

@@ -57,11 +57,11 @@ def _processor(tok: tf.PreTrainedTokenizerBase) -> tf.ProcessorMixin:
     )
 
 
-def _config(tok: tf.PreTrainedTokenizerBase) -> tf.Gemma4Config:
-    ids = tok.convert_tokens_to_ids
-    text = {
-        "vocab_size": len(tok),
-        "vocab_size_per_layer_input": len(tok),
+# Text-model shapes per size. "small" (~30 M parameters) is for CPU benchmarks; the media towers
+# stay tiny at every size. Full-attention layers use a wider head (global_head_dim), the real
+# checkpoints' layout; the last layer must be full attention.
+TEXT_SHAPES = {
+    "tiny": {
         "hidden_size": 64,
         "intermediate_size": 128,
         "num_hidden_layers": 2,
@@ -72,6 +72,29 @@ def _config(tok: tf.PreTrainedTokenizerBase) -> tf.Gemma4Config:
         "hidden_size_per_layer_input": 8,
         "sliding_window": 64,
         "layer_types": ["sliding_attention", "full_attention"],
+    },
+    "small": {
+        "hidden_size": 512,
+        "intermediate_size": 2048,
+        "num_hidden_layers": 8,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 2,
+        "head_dim": 64,
+        "global_head_dim": 128,
+        "hidden_size_per_layer_input": 64,
+        # Shorter than the benchmark's longest sequences, so the sliding window really cuts.
+        "sliding_window": 256,
+        "layer_types": (["sliding_attention"] * 3 + ["full_attention"]) * 2,
+    },
+}
+
+
+def _config(tok: tf.PreTrainedTokenizerBase, size: str) -> tf.Gemma4Config:
+    ids = tok.convert_tokens_to_ids
+    text = {
+        "vocab_size": len(tok),
+        "vocab_size_per_layer_input": len(tok),
+        **TEXT_SHAPES[size],
         "max_position_embeddings": 4096,
         "pad_token_id": tok.pad_token_id,
         "eos_token_id": [tok.eos_token_id, ids("<turn|>")],
@@ -111,8 +134,8 @@ def _config(tok: tf.PreTrainedTokenizerBase) -> tf.Gemma4Config:
     )
 
 
-def build_gemma4() -> TinyParts:
+def build_gemma4(size: str = "tiny") -> TinyParts:
     tok = _tokenizer()
     processor = _processor(tok)
-    model = tf.Gemma4ForConditionalGeneration(_config(tok))
+    model = tf.Gemma4ForConditionalGeneration(_config(tok, size))
     return TinyParts(model, processor, eos_tokens=["<eos>", "<turn|>"])

@@ -30,8 +30,9 @@ def _tokenizer() -> tf.PreTrainedTokenizerBase:
     )
 
 
-def _config(tok: tf.PreTrainedTokenizerBase) -> tf.MiniCPMV4_6Config:
-    text = {"model_type": "qwen3_5_text", **text_config(tok), **HYBRID_LAYERS}
+def _config(tok: tf.PreTrainedTokenizerBase, size: str) -> tf.MiniCPMV4_6Config:
+    # The merger projects vision features to the text hidden size itself.
+    text = {"model_type": "qwen3_5_text", **text_config(tok, size), **HYBRID_LAYERS[size]}
     vision = {
         "hidden_size": 32,
         "intermediate_size": 64,
@@ -52,7 +53,7 @@ def _config(tok: tf.PreTrainedTokenizerBase) -> tf.MiniCPMV4_6Config:
     )
 
 
-def build_minicpmv4_6() -> TinyParts:
+def build_minicpmv4_6(size: str = "tiny") -> TinyParts:
     tok = _tokenizer()
     media_kwargs = {"patch_size": PATCH_SIZE, "scale_resolution": 112}
     processor = tf.MiniCPMV4_6Processor(
@@ -61,5 +62,5 @@ def build_minicpmv4_6() -> TinyParts:
         tokenizer=tok,
         chat_template=load_template("minicpmv4_6"),
     )
-    model = tf.MiniCPMV4_6ForConditionalGeneration(_config(tok))
+    model = tf.MiniCPMV4_6ForConditionalGeneration(_config(tok, size))
     return TinyParts(model, processor, eos_tokens=["<|im_end|>"])

@@ -56,32 +56,67 @@ def _token_ids(tok: tf.PreTrainedTokenizerBase) -> dict[str, int]:
     }
 
 
-# Qwen3.5's hybrid stack: one gated-delta-net (linear attention) layer, one full-attention layer.
-HYBRID_LAYERS = {
-    "head_dim": 32,
-    "layer_types": ["linear_attention", "full_attention"],
-    "linear_num_key_heads": 2,
-    "linear_num_value_heads": 4,
-    "linear_key_head_dim": 16,
-    "linear_value_head_dim": 16,
-}
-
-
-def text_config(tok: tf.PreTrainedTokenizerBase) -> dict:
-    return {
-        "vocab_size": len(tok),
+# Text-model shapes per size. "small" (~30 M parameters) is for CPU benchmarks, where compute rather
+# than Python overhead must dominate; media towers stay tiny at every size.
+TEXT_SHAPES = {
+    "tiny": {
         "hidden_size": 64,
         "intermediate_size": 128,
         "num_hidden_layers": 2,
         "num_attention_heads": 4,
         "num_key_value_heads": 2,
+    },
+    "small": {
+        "hidden_size": 512,
+        "intermediate_size": 2048,
+        "num_hidden_layers": 8,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 2,
+    },
+}
+
+# Qwen3.5's hybrid stack: gated-delta-net (linear attention) layers between full-attention ones,
+# 1:1 when tiny and 3:1 (the real checkpoints' ratio) when small. Twice as many value heads as
+# key heads, as in the real checkpoints, so the key-head repeat path is exercised.
+HYBRID_LAYERS = {
+    "tiny": {
+        "head_dim": 32,
+        "layer_types": ["linear_attention", "full_attention"],
+        "linear_num_key_heads": 2,
+        "linear_num_value_heads": 4,
+        "linear_key_head_dim": 16,
+        "linear_value_head_dim": 16,
+    },
+    "small": {
+        "head_dim": 64,
+        "layer_types": (["linear_attention"] * 3 + ["full_attention"]) * 2,
+        "linear_num_key_heads": 4,
+        "linear_num_value_heads": 8,
+        "linear_key_head_dim": 64,
+        "linear_value_head_dim": 64,
+    },
+}
+# NOTE: each mrope section sums to half the rotary dims: head_dim * partial_rotary_factor / 2 for
+# Qwen3.5 (factor 0.25), head_dim / 2 for Qwen3-VL.
+_QWEN3_5_MROPE = {"tiny": [2, 1, 1], "small": [4, 2, 2]}
+_QWEN3_VL_HEAD = {
+    "tiny": {"head_dim": 16, "mrope_section": [4, 2, 2]},
+    "small": {"head_dim": 64, "mrope_section": [12, 10, 10]},
+}
+
+
+def text_config(tok: tf.PreTrainedTokenizerBase, size: str = "tiny") -> dict:
+    """The family-independent text config fields, shaped for `size`."""
+    return {
+        "vocab_size": len(tok),
+        **TEXT_SHAPES[size],
         "max_position_embeddings": 4096,
         "pad_token_id": tok.pad_token_id,
         "eos_token_id": tok.eos_token_id,
     }
 
 
-def _vision_common() -> dict:
+def _vision_common(text_hidden_size: int) -> dict:
     return {
         "depth": 2,
         "hidden_size": 32,
@@ -90,43 +125,38 @@ def _vision_common() -> dict:
         "patch_size": 16,
         "spatial_merge_size": 2,
         "temporal_patch_size": 2,
-        "out_hidden_size": 64,
+        "out_hidden_size": text_hidden_size,  # the merger projects into the text model
         "num_position_embeddings": 64,  # NOTE: must be a perfect square
     }
 
 
-def build_qwen3_5() -> TinyParts:
+def build_qwen3_5(size: str = "tiny") -> TinyParts:
     tok = _tokenizer(tf.Qwen3_5Tokenizer)
-    text = (
-        text_config(tok)
-        | HYBRID_LAYERS
-        | {
-            "rope_parameters": {
-                "rope_type": "default",
-                "rope_theta": 1e7,
-                "partial_rotary_factor": 0.25,
-                "mrope_section": [2, 1, 1],
-                "mrope_interleaved": True,
-            },
-        }
-    )
-    config = tf.Qwen3_5Config(text_config=text, vision_config=_vision_common(), **_token_ids(tok))
+    rope = {
+        "rope_type": "default",
+        "rope_theta": 1e7,
+        "partial_rotary_factor": 0.25,
+        "mrope_section": _QWEN3_5_MROPE[size],
+        "mrope_interleaved": True,
+    }
+    text = text_config(tok, size) | HYBRID_LAYERS[size] | {"rope_parameters": rope}
+    vision = _vision_common(text["hidden_size"])
+    config = tf.Qwen3_5Config(text_config=text, vision_config=vision, **_token_ids(tok))
     model = tf.Qwen3_5ForConditionalGeneration(config)
     return TinyParts(model, _processor(tok, "qwen3_5"), eos_tokens=["<|im_end|>"])
 
 
-def build_qwen3_vl() -> TinyParts:
+def build_qwen3_vl(size: str = "tiny") -> TinyParts:
     tok = _tokenizer(tf.Qwen2Tokenizer)
-    text = text_config(tok) | {
-        "head_dim": 16,
-        "rope_parameters": {
-            "rope_type": "default",
-            "rope_theta": 5e6,
-            "mrope_section": [4, 2, 2],
-            "mrope_interleaved": True,
-        },
+    head = _QWEN3_VL_HEAD[size]
+    rope = {
+        "rope_type": "default",
+        "rope_theta": 5e6,
+        "mrope_section": head["mrope_section"],
+        "mrope_interleaved": True,
     }
-    vision = _vision_common() | {"deepstack_visual_indexes": [0]}
+    text = text_config(tok, size) | {"head_dim": head["head_dim"], "rope_parameters": rope}
+    vision = _vision_common(text["hidden_size"]) | {"deepstack_visual_indexes": [0]}
     config = tf.Qwen3VLConfig(text_config=text, vision_config=vision, **_token_ids(tok))
     model = tf.Qwen3VLForConditionalGeneration(config)
     return TinyParts(model, _processor(tok, "qwen3_vl"), eos_tokens=["<|im_end|>"])
