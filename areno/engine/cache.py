@@ -24,6 +24,15 @@ class BatchBinding:
     positions_BQ: torch.Tensor  # (B, Q) long: cache position of each new token
     kv_len: int  # keys to read back: max over rows of (last position + 1)
     num_cached: int = 0  # tokens already cached before this forward (0 for a prefill)
+    # (lo, hi) when the rows are exactly slots lo..hi-1 in order: state is then read and written
+    # through views of the slot storage, without gathering copies.
+    slot_range: tuple[int, int] | None = None
+
+    def rows(self, storage: torch.Tensor) -> torch.Tensor:
+        """The batch's rows of a per-slot `storage` tensor: a view when the slots are a range."""
+        if self.slot_range is not None:
+            return storage[self.slot_range[0] : self.slot_range[1]]
+        return storage[self.slots_B]
 
 
 class SlotAttentionLayer(CacheLayerMixin):
@@ -52,7 +61,7 @@ class SlotAttentionLayer(CacheLayerMixin):
         # (B, H, Q, D) -> (B, Q, H, D) to match the advanced-index layout [slot, :, pos, :].
         self.keys[slots_BQ, :, b.positions_BQ] = key_states.transpose(1, 2)
         self.values[slots_BQ, :, b.positions_BQ] = value_states.transpose(1, 2)
-        return self.keys[b.slots_B, :, : b.kv_len], self.values[b.slots_B, :, : b.kv_len]
+        return b.rows(self.keys)[:, :, : b.kv_len], b.rows(self.values)[:, :, : b.kv_len]
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.binding.kv_len, 0
@@ -73,25 +82,29 @@ class SlotLinearState:
         self.recurrent: torch.Tensor | None = None
         self.kernel_size: int | None = None
 
-    def bind(self, slots_B: torch.Tensor, is_prefill: bool) -> LinearAttentionLayer:
+    def bind(self, binding: BatchBinding, is_prefill: bool) -> LinearAttentionLayer:
         layer = LinearAttentionLayer()
         if is_prefill or self.conv is None:
             return layer  # a fresh state: transformers' own prefill path fills it
-        layer.lazy_initialization(conv_states=self.conv[slots_B], conv_kernel_size=self.kernel_size)
-        layer.conv_states[0].copy_(self.conv[slots_B])
-        layer.lazy_initialization(recurrent_states=self.recurrent[slots_B])
-        layer.recurrent_states[0].copy_(self.recurrent[slots_B])
+        # transformers updates these tensors in place (copy_), so views write straight back.
+        layer.conv_states[0] = binding.rows(self.conv)
+        layer.recurrent_states[0] = binding.rows(self.recurrent)
+        layer.is_conv_states_initialized[0] = layer.is_recurrent_states_initialized[0] = True
         layer.has_previous_state[0] = True
+        layer.conv_kernel_size[0] = self.kernel_size
+        layer.device, layer.dtype = self.conv.device, self.conv.dtype
         return layer
 
-    def commit(self, slots_B: torch.Tensor, layer: LinearAttentionLayer) -> None:
+    def commit(self, binding: BatchBinding, layer: LinearAttentionLayer, is_prefill: bool) -> None:
         conv, recurrent = layer.conv_states[0], layer.recurrent_states[0]
         if self.conv is None:
             self.kernel_size = layer.conv_kernel_size[0]
             self.conv = conv.new_zeros((self.num_slots, *conv.shape[1:]))
             self.recurrent = recurrent.new_zeros((self.num_slots, *recurrent.shape[1:]))
-        self.conv[slots_B] = conv
-        self.recurrent[slots_B] = recurrent
+        if binding.slot_range is not None and not is_prefill:
+            return  # the layer worked on views of our storage
+        self.conv[binding.slots_B] = conv
+        self.recurrent[binding.slots_B] = recurrent
 
 
 class SlotCache(Cache):
@@ -111,19 +124,20 @@ class SlotCache(Cache):
         }
         super().__init__(layers=[None] * len(layer_types))
         self._binding: BatchBinding | None = None
+        self._is_prefill = False
 
     def bind(self, binding: BatchBinding, *, is_prefill: bool) -> None:
-        self._binding = binding
+        self._binding, self._is_prefill = binding, is_prefill
         for i, layer in self.attention.items():
             layer.binding = binding
             self.layers[i] = layer
         for i, state in self.linear.items():
-            self.layers[i] = state.bind(binding.slots_B, is_prefill)
+            self.layers[i] = state.bind(binding, is_prefill)
 
     def commit(self) -> None:
         """Write the linear-attention states of the bound batch back to their slots."""
         for i, state in self.linear.items():
-            state.commit(self._binding.slots_B, self.layers[i])
+            state.commit(self._binding, self.layers[i], self._is_prefill)
 
     def is_recording_past(self, layer_idx: int) -> bool:
         return False

@@ -125,7 +125,9 @@ class EngineCore:
         for group in scheduled.prefill:
             step.prefill.append(PrefillItem(group.inputs, [seq.slot for seq in group.seqs]))
             step.rows += [RowSampling(seq.seq_id, seq.params, seq.seed) for seq in group.seqs]
-        for seq in scheduled.decode:
+        # Rows in slot order: running slots are mostly a packed range, which the runner reads
+        # through views instead of gathering copies.
+        for seq in sorted(scheduled.decode, key=lambda seq: seq.slot):
             step.decode_slots.append(seq.slot)
             step.decode_positions.append(seq.num_tokens - 1)
             step.decode_token_ids.append(seq.last_token_id)
@@ -133,7 +135,8 @@ class EngineCore:
         return step
 
     def _update(self, scheduled: SchedulerOutput, result: StepOutput) -> list[RequestOutput]:
-        seqs = [seq for group in scheduled.prefill for seq in group.seqs] + scheduled.decode
+        decode = sorted(scheduled.decode, key=lambda seq: seq.slot)  # the rows' order
+        seqs = [seq for group in scheduled.prefill for seq in group.seqs] + decode
         for group in scheduled.prefill:
             group.inputs = None  # the media tensors are in the cache now; let them go
         deltas: dict[str, list[SampleDelta]] = {}

@@ -291,13 +291,16 @@ class Generator:
         self._deliver(outputs)
 
     def _deliver(self, outputs: list[RequestOutput | None]) -> None:
+        # One wake-up per event loop per step, not one per request: each wake-up makes the loop's
+        # thread contend for the GIL with this one.
+        batches: dict[asyncio.AbstractEventLoop, list] = {}
         for output in outputs:
-            if output is None:
-                continue
-            entry = self._queues.get(output.request_id)
+            entry = self._queues.get(output.request_id) if output is not None else None
             if entry is not None:
                 loop, queue = entry
-                loop.call_soon_threadsafe(queue.put_nowait, output)
+                batches.setdefault(loop, []).append((queue, output))
+        for loop, batch in batches.items():
+            loop.call_soon_threadsafe(_put_all, batch)
 
     def _abort_all(self) -> None:
         for request_id in self.core.scheduler.request_ids():
@@ -308,6 +311,11 @@ class Generator:
             error.__cause__ = cause
         for loop, queue in list(self._queues.values()):
             loop.call_soon_threadsafe(queue.put_nowait, error)
+
+
+def _put_all(batch: list[tuple[asyncio.Queue, Any]]) -> None:
+    for queue, item in batch:
+        queue.put_nowait(item)
 
 
 def _run_command(fn: Callable[[], Any], future: concurrent.futures.Future) -> None:

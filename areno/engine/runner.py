@@ -7,17 +7,34 @@ per-row attention masks (a sliding-window mask for Gemma 4's sliding layers).
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from areno.engine.cache import BatchBinding, SlotCache, copy_slot
+from areno.engine.cuda_graphs import DecodeGraphs
 from areno.processing.types import PromptInputs
+
+GRAPH_MODES = ("auto", "off", "static", "capture")
+# NOTE: not cuDNN: with a per-row mask it re-plans its graph whenever the key length changes,
+# which cost ~1.4 ms of CPU per attention call on an H200, more than the whole step's GPU time.
+_CUDA_ATTENTION = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 class ModelRunner:
     """Runs one model over a fixed set of cache slots. Never decides policy."""
 
-    def __init__(self, model: torch.nn.Module, *, num_slots: int, max_len: int):
+    def __init__(
+        self, model: torch.nn.Module, *, num_slots: int, max_len: int, graphs: str = "auto"
+    ):
+        """`graphs`: decode through CUDA graphs ("capture"), through the same padded static-shape
+        step without capturing ("static", for tests), or plainly ("off"); "auto" captures on
+        CUDA only."""
+        if graphs not in GRAPH_MODES:
+            raise ValueError(f"graphs must be one of {GRAPH_MODES}; got {graphs!r}")
         self.model = model.eval()
+        self.max_len = max_len
         self.device = next(model.parameters()).device
         self.text_config = model.config.get_text_config()
         num_layers = self.text_config.num_hidden_layers
@@ -25,10 +42,23 @@ class ModelRunner:
             ["full_attention"] * num_layers
         )
         self.sliding_window = getattr(self.text_config, "sliding_window", None)
-        self.cache = SlotCache(self.layer_types, num_slots=num_slots, max_len=max_len)
+        # One slot more than the engine schedules: padding rows of a graphed decode write there.
+        self.cache = SlotCache(self.layer_types, num_slots=num_slots + 1, max_len=max_len)
         # Qwen-style multimodal rope: text positions after media are offset by a per-request delta.
         self.uses_mrope = hasattr(model.model, "rope_deltas")
-        self.rope_delta = [0] * num_slots
+        self.rope_delta = [0] * (num_slots + 1)
+        if graphs == "auto":
+            graphs = "capture" if self.device.type == "cuda" else "off"
+        self.graphs = None
+        if graphs != "off":
+            self.graphs = DecodeGraphs(
+                self, max_rows=num_slots, scratch_slot=num_slots, capture=graphs == "capture"
+            )
+
+    def _attention_backends(self) -> contextlib.AbstractContextManager:
+        if self.device.type != "cuda":
+            return contextlib.nullcontext()
+        return sdpa_kernel(_CUDA_ATTENTION)
 
     @torch.inference_mode()
     def prefill(self, inputs: PromptInputs, slots: list[int]) -> torch.Tensor:
@@ -41,7 +71,10 @@ class ModelRunner:
         if self.uses_mrope:
             self.model.model.rope_deltas = None
         model_inputs = {k: v.to(self.device) for k, v in inputs.model_inputs().items()}
-        out = self.model(**model_inputs, past_key_values=self.cache, use_cache=True)
+        with self._attention_backends():
+            out = self.model(
+                **model_inputs, past_key_values=self.cache, use_cache=True, logits_to_keep=1
+            )
         self.cache.commit()
         delta = 0
         if self.uses_mrope and self.model.model.rope_deltas is not None:
@@ -53,33 +86,74 @@ class ModelRunner:
         return out.logits[0, -1].float()
 
     @torch.inference_mode()
+    def prefill_batch(self, prompts: list[PromptInputs], slots: list[list[int]]) -> torch.Tensor:
+        """Prefill equal-length prompts without media in one forward (`can_batch_prefill`);
+        prompt i goes into `slots[i][0]` and is forked into the rest. Returns logits (B, V)."""
+        num_tokens = prompts[0].num_prompt_tokens
+        first_slots = torch.tensor([s[0] for s in slots], device=self.device)
+        positions = torch.arange(num_tokens, device=self.device).expand(len(prompts), -1)
+        self.cache.bind(BatchBinding(first_slots, positions, num_tokens), is_prefill=True)
+        if self.uses_mrope:
+            self.model.model.rope_deltas = None
+        model_inputs = {
+            key: torch.cat([p.model_inputs()[key] for p in prompts]).to(self.device)
+            for key in prompts[0].model_inputs()
+        }
+        with self._attention_backends():
+            out = self.model(
+                **model_inputs, past_key_values=self.cache, use_cache=True, logits_to_keep=1
+            )
+        self.cache.commit()
+        deltas = [0] * len(prompts)
+        if self.uses_mrope and self.model.model.rope_deltas is not None:
+            deltas = self.model.model.rope_deltas[:, 0].tolist()
+        for row, row_slots in enumerate(slots):
+            for slot in row_slots:
+                self.rope_delta[slot] = int(deltas[row])
+            if len(row_slots) > 1:
+                copy_slot(self.cache, row_slots[0], row_slots[1:])
+        return out.logits[:, -1].float()
+
+    @torch.inference_mode()
     def decode(self, slots: list[int], positions: list[int], token_ids: list[int]) -> torch.Tensor:
         """One token for each row: `token_ids[i]` sits at cache position `positions[i]` of
         `slots[i]`. Returns logits (B, V)."""
+        with self._attention_backends():
+            if self.graphs is not None:
+                return self.graphs.decode(slots, positions, token_ids)
+            return self._decode_eager(slots, positions, token_ids)
+
+    def _decode_eager(
+        self, slots: list[int], positions: list[int], token_ids: list[int]
+    ) -> torch.Tensor:
         slots_B = torch.tensor(slots, device=self.device)
         pos_B = torch.tensor(positions, device=self.device)
         kv_len = max(positions) + 1
-        self.cache.bind(
-            BatchBinding(slots_B, pos_B[:, None], kv_len, min(positions)), is_prefill=False
-        )
+        lo = slots[0]
+        slot_range = (lo, lo + len(slots)) if slots == list(range(lo, lo + len(slots))) else None
+        binding = BatchBinding(slots_B, pos_B[:, None], kv_len, min(positions), slot_range)
+        self.cache.bind(binding, is_prefill=False)
+        delta_B = torch.tensor([self.rope_delta[s] for s in slots], device=self.device)
         out = self.model(
             input_ids=torch.tensor(token_ids, device=self.device)[:, None],
-            position_ids=self._position_ids(slots, pos_B),
-            attention_mask=self._masks(pos_B, kv_len),
+            position_ids=self.position_ids(pos_B, delta_B),
+            attention_mask=self.masks(pos_B, kv_len),
             past_key_values=self.cache,
             use_cache=True,
         )
         self.cache.commit()
         return out.logits[:, -1].float()
 
-    def _position_ids(self, slots: list[int], pos_B: torch.Tensor) -> torch.Tensor:
+    def position_ids(self, pos_B: torch.Tensor, rope_delta_B: torch.Tensor) -> torch.Tensor:
+        """Decode position ids: (B, 1), or Qwen's (4, B, 1) multimodal rope positions."""
         if not self.uses_mrope:
             return pos_B[:, None]
-        shifted = pos_B + torch.tensor([self.rope_delta[s] for s in slots], device=self.device)
+        shifted = pos_B + rope_delta_B
         # (text, temporal, height, width) positions; a text token has the same value in all three.
         return torch.stack([pos_B, shifted, shifted, shifted])[:, :, None]
 
-    def _masks(self, pos_B: torch.Tensor, kv_len: int) -> torch.Tensor | dict[str, torch.Tensor]:
+    def masks(self, pos_B: torch.Tensor, kv_len: int) -> torch.Tensor | dict[str, torch.Tensor]:
+        """Per-row masks over `kv_len` cached keys: causal, and windowed for sliding layers."""
         keys = torch.arange(kv_len, device=self.device)[None, :]
         full = (keys <= pos_B[:, None])[:, None, None, :]
         if not self.sliding_window or "sliding_attention" not in self.layer_types:
@@ -94,6 +168,16 @@ class ModelRunner:
         if self.uses_mrope:
             self.model.model.rope_deltas = None
         model_inputs = {k: v.to(self.device) for k, v in inputs.model_inputs().items()}
-        logits_NV = self.model(**model_inputs, use_cache=False).logits[0, :-1].float()
+        with self._attention_backends():
+            logits_NV = self.model(**model_inputs, use_cache=False).logits[0, :-1].float()
         targets_N = model_inputs["input_ids"][0, 1:]
         return torch.log_softmax(logits_NV, dim=-1).gather(-1, targets_N[:, None]).squeeze(-1)
+
+
+def can_batch_prefill(inputs: PromptInputs) -> bool:
+    """Whether a prompt may share a prefill forward with others of its length: no media, and
+    only per-token tensors (like `mm_token_type_ids`) besides its ids."""
+    n = inputs.num_prompt_tokens
+    return not inputs.mm_spans and all(
+        v.ndim == 2 and v.shape == (1, n) for v in inputs.mm_inputs.values()
+    )

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from areno.engine.runner import ModelRunner
+from areno.engine.runner import ModelRunner, can_batch_prefill
 from areno.engine.sampler import SamplingTensors, generator_for, sample
 from areno.engine.sampling import SamplingParams
 from areno.errors import ArenoError
@@ -104,10 +104,7 @@ class Worker:
         """Run the step's forwards and (on the sampling rank) sample one token per row."""
         for seq_id in step.finished_seq_ids:
             self._generators.pop(seq_id, None)
-        logits = []
-        for item in step.prefill:
-            last_V = self.runner.prefill(item.inputs, item.slots)
-            logits.append(last_V.expand(len(item.slots), -1))
+        logits = self._prefill(step.prefill)
         if step.decode_slots:
             logits.append(
                 self.runner.decode(step.decode_slots, step.decode_positions, step.decode_token_ids)
@@ -115,6 +112,29 @@ class Worker:
         if not self.samples or not logits:
             return None
         return self._sample(torch.cat(logits), step.rows)
+
+    def _prefill(self, items: list[PrefillItem]) -> list[torch.Tensor]:
+        """Each item's last logits, repeated for its n rows, in item order. Prompts without
+        media of equal length share one forward."""
+        last: list[torch.Tensor | None] = [None] * len(items)
+        batches: dict[int, list[int]] = {}
+        for i, item in enumerate(items):
+            if can_batch_prefill(item.inputs):
+                batches.setdefault(item.inputs.num_prompt_tokens, []).append(i)
+            else:
+                last[i] = self.runner.prefill(item.inputs, item.slots)
+        for indices in batches.values():
+            if len(indices) == 1:
+                last[indices[0]] = self.runner.prefill(
+                    items[indices[0]].inputs, items[indices[0]].slots
+                )
+                continue
+            logits_BV = self.runner.prefill_batch(
+                [items[i].inputs for i in indices], [items[i].slots for i in indices]
+            )
+            for row, i in enumerate(indices):
+                last[i] = logits_BV[row]
+        return [v.expand(len(item.slots), -1) for v, item in zip(last, items, strict=True)]
 
     def _sample(self, logits_BV: torch.Tensor, rows: list[RowSampling]) -> StepOutput:
         params = [row.params for row in rows]

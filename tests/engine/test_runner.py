@@ -5,10 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from areno.engine.runner import ModelRunner
+from areno.engine.runner import ModelRunner, can_batch_prefill
 from areno.media import MediaDecoder, MediaPolicy
 from areno.media.samples import write_audio, write_image, write_video
 from areno.processing import Processor, process_messages
+from areno.processing.types import PromptInputs
 
 NUM_NEW = 10
 FAMILIES = ["qwen3_5", "qwen3_vl", "minicpmv4_6", "gemma4"]
@@ -65,8 +66,9 @@ def load(tiny_path, family):
     return processor, decoder, processor.adapter.load_model(tiny_path(family)).eval()
 
 
+@pytest.mark.parametrize("graphs", ["off", "static"])
 @pytest.mark.parametrize("family", FAMILIES)
-def test_staggered_batched_greedy_equals_generate(tiny_path, media, family):
+def test_staggered_batched_greedy_equals_generate(tiny_path, media, family, graphs):
     processor, decoder, model = load(tiny_path, family)
     inputs = [
         process_messages(processor, decoder, r)
@@ -86,7 +88,8 @@ def test_staggered_batched_greedy_equals_generate(tiny_path, media, family):
     def greedy(logits):
         return int(logits.index_fill(-1, eos, float("-inf")).argmax())
 
-    runner = ModelRunner(model, num_slots=8, max_len=1024)
+    # "static" is the padded, static-buffer step that CUDA graphs capture, run eagerly here.
+    runner = ModelRunner(model, num_slots=8, max_len=1024, graphs=graphs)
     running: list[dict] = []
     done: dict[int, list[int]] = {}
     pending = list(enumerate(inputs))
@@ -144,3 +147,28 @@ def test_decode_logprobs_match_a_full_forward(tiny_path, media):
         ref = torch.log_softmax(model(**full).logits[0, -5:].float(), -1)
     for i in range(5):
         assert torch.allclose(logps[i], ref[i], atol=1e-4), i
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_batched_prefill_equals_one_at_a_time(tiny_path, family):
+    processor, decoder, model = load(tiny_path, family)
+    base = process_messages(processor, decoder, [{"role": "user", "content": "Count to ten."}])
+    # Same length, different prompts: change one token of the user's text.
+    prompts = [base]
+    for token_id in (40, 41):
+        ids = list(base.input_ids)
+        ids[-6] = token_id
+        prompts.append(PromptInputs(ids, base.mm_inputs))
+    assert len({tuple(p.input_ids) for p in prompts}) == 3
+    assert all(can_batch_prefill(p) for p in prompts)
+    alone = ModelRunner(model, num_slots=6, max_len=256)
+    together = ModelRunner(model, num_slots=6, max_len=256)
+    want = torch.stack([alone.prefill(p, [2 * i]) for i, p in enumerate(prompts)])
+    have = together.prefill_batch(prompts, [[0], [2, 3], [4]])
+    assert torch.allclose(have, want, atol=1e-4)
+    n = prompts[0].num_prompt_tokens
+    step = alone.decode([0, 2, 4], [n] * 3, [5, 6, 7])
+    # slot 3 is the fork of slot 2: it must decode like slot 2.
+    forked = together.decode([0, 2, 3, 4], [n] * 4, [5, 6, 6, 7])
+    assert torch.allclose(forked[[0, 1, 3]], step, atol=1e-4)
+    assert torch.allclose(forked[2], forked[1], atol=1e-5)

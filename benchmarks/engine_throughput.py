@@ -1,0 +1,493 @@
+"""Generation throughput: AReno's engine vs Hugging Face `generate` on the same requests.
+
+Workloads (fixed seed, requests in arrival order):
+- cpu: 64 chat requests, encoded prompts of 32-256 tokens (template and image placeholders
+       included; random corpus words fill the rest), a quarter carry one image of 64-320 px sides,
+       max_tokens 16-128, EOS allowed, concurrency 16. Model: the ~30 M `areno make-tiny --size
+       small` checkpoint of --family (default qwen3_5), fp32.
+- gpu: 256 requests x 256 random prompt token ids x exactly 128 output tokens (EOS ignored), text
+       only, concurrency 64. Models: random bf16 weights in the shapes of Qwen3-1.7B and
+       Qwen3.5-2B (3 linear : 1 full attention layers), built in memory on CUDA.
+Systems:
+- engine:     AReno's engine with `concurrency` requests in flight (see `run_engine`).
+- hf-static / hf-dynamic: `model.generate`, greedy, on left-padded batches of `concurrency`
+              requests with a static / dynamic KV cache; each batch generates up to its largest
+              max_tokens. Image requests share the padded batch with text ones: the per-token media
+              tensors are left-padded like the ids, the rest concatenated along the item axis.
+Output tokens are useful tokens only: a request counts min(max_tokens, tokens up to and including
+its first EOS), never batch padding. The roofline assumes decode reads every weight once per step:
+concurrency * copy bandwidth / weight bytes tokens/s. Prints a table per model and writes JSON
+(default benchmarks/results/engine_throughput_<workload>.json).
+
+    python benchmarks/engine_throughput.py --workload cpu [--family gemma4] [--threads 1]
+    python benchmarks/engine_throughput.py --workload gpu [--model qwen3-1.7b qwen3.5-2b]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import platform
+import random
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from areno.engine.config import EngineConfig
+from areno.engine.generator import Generator
+from areno.engine.sampling import SamplingParams
+from areno.media import MediaDecoder, MediaPolicy
+from areno.media.samples import write_image
+from areno.models.tiny import TINY_FAMILIES, tiny_checkpoint
+from areno.models.tiny.corpus import corpus
+from areno.processing import Processor, PromptInputs, process_messages
+
+WORKLOADS = {
+    "cpu": {
+        "num_requests": 64,
+        "prompt_len_range": (32, 256),
+        "max_tokens_range": (16, 128),
+        "image_fraction": 0.25,
+        "concurrency": 16,
+        "models": ["small"],
+        "device": "cpu",
+        "dtype": "float32",
+    },
+    "gpu": {
+        "num_requests": 256,
+        "prompt_len": 256,
+        "max_tokens": 128,
+        "concurrency": 64,
+        "models": ["qwen3-1.7b", "qwen3.5-2b"],
+        "device": "cuda",
+        "dtype": "bfloat16",
+    },
+}
+MODELS = ("small", "qwen3-1.7b", "qwen3.5-2b")
+_FIT_ROUNDS = 4  # encode / adjust rounds to bring a prompt to its target token count
+
+
+# --- workloads ------------------------------------------------------------------------------------
+
+
+def _messages(words: list[str], image: Path | None) -> list[dict]:
+    content: list[dict] = [{"type": "text", "text": " ".join(words)}]
+    if image is not None:
+        content.insert(0, {"type": "image_url", "image_url": {"url": str(image)}})
+    return [{"role": "user", "content": content}]
+
+
+def _fit_prompt(
+    processor: Processor,
+    decoder: MediaDecoder,
+    rng: random.Random,
+    pool: list[str],
+    target: int,
+    image: Path | None,
+) -> PromptInputs:
+    """Random words, as many as bring the encoded prompt close to `target` tokens.
+
+    The template and image placeholders count too, so a prompt can exceed a small target.
+    """
+    words = rng.choices(pool, k=1)
+    inputs = process_messages(processor, decoder, _messages(words, image))
+    base = inputs.num_prompt_tokens  # template + image + one word
+    tokens_per_word = 1.5  # a first guess for the small BPE vocab, measured after one round
+    for _ in range(_FIT_ROUNDS):
+        missing = target - inputs.num_prompt_tokens
+        num_words = max(1, len(words) + round(missing / tokens_per_word))
+        if num_words == len(words):
+            break
+        words = words[:num_words] + rng.choices(pool, k=max(0, num_words - len(words)))
+        inputs = process_messages(processor, decoder, _messages(words, image))
+        if len(words) > 1:
+            tokens_per_word = max(0.5, (inputs.num_prompt_tokens - base) / (len(words) - 1))
+    return inputs
+
+
+def make_workload(
+    seed: int,
+    num_requests: int,
+    prompt_len_range: tuple[int, int],
+    max_tokens_range: tuple[int, int],
+    image_fraction: float,
+    processor: Processor,
+    decoder: MediaDecoder,
+) -> list[dict]:
+    """Chat requests: {"prompt_inputs": PromptInputs, "max_tokens": int, "ignore_eos": False}."""
+    rng = random.Random(seed)
+    pool = sorted({w for line in corpus(num_lines=300, seed=seed) for w in line.split()})
+    with_image = set(rng.sample(range(num_requests), round(num_requests * image_fraction)))
+    requests = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for i in range(num_requests):
+            image = None
+            if i in with_image:
+                w, h = rng.randint(64, 320), rng.randint(64, 320)
+                image = write_image(Path(tmp) / f"{i}.png", w, h, seed=seed + i)
+            target = rng.randint(*prompt_len_range)
+            inputs = _fit_prompt(processor, decoder, rng, pool, target, image)
+            max_tokens = rng.randint(*max_tokens_range)
+            requests.append(
+                {"prompt_inputs": inputs, "max_tokens": max_tokens, "ignore_eos": False}
+            )
+    return requests
+
+
+def make_random_id_workload(
+    seed: int, num_requests: int, prompt_len: int, max_tokens: int, vocab_size: int
+) -> list[dict]:
+    """Text-only requests of random token ids that must generate exactly `max_tokens`."""
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab_size, (num_requests, prompt_len), generator=gen)
+    return [
+        {
+            "prompt_inputs": PromptInputs(input_ids=row, mm_inputs={}),
+            "max_tokens": max_tokens,
+            "ignore_eos": True,
+        }
+        for row in ids.tolist()
+    ]
+
+
+# --- models ---------------------------------------------------------------------------------------
+
+
+def random_model(name: str, device: str, dtype: torch.dtype) -> torch.nn.Module:
+    """Random weights in a real model's shapes, initialized directly on `device`."""
+    import transformers as tf
+
+    if name == "qwen3-1.7b":
+        config = tf.Qwen3Config(
+            vocab_size=151936,
+            hidden_size=2048,
+            intermediate_size=6144,
+            num_hidden_layers=28,
+            num_attention_heads=16,
+            num_key_value_heads=8,
+            head_dim=128,
+            tie_word_embeddings=True,
+        )
+    elif name == "qwen3.5-2b":
+        # Default layer_types: every 4th layer full attention, the rest gated delta net.
+        config = tf.Qwen3_5TextConfig(
+            vocab_size=248320,
+            hidden_size=2048,
+            intermediate_size=6144,
+            num_hidden_layers=24,
+            num_attention_heads=8,
+            num_key_value_heads=2,
+            head_dim=256,
+            linear_num_key_heads=16,
+            linear_num_value_heads=16,
+            linear_key_head_dim=128,
+            linear_value_head_dim=128,
+            tie_word_embeddings=True,
+        )
+    else:
+        raise ValueError(f"no random model named {name!r}")
+    with torch.device(device):
+        return tf.AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
+
+
+def load_small(family: str, device: str, dtype: torch.dtype) -> tuple[torch.nn.Module, Processor]:
+    """The `make-tiny --size small` checkpoint of `family` (cached) and its processor."""
+    path = tiny_checkpoint(family, size="small")
+    processor = Processor(path)
+    model = processor.adapter.load_model(path, dtype=dtype).to(device).eval()
+    return model, processor
+
+
+# --- Hugging Face baseline ------------------------------------------------------------------------
+
+
+def pad_batch(requests: list[dict], pad_token_id: int, device: torch.device) -> dict:
+    """Left-padded ids and mask, plus the batch's media tensors, for one `generate` call."""
+    prompts = [r["prompt_inputs"] for r in requests]
+    length = max(p.num_prompt_tokens for p in prompts)
+    ids = torch.full((len(prompts), length), pad_token_id, dtype=torch.long)
+    mask = torch.zeros((len(prompts), length), dtype=torch.long)
+    for row, p in enumerate(prompts):
+        ids[row, length - p.num_prompt_tokens :] = torch.tensor(p.input_ids)
+        mask[row, length - p.num_prompt_tokens :] = 1
+    batch = {"input_ids": ids, "attention_mask": mask, **_batch_media(prompts, length)}
+    return {k: v.to(device) for k, v in batch.items()}
+
+
+def _batch_media(prompts: list[PromptInputs], length: int) -> dict[str, torch.Tensor]:
+    """Per-token tensors (mm_token_type_ids) left-padded like the ids; per-item tensors
+    (pixel_values, image_grid_thw, ...) concatenated along the item axis in request order."""
+    media = {}
+    for key in sorted({k for p in prompts for k in p.mm_inputs}):
+        having = [p for p in prompts if key in p.mm_inputs]
+        if not all(_is_per_token(p.mm_inputs[key], p) for p in having):
+            media[key] = torch.cat([p.mm_inputs[key] for p in having])
+            continue
+        first = having[0].mm_inputs[key]
+        padded = torch.zeros((len(prompts), length, *first.shape[2:]), dtype=first.dtype)
+        for row, p in enumerate(prompts):
+            if key in p.mm_inputs:
+                padded[row, length - p.num_prompt_tokens :] = p.mm_inputs[key][0]
+        media[key] = padded
+    return media
+
+
+def _is_per_token(value: torch.Tensor, prompt: PromptInputs) -> bool:
+    return value.dim() >= 2 and tuple(value.shape[:2]) == (1, prompt.num_prompt_tokens)
+
+
+def useful_tokens(generated: list[int], max_tokens: int, eos_ids: set[int]) -> int:
+    """Tokens a request asked for: up to and including its first EOS, at most max_tokens."""
+    for i, token in enumerate(generated[:max_tokens]):
+        if token in eos_ids:
+            return i + 1
+    return min(max_tokens, len(generated))
+
+
+def _generate(model, batch: dict, max_new_tokens: int, ignore_eos: bool, cache: str, pad: int):
+    return model.generate(
+        **batch,
+        max_new_tokens=max_new_tokens,
+        min_new_tokens=max_new_tokens if ignore_eos else None,
+        do_sample=False,
+        cache_implementation=cache,
+        pad_token_id=pad,
+    )
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@torch.inference_mode()
+def run_hf_generate(
+    model: torch.nn.Module, requests: list[dict], batch_size: int, cache_implementation: str
+) -> dict:
+    """`generate` over padded batches of `batch_size` requests; useful output tokens per second."""
+    device = model.device
+    eos = model.generation_config.eos_token_id
+    eos_ids = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
+    pad = model.generation_config.pad_token_id or 0
+    batches = [requests[i : i + batch_size] for i in range(0, len(requests), batch_size)]
+    # Warm-up off the clock. On CUDA a static cache makes generate compile the forward, so the
+    # warm-up runs the full first batch (the gpu workload's batches all share its shapes).
+    first = batches[0]
+    warm_tokens = max(r["max_tokens"] for r in first) if device.type == "cuda" else 2
+    _generate(model, pad_batch(first, pad, device), warm_tokens, True, cache_implementation, pad)
+    _synchronize(device)
+    num_tokens = 0
+    start = time.perf_counter()
+    for batch in batches:
+        inputs = pad_batch(batch, pad, device)
+        max_new = max(r["max_tokens"] for r in batch)
+        ignore_eos = all(r["ignore_eos"] for r in batch)
+        out = _generate(model, inputs, max_new, ignore_eos, cache_implementation, pad)
+        generated = out[:, inputs["input_ids"].shape[1] :].tolist()
+        for r, row in zip(batch, generated, strict=True):
+            limit_eos = set() if r["ignore_eos"] else eos_ids
+            num_tokens += useful_tokens(row, r["max_tokens"], limit_eos)
+    _synchronize(device)
+    wall_s = time.perf_counter() - start
+    return {"output_tokens": num_tokens, "wall_s": wall_s, "tok_s": num_tokens / wall_s}
+
+
+# --- AReno engine ---------------------------------------------------------------------------------
+
+
+def run_engine(
+    model: torch.nn.Module, tokenizer: Any, requests: list[dict], concurrency: int
+) -> dict:
+    """AReno's engine on the same requests: all submitted at once in arrival order, at most
+    `concurrency` decoding (the engine's cache slots), greedy, token ids only (no detokenizing,
+    as `generate` does none). Useful tokens are counted like `run_hf_generate`: the engine stops
+    a request at its first EOS (unless `ignore_eos`) or at max_tokens."""
+    max_len = max(r["prompt_inputs"].num_prompt_tokens + r["max_tokens"] for r in requests)
+    config = EngineConfig(max_running_prompts=concurrency, max_context_len=max_len + 1)
+    generator = Generator.from_model(model, tokenizer, config)
+
+    def params(r: dict) -> SamplingParams:
+        return SamplingParams(
+            temperature=0, max_tokens=r["max_tokens"], ignore_eos=r["ignore_eos"], detokenize=False
+        )
+
+    async def run_all(batch: list[dict]) -> list:
+        return await asyncio.gather(
+            *(generator.generate_all(r["prompt_inputs"], params(r)) for r in batch)
+        )
+
+    try:
+        asyncio.run(run_all([dict(r, max_tokens=2) for r in requests[:concurrency]]))  # warm-up
+        _synchronize(model.device)
+        start = time.perf_counter()
+        outputs = asyncio.run(run_all(requests))
+        _synchronize(model.device)
+        wall_s = time.perf_counter() - start
+    finally:
+        generator.shutdown()
+    num_tokens = sum(len(out.samples[0].token_ids) for out in outputs)
+    return {"output_tokens": num_tokens, "wall_s": wall_s, "tok_s": num_tokens / wall_s}
+
+
+# --- roofline and report --------------------------------------------------------------------------
+
+
+def copy_bandwidth_gb_s(device: torch.device, num_bytes: int, repeats: int = 5) -> float:
+    """Median device copy bandwidth; a copy reads and writes, so it moves 2x the tensor's bytes."""
+    src = torch.ones(num_bytes // 4, dtype=torch.float32, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)  # warm-up: page in both buffers
+    times = []
+    for _ in range(repeats):
+        _synchronize(device)
+        start = time.perf_counter()
+        dst.copy_(src)
+        _synchronize(device)
+        times.append(time.perf_counter() - start)
+    return 2 * num_bytes / statistics.median(times) / 1e9
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def run_model(name: str, args: argparse.Namespace, bandwidth_gb_s: float) -> dict:
+    """All systems on one model; returns the model's report (rows, roofline)."""
+    workload = WORKLOADS[args.workload]
+    dtype = getattr(torch, args.dtype)
+    tokenizer = None
+    if name == "small":
+        model, processor = load_small(args.family, args.device, dtype)
+        tokenizer = processor.tokenizer
+        decoder = MediaDecoder(MediaPolicy.for_training(), processor.decode_options())
+        requests = make_workload(
+            args.seed,
+            args.num_requests,
+            workload["prompt_len_range"],
+            workload["max_tokens_range"],
+            workload["image_fraction"],
+            processor,
+            decoder,
+        )
+    else:
+        model = random_model(name, args.device, dtype)
+        vocab_size = model.config.get_text_config().vocab_size
+        requests = make_random_id_workload(
+            args.seed, args.num_requests, workload["prompt_len"], workload["max_tokens"], vocab_size
+        )
+    num_weight_bytes = weight_bytes(model)
+    roofline = args.concurrency * bandwidth_gb_s * 1e9 / num_weight_bytes
+    systems = {"engine": lambda: run_engine(model, tokenizer, requests, args.concurrency)}
+    caches = ["static"] if args.skip_hf_dynamic else ["static", "dynamic"]
+    for cache in caches:
+        systems[f"hf-{cache}"] = lambda c=cache: run_hf_generate(
+            model, requests, args.concurrency, c
+        )
+    rows = []
+    for system, run in systems.items():
+        result = run()
+        print(f"{system}: {result['tok_s']:.1f} tok/s", flush=True)
+        rows.append({"system": system, "requests": len(requests), **result})
+    _add_ratios(rows, roofline)
+    prompt_tokens = [r["prompt_inputs"].num_prompt_tokens for r in requests]
+    return {
+        "model": name if name != "small" else f"{args.family}-small",
+        "num_params": sum(p.numel() for p in model.parameters()),
+        "weight_bytes": num_weight_bytes,
+        "roofline_tok_s": roofline,
+        "num_image_requests": sum(bool(r["prompt_inputs"].mm_spans) for r in requests),
+        "mean_prompt_tokens": statistics.mean(prompt_tokens),
+        "rows": rows,
+    }
+
+
+def _add_ratios(rows: list[dict], roofline_tok_s: float) -> None:
+    base = next((r["tok_s"] for r in rows if r["system"] == "hf-static"), None)
+    for r in rows:
+        r["vs_hf_static"] = r["tok_s"] / base if base else None
+        r["pct_roofline"] = 100 * r["tok_s"] / roofline_tok_s
+
+
+def print_report(report: dict, bandwidth_gb_s: float) -> None:
+    print(
+        f"\n{report['model']}: {report['num_params'] / 1e6:.1f} M params, "
+        f"{report['weight_bytes'] / 1e6:.1f} MB weights, {bandwidth_gb_s:.1f} GB/s copy, "
+        f"roofline {report['roofline_tok_s']:.0f} tok/s, mean prompt "
+        f"{report['mean_prompt_tokens']:.0f} tokens, {report['num_image_requests']} with an image"
+    )
+    header = (
+        f"{'system':<11} {'requests':>8} {'output tok':>10} {'wall s':>8} {'tok/s':>9} "
+        f"{'vs HF static':>12} {'% roofline':>10}"
+    )
+    print(header)
+    print("-" * len(header))
+    for r in report["rows"]:
+        ratio = f"{r['vs_hf_static']:.2f}" if r["vs_hf_static"] else "-"
+        print(
+            f"{r['system']:<11} {r['requests']:>8} {r['output_tokens']:>10} {r['wall_s']:>8.1f} "
+            f"{r['tok_s']:>9.1f} {ratio:>12} {r['pct_roofline']:>10.1f}"
+        )
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--workload", choices=WORKLOADS, default="cpu")
+    parser.add_argument("--model", nargs="+", choices=MODELS, help="default: the workload's")
+    parser.add_argument("--family", choices=TINY_FAMILIES, default="qwen3_5")
+    parser.add_argument("--device", choices=["cpu", "cuda"], help="default: the workload's")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--num-requests", type=int)
+    parser.add_argument("--concurrency", type=int)
+    parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's)")
+    parser.add_argument("--skip-hf-dynamic", action="store_true")
+    parser.add_argument(
+        "--out", help="default: benchmarks/results/engine_throughput_<workload>.json"
+    )
+    args = parser.parse_args()
+    defaults = WORKLOADS[args.workload]
+    args.model = args.model or defaults["models"]
+    args.device = args.device or defaults["device"]
+    args.dtype = args.dtype or defaults["dtype"]
+    args.num_requests = args.num_requests or defaults["num_requests"]
+    args.concurrency = args.concurrency or defaults["concurrency"]
+    args.out = args.out or f"benchmarks/results/engine_throughput_{args.workload}.json"
+    return args
+
+
+def main() -> None:
+    args = parse_args()
+    torch.manual_seed(args.seed)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    bandwidth = copy_bandwidth_gb_s(device, (1 << 30) if device.type == "cuda" else (256 << 20))
+    reports = [run_model(name, args, bandwidth) for name in args.model]
+    for report in reports:
+        print_report(report, bandwidth)
+    meta = {
+        "machine": platform.platform(),
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "threads": torch.get_num_threads(),
+        "workload": args.workload,
+        "seed": args.seed,
+        "num_requests": args.num_requests,
+        "concurrency": args.concurrency,
+        "dtype": args.dtype,
+        "copy_bandwidth_gb_s": bandwidth,
+    }
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"meta": meta, "models": reports}, indent=2))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,78 @@
+"""CUDA paths of the engine (run on a GPU machine; skipped elsewhere)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from areno.engine.config import EngineConfig
+from areno.engine.generator import Generator
+from areno.engine.runner import ModelRunner
+from areno.engine.sampling import SamplingParams
+from areno.processing.types import PromptInputs
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+FAMILIES = ["qwen3_5", "qwen3_vl", "minicpmv4_6", "gemma4"]
+
+
+def staggered_greedy(model, graphs: str, prompts: list[list[int]], num_new: int) -> list[list[int]]:
+    """Requests join one per step into scattered slots while the others decode."""
+    runner = ModelRunner(model, num_slots=8, max_len=512, graphs=graphs)
+    running, done = [], {}
+    pending = list(enumerate(prompts))
+    while pending or running:
+        if pending:
+            index, ids = pending.pop(0)
+            logits = runner.prefill(PromptInputs(ids, {}), [7 - 2 * index % 8])
+            running.append({"i": index, "slot": 7 - 2 * index % 8, "out": [int(logits.argmax())]})
+            running[-1]["pos"] = len(ids)
+        logits = runner.decode(
+            [r["slot"] for r in running],
+            [r["pos"] for r in running],
+            [r["out"][-1] for r in running],
+        )
+        for row, r in enumerate(running):
+            r["out"].append(int(logits[row].argmax()))
+            r["pos"] += 1
+        for r in [r for r in running if len(r["out"]) >= num_new]:
+            done[r["i"]] = r["out"][:num_new]
+            running.remove(r)
+    return [done[i] for i in range(len(prompts))]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_cuda_graph_decode_equals_eager(tiny_path, family):
+    from areno.models import get_adapter
+    from areno.models.registry import read_model_type
+
+    path = tiny_path(family)
+    model = get_adapter(read_model_type(path)).load_model(path, dtype=torch.float32).cuda()
+    torch.manual_seed(0)
+    prompts = [torch.randint(5, 500, (n,)).tolist() for n in (9, 40, 17, 300, 3)]
+    eager = staggered_greedy(model, "off", prompts, 12)
+    graphed = staggered_greedy(model, "capture", prompts, 12)
+    assert graphed == eager
+
+
+def test_generator_on_cuda_bf16(tiny_path):
+    gen = Generator.from_config(
+        tiny_path("qwen3_5"), EngineConfig(max_running_prompts=4, max_context_len=256)
+    )
+    try:
+        out = asyncio.run(
+            gen.generate_all(
+                PromptInputs(list(range(10, 40)), {}),
+                SamplingParams(max_tokens=16, ignore_eos=True, n=3, seed=0, logprobs=True),
+            )
+        )
+    finally:
+        gen.shutdown()
+    assert gen.core.executor.worker.device.type == "cuda"
+    assert [len(s.token_ids) for s in out.samples] == [16, 16, 16]
+    assert all(lp <= 0 for s in out.samples for lp in s.logprobs)
