@@ -154,3 +154,21 @@ def copy_slot(cache: SlotCache, src: int, dsts: list[int]) -> None:
         if state.conv is not None:
             state.conv[index] = state.conv[src].clone()
             state.recurrent[index] = state.recurrent[src].clone()
+
+
+def save_rows(cache: SlotCache, num_rows: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """What a decode over slots 0..num_rows-1 at position 0 overwrites: (storage view, copy)
+    pairs for `restore_rows` (used around a CUDA-graph warm-up forward)."""
+    views = []
+    for layer in cache.attention.values():
+        if layer.is_initialized:
+            views += [layer.keys[:num_rows, :, 0], layer.values[:num_rows, :, 0]]
+    for state in cache.linear.values():
+        if state.conv is not None:
+            views += [state.conv[:num_rows], state.recurrent[:num_rows]]
+    return [(view, view.clone()) for view in views]
+
+
+def restore_rows(saved: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    for view, copy in saved:
+        view.copy_(copy)

@@ -8,6 +8,7 @@ from areno.errors import ConfigError
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
+GRAPH_MODES = ("auto", "off", "static", "capture")
 
 
 @dataclass(frozen=True)
@@ -24,6 +25,8 @@ class EngineConfig:
     dtype: "auto" is float32 on CPU and bfloat16 on CUDA.
     device: "auto" is CUDA when available.
     num_cpus_per_rank: CPUs Ray reserves for each tensor-parallel follower actor.
+    decode_graphs: "auto" (CUDA graphs on GPU), "off", "capture", or "static" (the graphs' padded
+        step run eagerly; for tests on CPU). See areno/engine/cuda_graphs.py.
     """
 
     tp_size: int = 1
@@ -33,6 +36,7 @@ class EngineConfig:
     dtype: str = "auto"
     device: str = "auto"
     num_cpus_per_rank: float = 1.0
+    decode_graphs: str = "auto"
 
     def __post_init__(self) -> None:
         for name in ("tp_size", "max_running_prompts", "max_prefill_tokens_per_step"):
@@ -50,6 +54,11 @@ class EngineConfig:
             raise ConfigError(
                 f"num_cpus_per_rank must be a number >= 0; got {self.num_cpus_per_rank!r}",
                 param="num_cpus_per_rank",
+            )
+        if self.decode_graphs not in GRAPH_MODES:
+            raise ConfigError(
+                f"decode_graphs must be one of {GRAPH_MODES}; got {self.decode_graphs!r}",
+                param="decode_graphs",
             )
         if self.dtype not in DTYPES:
             raise ConfigError(f"dtype must be one of {DTYPES}; got {self.dtype!r}", param="dtype")

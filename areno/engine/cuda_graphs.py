@@ -3,8 +3,14 @@
 An eager decode step of a 2B model launches ~1,000 small kernels, and the Python that launches them
 costs several times the GPU time at batch 64 (measured on an H200: ~28 ms of CPU for ~6 ms of GPU
 per step). A CUDA graph replays the whole step with one launch. Graphs need fixed shapes and fixed
-addresses, so a step is padded up to a bucket of rows (padding rows decode a scratch slot) and of
-key length (a multiple of `KV_BUCKET`, masked), and its inputs are copied into static buffers.
+addresses, so a step decodes a prefix of the slots, rows 0..R-1 for R the smallest bucket above
+the highest decoding slot, with the key length padded to a multiple of `KV_BUCKET` (masked), and
+its inputs are copied into static buffers. Row i is slot i, so attention reads the cache through
+views and the linear-attention states update in place, without gathering copies.
+
+NOTE: rows of slots that are not decoding this step compute garbage into their slot (a key at
+position 0, a state update). That is safe because every allocated slot is either decoding or
+being prefilled in the same step, and the worker runs the prefill after the decode.
 
 The same padded, static-buffer step also runs eagerly (`capture=False`), which is how CPU tests
 check it against the plain decode path.
@@ -16,7 +22,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from areno.engine.cache import BatchBinding
+from areno.engine.cache import BatchBinding, restore_rows, save_rows
 
 if TYPE_CHECKING:
     from areno.engine.runner import ModelRunner
@@ -34,13 +40,12 @@ def row_buckets(max_rows: int) -> list[int]:
 class DecodeGraphs:
     """Padded, static-shape decode for one runner; see the module docstring."""
 
-    def __init__(self, runner: ModelRunner, *, max_rows: int, scratch_slot: int, capture: bool):
+    def __init__(self, runner: ModelRunner, *, max_rows: int, capture: bool):
         self.runner = runner
         self.capture = capture
-        self.scratch_slot = scratch_slot
         self.buckets = row_buckets(max_rows)
         device = runner.device
-        self.slots_B = torch.full((max_rows,), scratch_slot, dtype=torch.long, device=device)
+        self.slots_B = torch.arange(max_rows, device=device)
         self.positions_B = torch.zeros(max_rows, dtype=torch.long, device=device)
         self.token_ids_B = torch.zeros(max_rows, dtype=torch.long, device=device)
         self.rope_delta_B = torch.zeros(max_rows, dtype=torch.long, device=device)
@@ -49,37 +54,30 @@ class DecodeGraphs:
 
     def decode(self, slots: list[int], positions: list[int], token_ids: list[int]) -> torch.Tensor:
         """Like `ModelRunner.decode`; returns logits (B, V)."""
-        num_rows = len(slots)
-        rows = next(b for b in self.buckets if b >= num_rows)
+        rows = next(b for b in self.buckets if b > max(slots))
         kv_len = min(-(-(max(positions) + 1) // KV_BUCKET) * KV_BUCKET, self.runner.max_len)
-        pad = rows - num_rows
-        deltas = [self.runner.rope_delta[s] for s in slots]
-        host = torch.tensor(
-            [
-                slots + [self.scratch_slot] * pad,
-                positions + [0] * pad,
-                token_ids + [0] * pad,
-                deltas + [0] * pad,
-            ],
-            dtype=torch.long,
-        )
+        host = torch.zeros((3, rows), dtype=torch.long)
+        index = torch.tensor(slots)
+        host[0, index] = torch.tensor(positions)
+        host[1, index] = torch.tensor(token_ids)
+        host[2, index] = torch.tensor([self.runner.rope_delta[s] for s in slots])
         staged = host.to(self.runner.device, non_blocking=True)
         for buffer, values in zip(
-            (self.slots_B, self.positions_B, self.token_ids_B, self.rope_delta_B),
-            staged,
-            strict=True,
+            (self.positions_B, self.token_ids_B, self.rope_delta_B), staged, strict=True
         ):
             buffer[:rows].copy_(values)
-        if not self.capture:
-            return self._forward(rows, kv_len)[:num_rows]
-        graph, logits = self._graphs.get((rows, kv_len)) or self._capture(rows, kv_len)
-        graph.replay()
-        return logits[:num_rows]
+        if self.capture:
+            graph, logits = self._graphs.get((rows, kv_len)) or self._capture(rows, kv_len)
+            graph.replay()
+        else:
+            logits = self._forward(rows, kv_len)
+        return logits[index.to(logits.device)]
 
     def _forward(self, rows: int, kv_len: int) -> torch.Tensor:
         runner = self.runner
         slots_B, pos_B = self.slots_B[:rows], self.positions_B[:rows]
-        runner.cache.bind(BatchBinding(slots_B, pos_B[:, None], kv_len), is_prefill=False)
+        binding = BatchBinding(slots_B, pos_B[:, None], kv_len, slot_range=(0, rows))
+        runner.cache.bind(binding, is_prefill=False)
         out = runner.model(
             input_ids=self.token_ids_B[:rows, None],
             position_ids=runner.position_ids(pos_B, self.rope_delta_B[:rows]),
@@ -91,10 +89,11 @@ class DecodeGraphs:
         return out.logits[:, -1].float()
 
     def _capture(self, rows: int, kv_len: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
-        # Warm up and capture on dummy rows (the scratch slot at position 0): capture records
-        # but does not run, and the warm-up must not advance any real sequence's state.
-        saved = [b[:rows].clone() for b in (self.slots_B, self.positions_B, self.token_ids_B)]
-        self.slots_B[:rows] = self.scratch_slot
+        # The warm-up forward really runs (capture only records) and would advance the decoding
+        # rows' state a step: their cache rows are saved and restored around it, and their
+        # inputs restored before the replay.
+        saved = [b[:rows].clone() for b in (self.positions_B, self.token_ids_B)]
+        saved_state = save_rows(self.runner.cache, rows)
         self.positions_B[:rows] = 0
         self.token_ids_B[:rows] = 0
         stream = torch.cuda.Stream()
@@ -102,12 +101,11 @@ class DecodeGraphs:
         with torch.cuda.stream(stream):
             self._forward(rows, kv_len)
         torch.cuda.current_stream().wait_stream(stream)
+        restore_rows(saved_state)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
             logits = self._forward(rows, kv_len)
-        for buffer, values in zip(
-            (self.slots_B, self.positions_B, self.token_ids_B), saved, strict=True
-        ):
+        for buffer, values in zip((self.positions_B, self.token_ids_B), saved, strict=True):
             buffer[:rows].copy_(values)
         self._graphs[(rows, kv_len)] = (graph, logits)
         return graph, logits

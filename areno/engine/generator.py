@@ -85,7 +85,13 @@ class Generator:
     ) -> Generator:
         """A single-process Generator over an already loaded model (tests, benchmarks)."""
         max_len = resolve_max_context_len(config, model.config)
-        worker = Worker(model, num_slots=config.max_running_prompts, max_len=max_len, sample=True)
+        worker = Worker(
+            model,
+            num_slots=config.max_running_prompts,
+            max_len=max_len,
+            sample=True,
+            graphs=config.decode_graphs,
+        )
         eos = set(eos_token_ids) | set(model_eos_token_ids(model))
         return cls(
             LocalExecutor(worker), tokenizer, config, max_context_len=max_len, eos_token_ids=eos
@@ -105,9 +111,14 @@ class Generator:
         num_slots = config.max_running_prompts
         if config.tp_size == 1:
             model = load_model_for_rank(adapter, model_path, tp_size=1, dtype=dtype, device=device)
-            executor = LocalExecutor(
-                Worker(model, num_slots=num_slots, max_len=max_len, sample=True)
+            worker = Worker(
+                model,
+                num_slots=num_slots,
+                max_len=max_len,
+                sample=True,
+                graphs=config.decode_graphs,
             )
+            executor = LocalExecutor(worker)
         else:
             from areno.engine.tp_executor import TPExecutor
 
@@ -118,6 +129,7 @@ class Generator:
                 "device": device,
                 "num_slots": num_slots,
                 "max_len": max_len,
+                "graphs": config.decode_graphs,
             }
             executor = TPExecutor.create(spec, num_cpus_per_rank=config.num_cpus_per_rank)
             model = executor.worker.model

@@ -13,10 +13,10 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from areno.engine.cache import BatchBinding, SlotCache, copy_slot
+from areno.engine.config import GRAPH_MODES
 from areno.engine.cuda_graphs import DecodeGraphs
 from areno.processing.types import PromptInputs
 
-GRAPH_MODES = ("auto", "off", "static", "capture")
 # NOTE: not cuDNN: with a per-row mask it re-plans its graph whenever the key length changes,
 # which cost ~1.4 ms of CPU per attention call on an H200, more than the whole step's GPU time.
 _CUDA_ATTENTION = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
@@ -42,18 +42,15 @@ class ModelRunner:
             ["full_attention"] * num_layers
         )
         self.sliding_window = getattr(self.text_config, "sliding_window", None)
-        # One slot more than the engine schedules: padding rows of a graphed decode write there.
-        self.cache = SlotCache(self.layer_types, num_slots=num_slots + 1, max_len=max_len)
+        self.cache = SlotCache(self.layer_types, num_slots=num_slots, max_len=max_len)
         # Qwen-style multimodal rope: text positions after media are offset by a per-request delta.
         self.uses_mrope = hasattr(model.model, "rope_deltas")
-        self.rope_delta = [0] * (num_slots + 1)
+        self.rope_delta = [0] * num_slots
         if graphs == "auto":
             graphs = "capture" if self.device.type == "cuda" else "off"
         self.graphs = None
         if graphs != "off":
-            self.graphs = DecodeGraphs(
-                self, max_rows=num_slots, scratch_slot=num_slots, capture=graphs == "capture"
-            )
+            self.graphs = DecodeGraphs(self, max_rows=num_slots, capture=graphs == "capture")
 
     def _attention_backends(self) -> contextlib.AbstractContextManager:
         if self.device.type != "cuda":

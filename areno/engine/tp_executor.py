@@ -35,6 +35,7 @@ class RankSpec:
     device: str
     num_slots: int
     max_len: int
+    graphs: str
     master_port: int
 
 
@@ -50,6 +51,7 @@ def _load_worker(rank: int, spec: RankSpec) -> Worker:
         max_len=spec.max_len,
         sample=rank == 0,
         tensor_parallel=True,
+        graphs=spec.graphs,
     )
 
 

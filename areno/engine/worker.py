@@ -86,8 +86,9 @@ class Worker:
         max_len: int,
         sample: bool,
         tensor_parallel: bool = False,
+        graphs: str = "auto",
     ):
-        self.runner = ModelRunner(model, num_slots=num_slots, max_len=max_len)
+        self.runner = ModelRunner(model, num_slots=num_slots, max_len=max_len, graphs=graphs)
         self.samples = sample
         self.tensor_parallel = tensor_parallel
         self._generators: dict[int, torch.Generator] = {}
@@ -104,11 +105,14 @@ class Worker:
         """Run the step's forwards and (on the sampling rank) sample one token per row."""
         for seq_id in step.finished_seq_ids:
             self._generators.pop(seq_id, None)
-        logits = self._prefill(step.prefill)
+        # NOTE: decode before prefill: a graphed decode may scribble on slots that are not
+        # decoding (see areno/engine/cuda_graphs.py), which the prefill then overwrites.
+        decoded = []
         if step.decode_slots:
-            logits.append(
+            decoded.append(
                 self.runner.decode(step.decode_slots, step.decode_positions, step.decode_token_ids)
             )
+        logits = self._prefill(step.prefill) + decoded
         if not self.samples or not logits:
             return None
         return self._sample(torch.cat(logits), step.rows)

@@ -106,12 +106,16 @@ def mixed_requests(setup: Setup, media) -> list:
     return [setup.encode(m) for m in requests]
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-def test_staggered_greedy_equals_generate(setups, media, family):
+@pytest.mark.parametrize(
+    "family, graphs",
+    [(f, "off") for f in FAMILIES] + [("qwen3_5", "static"), ("gemma4", "static")],
+)
+def test_staggered_greedy_equals_generate(setups, media, family, graphs):
     setup = setups(family)
     inputs = mixed_requests(setup, media)
     expected = [setup.reference(x, GREEDY.max_tokens) for x in inputs]
-    gen = setup.generator(max_running_prompts=3)  # fewer slots than requests: some queue
+    # Fewer slots than requests: some queue. "static" runs the CUDA-graph step eagerly.
+    gen = setup.generator(max_running_prompts=3, decode_graphs=graphs)
 
     async def main():
         started = [asyncio.Event() for _ in inputs]
