@@ -19,6 +19,7 @@ pytestmark = [
 ]
 
 FAMILIES = ["qwen3_5", "qwen3_vl", "minicpmv4_6", "gemma4"]
+SLOTS = [7, 2, 5, 0, 3]
 
 
 def staggered_greedy(model, graphs: str, prompts: list[list[int]], num_new: int) -> list[list[int]]:
@@ -29,9 +30,11 @@ def staggered_greedy(model, graphs: str, prompts: list[list[int]], num_new: int)
     while pending or running:
         if pending:
             index, ids = pending.pop(0)
-            logits = runner.prefill(PromptInputs(ids, {}), [7 - 2 * index % 8])
-            running.append({"i": index, "slot": 7 - 2 * index % 8, "out": [int(logits.argmax())]})
-            running[-1]["pos"] = len(ids)
+            slot = SLOTS[index]  # scattered, never reused while running
+            logits = runner.prefill(PromptInputs(ids, {}), [slot])
+            running.append(
+                {"i": index, "slot": slot, "pos": len(ids), "out": [int(logits.argmax())]}
+            )
         logits = runner.decode(
             [r["slot"] for r in running],
             [r["pos"] for r in running],
