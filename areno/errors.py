@@ -20,6 +20,11 @@ class ArenoError(Exception):
         self.message = message
         self.param = param
 
+    def __reduce__(self):
+        # Errors cross process boundaries (Ray actors, Serve replicas): keep every attribute,
+        # whatever the subclass's __init__ takes.
+        return (_rebuild_error, (type(self), self.message, dict(self.__dict__)))
+
     def to_dict(self) -> dict:
         """The OpenAI error object for this error."""
         return {
@@ -28,6 +33,13 @@ class ArenoError(Exception):
             "param": self.param,
             "code": self.code,
         }
+
+
+def _rebuild_error(cls: type, message: str, state: dict) -> ArenoError:
+    error = cls.__new__(cls)
+    Exception.__init__(error, message)
+    error.__dict__.update(state)
+    return error
 
 
 class ConfigError(ArenoError):

@@ -1,0 +1,1 @@
+"""Ray Serve deployments behind an OpenAI-compatible route (`areno serve`)."""

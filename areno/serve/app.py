@@ -1,0 +1,83 @@
+"""Build the Serve application and run it (`areno serve`, `serve run deployments/*.yaml`)."""
+
+from __future__ import annotations
+
+import signal
+import threading
+from typing import Any
+
+from areno.engine.config import EngineConfig
+from areno.serve.config import ServeConfig
+
+APP_NAME = "areno"
+
+
+def build_app(config: ServeConfig):
+    """The Ingress bound to its MediaDecoder, Processor and Generator deployments."""
+    from areno.serve.deployments import (
+        GeneratorServer,
+        Ingress,
+        MediaDecoderServer,
+        ProcessorServer,
+    )
+
+    cpus = {"num_cpus": config.num_cpus_per_deployment}
+    decoder = MediaDecoderServer.options(
+        num_replicas=config.num_decoder_replicas, ray_actor_options=cpus
+    ).bind(config)
+    processor = ProcessorServer.options(
+        num_replicas=config.num_processor_replicas, ray_actor_options=cpus
+    ).bind(config)
+    generator = GeneratorServer.options(
+        num_replicas=config.num_generator_replicas, **_generator_resources(config)
+    ).bind(config)
+    return Ingress.options(ray_actor_options=cpus).bind(decoder, processor, generator, config)
+
+
+def _generator_resources(config: ServeConfig) -> dict[str, Any]:
+    engine = config.engine
+    per_rank = {"CPU": engine.num_cpus_per_rank}
+    if engine.device == "cuda":
+        per_rank["GPU"] = 1
+    options: dict[str, Any] = {
+        "ray_actor_options": {"num_cpus": per_rank["CPU"], "num_gpus": per_rank.get("GPU", 0)}
+    }
+    if engine.tp_size > 1:
+        # Rank 0 (the replica) takes bundle 0; its follower actors take the others.
+        options["placement_group_bundles"] = [per_rank] * engine.tp_size
+        options["placement_group_strategy"] = "STRICT_PACK"
+    return options
+
+
+def app_builder(args: dict[str, Any]):
+    """`serve run` entry point: `import_path: areno.serve.app:app_builder` with `args` holding
+    ServeConfig fields (engine fields under `engine`)."""
+    args = dict(args)
+    engine = EngineConfig(**args.pop("engine", {}))
+    if "allowed_local_media_paths" in args and args["allowed_local_media_paths"] is not None:
+        args["allowed_local_media_paths"] = tuple(args["allowed_local_media_paths"])
+    return build_app(ServeConfig(engine=engine, **args))
+
+
+def run_server(config: ServeConfig, *, block: bool = True) -> None:
+    """Start (or join, via RAY_ADDRESS) Ray, deploy the app on config.host:config.port, and
+    serve until Ctrl-C / SIGTERM, then shut the app down."""
+    import ray
+    from ray import serve
+
+    if not ray.is_initialized():
+        ray.init(include_dashboard=False)
+    serve.start(http_options={"host": config.host, "port": config.port})
+    serve.run(build_app(config), name=APP_NAME, route_prefix="/")
+    print(
+        f"areno: serving {config.model_name} on http://{config.host}:{config.port}/v1", flush=True
+    )
+    if not block:
+        return
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    stop.wait()
+    print("areno: shutting down", flush=True)
+    serve.shutdown()
+    ray.shutdown()

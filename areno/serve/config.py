@@ -1,0 +1,53 @@
+"""The server's configuration: what `areno serve` flags and Serve config files set."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+from areno.engine.config import EngineConfig
+from areno.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    """One AReno app: a model behind MediaDecoder, Processor, Generator and Ingress deployments.
+
+    world_size / tp_size Generator replicas of tp_size ranks each (`--world-size`, `--tp-size`).
+    allowed_local_media_paths: roots local media may come from; None is the safe default for
+    `host` (any local file on a loopback bind, none otherwise).
+    """
+
+    model_path: str
+    served_model_name: str | None = None
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    world_size: int = 1
+    max_prompt_tokens: int | None = None
+    allowed_local_media_paths: tuple[str, ...] | None = None
+    allow_remote_media: bool = False
+    allow_private_network_media: bool = False
+    num_decoder_replicas: int = 1
+    num_processor_replicas: int = 1
+    num_cpus_per_deployment: float = 0.25
+
+    def __post_init__(self) -> None:
+        if self.world_size < self.engine.tp_size or self.world_size % self.engine.tp_size:
+            raise ConfigError(
+                f"--world-size {self.world_size} must be a multiple of --tp-size "
+                f"{self.engine.tp_size} (each Generator replica is one tensor-parallel group)",
+                param="world_size",
+            )
+        if not 0 < self.port < 65536:
+            raise ConfigError(f"--port must be in 1..65535; got {self.port}", param="port")
+
+    @property
+    def model_name(self) -> str:
+        """The name clients send as `model` and `/v1/models` lists."""
+        return self.served_model_name or os.path.basename(os.path.normpath(self.model_path))
+
+    @property
+    def num_generator_replicas(self) -> int:
+        return self.world_size // self.engine.tp_size

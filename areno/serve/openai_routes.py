@@ -1,0 +1,131 @@
+"""Chat Completions on top of the engine's deltas: responses, stream chunks, logprobs, usage.
+
+Pure functions of the request, the encoded prompt and the Generator's `RequestOutput`s, so the
+HTTP layer (deployments.py) stays thin and these are unit-testable without Ray.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from typing import Any
+
+from areno.engine.outputs import RequestOutput, SampleDelta
+from areno.processing.types import PromptInputs
+from areno.protocol import ChatCompletionRequest
+from areno.protocol.responses import (
+    ChatCompletionChunk,
+    ChatCompletionResponse,
+    Choice,
+    ChoiceLogprobs,
+    ChunkChoice,
+    DeltaMessage,
+    PromptTokensDetails,
+    ResponseMessage,
+    TokenLogprob,
+    TopLogprob,
+    Usage,
+)
+
+
+def usage_for(inputs: PromptInputs, num_completion_tokens: int) -> Usage:
+    """Usage with the encoded prompt length and its media token counts."""
+    details = PromptTokensDetails(
+        image_tokens=inputs.num_tokens("image") + inputs.num_tokens("video") or None,
+        audio_tokens=inputs.num_tokens("audio") or None,
+    )
+    return Usage.from_counts(inputs.num_prompt_tokens, num_completion_tokens, details)
+
+
+def logprobs_for(tokenizer: Any, delta: SampleDelta) -> ChoiceLogprobs | None:
+    """OpenAI logprobs for a delta's tokens (None when the request did not ask)."""
+    if delta.logprobs is None:
+        return None
+    tops = delta.top_logprobs or [[] for _ in delta.token_ids]
+    content = [
+        TokenLogprob(
+            **_token(tokenizer, token_id, logprob),
+            top_logprobs=[TopLogprob(**_token(tokenizer, t, lp)) for t, lp in top],
+        )
+        for token_id, logprob, top in zip(delta.token_ids, delta.logprobs, tops, strict=True)
+    ]
+    return ChoiceLogprobs(content=content)
+
+
+def _token(tokenizer: Any, token_id: int, logprob: float) -> dict:
+    text = tokenizer.decode([token_id])
+    return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+
+def finish_reason_for(delta: SampleDelta) -> str | None:
+    # "abort" is internal (client gone or server stopping); OpenAI clients know "stop".
+    return "stop" if delta.finish_reason == "abort" else delta.finish_reason
+
+
+def build_response(
+    request: ChatCompletionRequest,
+    model: str,
+    inputs: PromptInputs,
+    output: RequestOutput,
+    tokenizer: Any,
+) -> ChatCompletionResponse:
+    """The non-streaming response from a request's merged output (one delta per sample)."""
+    choices = [
+        Choice(
+            index=delta.index,
+            message=ResponseMessage(content=delta.text),
+            finish_reason=finish_reason_for(delta) or "stop",
+            logprobs=logprobs_for(tokenizer, delta),
+        )
+        for delta in output.samples
+    ]
+    num_completion = sum(len(delta.token_ids) for delta in output.samples)
+    return ChatCompletionResponse(
+        model=model, choices=choices, usage=usage_for(inputs, num_completion)
+    )
+
+
+class ChunkWriter:
+    """Turns one request's stream of deltas into SSE lines of `chat.completion.chunk`s."""
+
+    def __init__(
+        self, request: ChatCompletionRequest, model: str, inputs: PromptInputs, tokenizer: Any
+    ):
+        self.request, self.model, self.inputs, self.tokenizer = request, model, inputs, tokenizer
+        self.id = ChatCompletionResponse(model=model, choices=[]).id
+        self.num_completion_tokens = 0
+        self._started: set[int] = set()
+
+    def chunks(self, output: RequestOutput) -> Iterator[str]:
+        """SSE lines for one step's deltas."""
+        for delta in output.samples:
+            self.num_completion_tokens += len(delta.token_ids)
+            role = None
+            if delta.index not in self._started:
+                self._started.add(delta.index)
+                role = "assistant"
+            if not (role or delta.text or delta.finish_reason or delta.logprobs):
+                continue
+            choice = ChunkChoice(
+                index=delta.index,
+                delta=DeltaMessage(role=role, content=delta.text or ("" if role else None)),
+                finish_reason=finish_reason_for(delta),
+                logprobs=logprobs_for(self.tokenizer, delta),
+            )
+            yield self._line(ChatCompletionChunk(id=self.id, model=self.model, choices=[choice]))
+
+    def end(self) -> Iterator[str]:
+        """The usage chunk (when asked for) and `[DONE]`."""
+        if self.request.include_usage:
+            usage = usage_for(self.inputs, self.num_completion_tokens)
+            yield self._line(ChatCompletionChunk(id=self.id, model=self.model, usage=usage))
+        yield "data: [DONE]\n\n"
+
+    @staticmethod
+    def _line(chunk: ChatCompletionChunk) -> str:
+        return f"data: {chunk.model_dump_json(exclude_none=True)}\n\n"
+
+
+def error_line(error: dict) -> str:
+    """An SSE line carrying an OpenAI error object (a failure after streaming began)."""
+    return f"data: {json.dumps({'error': error})}\n\n"
