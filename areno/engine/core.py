@@ -33,7 +33,9 @@ class OutputText:
     """
 
     def __init__(self, tokenizer: Any, seq: Sequence):
-        self.detokenizer = IncrementalDetokenizer(tokenizer, seq.prompt_token_ids)
+        self.detokenizer = IncrementalDetokenizer(
+            tokenizer, seq.prompt_token_ids, skip_special_tokens=seq.params.skip_special_tokens
+        )
         self.hold = max((len(s) for s in seq.params.stop), default=1) - 1
         self.has_stops = bool(seq.params.stop)
         self.num_sent = 0
@@ -155,7 +157,9 @@ class EngineCore:
         token_id = result.token_ids[row]
         seq.append_token(token_id)
         text = self._texts.get(seq.seq_id)
-        tail = text.add(token_id) if text is not None else None
+        tail = None
+        if text is not None and not self._is_stop_token(seq, token_id):
+            tail = text.add(token_id)
         stop = check_stop(
             seq, token_id, self.eos_token_ids, tail, max_context_len=self.scheduler.max_context_len
         )
@@ -170,6 +174,12 @@ class EngineCore:
             top_logprobs=[result.top_logprobs[row]] if params.top_logprobs else None,
             finish_reason=stop.reason if stop is not None else None,
             stop_reason=_stop_reason(stop, token_id, params),
+        )
+
+    def _is_stop_token(self, seq: Sequence, token_id: int) -> bool:
+        params = seq.params
+        return token_id in params.stop_token_ids or (
+            not params.ignore_eos and token_id in self.eos_token_ids
         )
 
     def _forget(self, seqs: list[Sequence]) -> None:

@@ -50,6 +50,8 @@ class SamplingParams:
     logprobs / top_logprobs: return the chosen token's logprob / the K most likely (0..20).
     include_stop_str_in_output: keep a matched stop string at the end of the output text.
     detokenize: produce text; off for token-only work (benchmarks, scoring), not with `stop`.
+    skip_special_tokens: leave special tokens out of the text; off when a tool-call parser must
+        see tags that are special tokens. A stop token's own text is never part of the output.
     """
 
     temperature: float = 1.0
@@ -66,6 +68,7 @@ class SamplingParams:
     top_logprobs: int = 0
     include_stop_str_in_output: bool = False
     detokenize: bool = True
+    skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
         # Lists are accepted for convenience; tuples keep the instance hashable and immutable.

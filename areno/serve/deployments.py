@@ -7,6 +7,7 @@ MediaDecoder hop.
 
 # NOTE: no `from __future__ import annotations` here: FastAPI reads the route signatures'
 # annotations at runtime, and string annotations made `request: Request` a required query field.
+import dataclasses
 import logging
 import uuid
 from typing import Any
@@ -19,13 +20,15 @@ from areno.engine.generator import EngineDeadError, Generator
 from areno.engine.sampling import SamplingParams
 from areno.errors import ArenoError
 from areno.media import MediaDecoder, MediaPolicy
+from areno.models.registry import adapter_for_checkpoint
 from areno.processing import Processor
 from areno.processing.encode import PromptLimits
 from areno.protocol import parse_chat_request
 from areno.protocol.errors import ErrorResponse
 from areno.protocol.responses import ModelCard, ModelList
 from areno.serve.config import ServeConfig
-from areno.serve.openai_routes import ChunkWriter, build_response, error_line
+from areno.serve.openai_routes import ChunkWriter, build_response, error_line, tools_in_play
+from areno.tools import get_tool_parser
 
 logger = logging.getLogger("areno.serve")
 
@@ -134,6 +137,7 @@ class Ingress:
         self.generator = generator.options(stream=True)
         self.config = config
         self.tokenizer = AutoTokenizer.from_pretrained(config.model_path)
+        self.tool_parser = get_tool_parser(adapter_for_checkpoint(config.model_path).tool_format)
 
     @api.get("/health")
     async def health(self) -> dict:
@@ -163,6 +167,9 @@ class Ingress:
                     param="model",
                 )
             params = SamplingParams.from_request(chat)
+            parser = self.tool_parser if tools_in_play(chat) else None
+            if parser is not None:  # tool-call tags are special tokens: keep them in the text
+                params = dataclasses.replace(params, skip_special_tokens=False)
             inputs = await self._encode(chat)
             stream = self.generator.generate.remote(inputs, params, uuid.uuid4().hex)
             first = await stream.__anext__()  # request-level errors surface before any byte
@@ -170,7 +177,7 @@ class Ingress:
             return self._error(e)
         model = self.config.model_name
         if chat.stream:
-            writer = ChunkWriter(chat, model, inputs, self.tokenizer)
+            writer = ChunkWriter(chat, model, inputs, self.tokenizer, parser)
             return StreamingResponse(
                 self._sse(writer, first, stream), media_type="text/event-stream"
             )
@@ -180,14 +187,17 @@ class Ingress:
             return self._error(e)
         from areno.engine.outputs import merge_outputs
 
-        response = build_response(chat, model, inputs, merge_outputs(outputs), self.tokenizer)
+        response = build_response(
+            chat, model, inputs, merge_outputs(outputs), self.tokenizer, parser
+        )
         return JSONResponse(response.model_dump(exclude_none=True))
 
     async def _encode(self, chat):
         refs = await self.processor.media_refs.remote(chat.messages)
         media = await self.decoder.decode_many.remote(refs) if refs else []
+        tools = chat.tools if tools_in_play(chat) else None
         return await self.processor.encode.remote(
-            chat.messages, media, chat.tools, chat.chat_template_kwargs
+            chat.messages, media, tools, chat.chat_template_kwargs
         )
 
     async def _sse(self, writer: ChunkWriter, first, stream):

@@ -23,9 +23,16 @@ from areno.protocol.responses import (
     PromptTokensDetails,
     ResponseMessage,
     TokenLogprob,
+    ToolCallDelta,
     TopLogprob,
     Usage,
 )
+from areno.tools import ContentDelta, ToolParser
+
+
+def tools_in_play(request: ChatCompletionRequest) -> bool:
+    """Whether the model sees the request's tools and its output is parsed for calls."""
+    return bool(request.tools) and request.tool_choice != "none"
 
 
 def usage_for(inputs: PromptInputs, num_completion_tokens: int) -> Usage:
@@ -68,17 +75,27 @@ def build_response(
     inputs: PromptInputs,
     output: RequestOutput,
     tokenizer: Any,
+    parser: ToolParser | None = None,
 ) -> ChatCompletionResponse:
-    """The non-streaming response from a request's merged output (one delta per sample)."""
-    choices = [
-        Choice(
-            index=delta.index,
-            message=ResponseMessage(content=delta.text),
-            finish_reason=finish_reason_for(delta) or "stop",
-            logprobs=logprobs_for(tokenizer, delta),
+    """The non-streaming response from a request's merged output (one delta per sample);
+    with a `parser`, tool calls are split out of each sample's text."""
+    choices = []
+    for delta in output.samples:
+        message = ResponseMessage(content=delta.text)
+        finish_reason = finish_reason_for(delta) or "stop"
+        if parser is not None:
+            parsed = parser.parse(delta.text, request.tools)
+            message = ResponseMessage(content=parsed.content or None, tool_calls=parsed.tool_calls)
+            if parsed.tool_calls and finish_reason == "stop":
+                finish_reason = "tool_calls"
+        choices.append(
+            Choice(
+                index=delta.index,
+                message=message,
+                finish_reason=finish_reason,
+                logprobs=logprobs_for(tokenizer, delta),
+            )
         )
-        for delta in output.samples
-    ]
     num_completion = sum(len(delta.token_ids) for delta in output.samples)
     return ChatCompletionResponse(
         model=model, choices=choices, usage=usage_for(inputs, num_completion)
@@ -86,15 +103,23 @@ def build_response(
 
 
 class ChunkWriter:
-    """Turns one request's stream of deltas into SSE lines of `chat.completion.chunk`s."""
+    """Turns one request's stream of deltas into SSE lines of `chat.completion.chunk`s; with a
+    `parser`, each choice's text goes through its own tool-call stream parser."""
 
     def __init__(
-        self, request: ChatCompletionRequest, model: str, inputs: PromptInputs, tokenizer: Any
+        self,
+        request: ChatCompletionRequest,
+        model: str,
+        inputs: PromptInputs,
+        tokenizer: Any,
+        parser: ToolParser | None = None,
     ):
         self.request, self.model, self.inputs, self.tokenizer = request, model, inputs, tokenizer
+        self.parser = parser
         self.id = ChatCompletionResponse(model=model, choices=[]).id
         self.num_completion_tokens = 0
         self._started: set[int] = set()
+        self._streams: dict[int, Any] = {}
 
     def chunks(self, output: RequestOutput) -> Iterator[str]:
         """SSE lines for one step's deltas."""
@@ -104,15 +129,35 @@ class ChunkWriter:
             if delta.index not in self._started:
                 self._started.add(delta.index)
                 role = "assistant"
-            if not (role or delta.text or delta.finish_reason or delta.logprobs):
+            content, calls = self._split(delta)
+            finish = finish_reason_for(delta)
+            if finish == "stop" and self._streams.get(delta.index) is not None:
+                finish = "tool_calls" if self._streams[delta.index].num_calls else finish
+            if not (role or content or calls or finish or delta.logprobs):
                 continue
             choice = ChunkChoice(
                 index=delta.index,
-                delta=DeltaMessage(role=role, content=delta.text or ("" if role else None)),
-                finish_reason=finish_reason_for(delta),
+                delta=DeltaMessage(
+                    role=role,
+                    content=content or ("" if role and not calls else None),
+                    tool_calls=calls or None,
+                ),
+                finish_reason=finish,
                 logprobs=logprobs_for(self.tokenizer, delta),
             )
             yield self._line(ChatCompletionChunk(id=self.id, model=self.model, choices=[choice]))
+
+    def _split(self, delta: SampleDelta) -> tuple[str, list[ToolCallDelta]]:
+        if self.parser is None:
+            return delta.text, []
+        stream = self._streams.get(delta.index)
+        if stream is None:
+            stream = self._streams[delta.index] = self.parser.stream(self.request.tools)
+        events = stream.feed(delta.text)
+        if delta.finish_reason is not None:
+            events += stream.finish()
+        content = "".join(e.text for e in events if isinstance(e, ContentDelta))
+        return content, [e for e in events if not isinstance(e, ContentDelta)]
 
     def end(self) -> Iterator[str]:
         """The usage chunk (when asked for) and `[DONE]`."""

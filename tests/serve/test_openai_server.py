@@ -188,3 +188,48 @@ def test_failures_are_4xx_and_the_server_keeps_serving(server, media, case):
     assert caught.value.status_code == status
     assert needle in caught.value.message
     assert ask(server, "Still there?").choices[0].message.content is not None
+
+
+def test_tools_reach_the_template_unless_tool_choice_is_none(server, media):
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": "zoom",
+                "description": "Crop and zoom into the image.",
+                "parameters": {"type": "object", "properties": {"x": {"type": "number"}}},
+            },
+        }
+    ]
+    history = [
+        {
+            "role": "user",
+            "content": [
+                {"type": "image_url", "image_url": {"url": media["image"]}},
+                {"type": "text", "text": "Zoom in."},
+            ],
+        },
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "zoom", "arguments": '{"x": 0.5}'},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "content": "zoomed"},
+    ]
+
+    def prompt_tokens(**kwargs) -> int:
+        response = server.chat.completions.create(
+            model="tiny-gemma4", messages=history, max_tokens=4, temperature=0, **kwargs
+        )
+        assert response.choices[0].finish_reason in {"stop", "length", "tool_calls"}
+        return response.usage.prompt_tokens
+
+    without = prompt_tokens()
+    assert prompt_tokens(tools=tools, tool_choice="auto") > without
+    assert prompt_tokens(tools=tools, tool_choice="none") == without

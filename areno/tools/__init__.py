@@ -1,0 +1,24 @@
+"""Tool-call parsers: a model's generated text to OpenAI `message.tool_calls`, whole or streamed.
+
+`get_tool_parser(adapter.tool_format)` gives the loaded family's parser; `parse(text, tools)`
+splits a complete generation, `stream(tools)` gives a `ToolStreamParser` for deltas.
+"""
+
+from areno.tools.base import (
+    ContentDelta,
+    ParsedToolCalls,
+    StreamEvent,
+    ToolParser,
+    ToolStreamParser,
+)
+from areno.tools.registry import get_tool_parser, supported_tool_formats
+
+__all__ = [
+    "ContentDelta",
+    "ParsedToolCalls",
+    "StreamEvent",
+    "ToolParser",
+    "ToolStreamParser",
+    "get_tool_parser",
+    "supported_tool_formats",
+]

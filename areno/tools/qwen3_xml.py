@@ -1,0 +1,83 @@
+"""Qwen3.5 XML calls, one block per call, one parameter element per argument::
+
+    <tool_call>
+    <function=NAME>
+    <parameter=KEY>
+    VALUE
+    </parameter>
+    </function>
+    </tool_call>
+
+Values are written raw: a string as its text, anything else as JSON. So a value's type comes from
+the tool's schema when it names one ("42" stays a string for a string parameter), and otherwise
+a value that reads as a JSON number, boolean, null, array or object takes that type.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from areno.tools.base import NOT_JSON, ParsedCall, ToolParser, ToolSchemas, is_valid_name, try_json
+
+_FUNCTION = re.compile(r"\s*<function=([^>\n]+)>(.*)</function>\s*", re.DOTALL)
+_PARAMETER = re.compile(r"<parameter=([^>\n]+)>(.*?)</parameter>", re.DOTALL)
+
+
+class Qwen3XmlToolParser(ToolParser):
+    """One `<function=NAME>` element of `<parameter=KEY>` elements per call."""
+
+    start_tag = "<tool_call>"
+    end_tag = "</tool_call>"
+    body_opening = "<function="
+
+    def parse_call(self, body: str, schemas: ToolSchemas) -> ParsedCall | None:
+        """The call in one `<function=...>...</function>` body, or None."""
+        match = _FUNCTION.fullmatch(body)
+        if match is None or not is_valid_name(name := match[1].strip()):
+            return None
+        properties = schemas.get(name, {}).get("properties")
+        arguments = _parameters(match[2], properties if isinstance(properties, dict) else {})
+        return None if arguments is None else ParsedCall(name, arguments)
+
+
+def _parameters(inner: str, properties: dict[str, Any]) -> dict[str, Any] | None:
+    """Decode the parameters; None when text other than whitespace lies between them or a key
+    repeats (which value was meant is unknowable)."""
+    arguments: dict[str, Any] = {}
+    pos = 0
+    for param in _PARAMETER.finditer(inner):
+        key = param[1].strip()
+        if inner[pos : param.start()].strip() or key in arguments:
+            return None
+        arguments[key] = _value(_strip_one_newline(param[2]), _schema_types(properties.get(key)))
+        pos = param.end()
+    return None if inner[pos:].strip() else arguments
+
+
+def _strip_one_newline(raw: str) -> str:
+    # The template puts exactly one newline on each side of the value; the value's own leading
+    # or trailing newlines are inside them.
+    raw = raw[1:] if raw.startswith("\n") else raw
+    return raw[:-1] if raw.endswith("\n") else raw
+
+
+def _schema_types(schema: Any) -> set[str]:
+    """The JSON types a parameter schema allows ({} when it does not say)."""
+    if not isinstance(schema, dict):
+        return set()
+    declared = schema.get("type")
+    types = [declared] if isinstance(declared, str) else declared
+    found = {t for t in types if isinstance(t, str)} if isinstance(types, list) else set()
+    for combinator in ("anyOf", "oneOf"):
+        for option in schema.get(combinator) or ():
+            found |= _schema_types(option)
+    return found
+
+
+def _value(raw: str, types: set[str]) -> Any:
+    if "string" in types:
+        return None if raw == "null" and "null" in types else raw
+    decoded = try_json(raw)
+    # A JSON string literal here is a raw string that happens to carry quotes: keep the quotes.
+    return raw if decoded is NOT_JSON or isinstance(decoded, str) else decoded
