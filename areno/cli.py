@@ -34,9 +34,9 @@ def _make_tiny(args: argparse.Namespace) -> None:
 
 
 def _demo(args: argparse.Namespace) -> None:
-    from areno.demo import run_processor_demo
+    from areno.demo import run_demo
 
-    run_processor_demo(args.model_path, family=args.family)
+    run_demo(args.model_path, family=args.family)
 
 
 def _serve(args: argparse.Namespace) -> None:
@@ -129,7 +129,9 @@ def build_parser() -> argparse.ArgumentParser:
     tiny.set_defaults(func=_make_tiny)
 
     demo = sub.add_parser(
-        "demo", help="decode an image, an audio clip and a video and print the processor round trip"
+        "demo",
+        help="serve the embedded tiny model and query it with the openai client "
+        "(image, audio, video, tools, streaming)",
     )
     demo.add_argument(
         "--model-path", default=None, help="checkpoint directory (default: the embedded tiny model)"

@@ -1,81 +1,133 @@
-"""The embedded demo: a processor round trip for an image, an audio clip and a video."""
+"""The main job on the embedded default: `areno serve` on the tiny Gemma 4 checkpoint, then a few
+requests through the official `openai` client (image, audio, video, tools, streaming, n)."""
 
 from __future__ import annotations
 
+import os
+import socket
 import tempfile
 import time
 from pathlib import Path
 
-import torch
-
-from areno.media.decoder import MediaDecoder
 from areno.media.samples import write_audio, write_image, write_video
-from areno.media.sources import MediaPolicy
-from areno.models.tiny import tiny_checkpoint
-from areno.processing import Processor, PromptInputs, process_messages
+
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Current weather in a city.",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+    },
+}
 
 
-def _requests(media_dir: Path, modalities: frozenset[str]) -> list[tuple[str, list[dict]]]:
-    image = write_image(media_dir / "scene.jpg", 320, 240)
-    audio = write_audio(media_dir / "tone.wav", seconds=1.5, sampling_rate=44100)
-    video = write_video(
-        media_dir / "clip.mp4",
-        seconds=2.0,
-        fps=8.0,
-        width=96,
-        height=64,
-        with_audio="audio" in modalities,
-    )
-    parts = {
-        "image": {"type": "image_url", "image_url": {"url": str(image)}},
-        "audio": {"type": "audio_url", "audio_url": {"url": str(audio)}},
-        "video": {"type": "video_url", "video_url": {"url": str(video)}},
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _media(media_dir: Path) -> dict[str, str]:
+    return {
+        "image": str(write_image(media_dir / "scene.jpg", 320, 240)),
+        "audio": str(write_audio(media_dir / "tone.wav", seconds=1.5, sampling_rate=44100)),
+        "video": str(
+            write_video(media_dir / "clip.mp4", seconds=2.0, fps=8.0, width=96, height=64)
+        ),
     }
+
+
+def _part(modality: str, path: str) -> dict:
+    return {"type": f"{modality}_url", f"{modality}_url": {"url": path}}
+
+
+def _show(title: str, response, started: float) -> None:
+    choice = response.choices[0]
+    calls = [f"{c.function.name}({c.function.arguments})" for c in choice.message.tool_calls or []]
+    print(f"\n== {title} ({(time.perf_counter() - started) * 1000:.0f} ms)")
+    print(f"   answer: {choice.message.content!r}  finish: {choice.finish_reason}")
+    if calls:
+        print(f"   tool calls: {calls}")
+    usage = response.usage
+    details = usage.prompt_tokens_details
+    print(
+        f"   usage: prompt {usage.prompt_tokens} (image {details.image_tokens}, audio "
+        f"{details.audio_tokens}), completion {usage.completion_tokens}"
+    )
+
+
+def _ask_all(client, model: str, media: dict[str, str], modalities: frozenset[str]) -> None:
     questions = {
         "image": "Describe this image.",
         "audio": "What is this sound?",
         "video": "What happens in this clip?",
     }
-    return [
-        (m, [{"role": "user", "content": [parts[m], {"type": "text", "text": questions[m]}]}])
-        for m in ("image", "audio", "video")
-        if m in modalities
-    ]
-
-
-def _report(name: str, inputs: PromptInputs, seconds: float, processor: Processor, logits) -> None:
-    print(
-        f"\n== {name}: {inputs.num_prompt_tokens} prompt tokens, decode+process {seconds * 1e3:.0f} ms"
-    )
-    for span in inputs.mm_spans:
-        print(
-            f"   {span.modality} #{span.index}: tokens [{span.start}, {span.end}), "
-            f"{span.num_placeholder_tokens} placeholder tokens"
+    for modality, question in questions.items():
+        if modality not in modalities:
+            continue
+        started = time.perf_counter()
+        content = [_part(modality, media[modality]), {"type": "text", "text": question}]
+        response = client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": content}], max_tokens=16
         )
-    for key, value in inputs.mm_inputs.items():
-        print(f"   {key}: {tuple(value.shape)} {str(value.dtype).removeprefix('torch.')}")
-    tail = processor.tokenizer.decode(inputs.input_ids[-12:])
-    print(f"   prompt ends: {tail!r}")
-    print(f"   forward: logits {tuple(logits.shape)}, next token {int(logits[0, -1].argmax())}")
-
-
-def run_processor_demo(model_path: str | None = None, *, family: str = "gemma4") -> None:
-    """Decode real media files, run the native processor and a forward pass, print the result."""
-    path = model_path or tiny_checkpoint(family)
-    print(f"checkpoint: {path}")
-    processor = Processor(path)
-    adapter = processor.adapter
-    print(
-        f"family: {adapter.display_name} ({adapter.model_type}); accepts "
-        f"{', '.join(sorted(adapter.modalities))}"
+        _show(f"{modality} request", response, started)
+    started = time.perf_counter()
+    response = client.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": "What is the weather in Paris?"}],
+        tools=[WEATHER_TOOL],
+        tool_choice="auto",
+        max_tokens=16,
     )
-    decoder = MediaDecoder(MediaPolicy.for_training(), processor.decode_options())
-    model = adapter.load_model(path).eval()
-    with tempfile.TemporaryDirectory() as tmp:
-        for name, messages in _requests(Path(tmp), adapter.modalities):
-            start = time.perf_counter()
-            inputs = process_messages(processor, decoder, messages)
-            seconds = time.perf_counter() - start
-            with torch.no_grad():
-                logits = model(**inputs.model_inputs()).logits
-            _report(name, inputs, seconds, processor, logits)
+    _show("tools request (a random tiny model rarely calls them)", response, started)
+    print("\n== streaming video request, n=2")
+    stream = client.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": [_part("video", media["video"])]}],
+        max_tokens=16,
+        n=2,
+        stream=True,
+    )
+    texts = {0: "", 1: ""}
+    for chunk in stream:
+        for choice in chunk.choices:
+            texts[choice.index] += choice.delta.content or ""
+    for index, text in texts.items():
+        print(f"   sample {index}: {text!r}")
+
+
+def run_demo(model_path: str | None = None, *, family: str | None = None) -> None:
+    """Serve the checkpoint (default: the embedded tiny checkpoint of `family`, Gemma 4 unless
+    given) on a free loopback port, query it with the openai client, print the answers, and shut
+    everything down."""
+    import openai
+    import ray
+    from ray import serve
+
+    from areno.engine.config import EngineConfig
+    from areno.models.registry import adapter_for_checkpoint
+    from areno.models.tiny import DEFAULT_FAMILY, tiny_checkpoint
+    from areno.serve.app import run_server
+    from areno.serve.config import ServeConfig
+
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # a local, loopback-only demo cluster
+    path = model_path or str(tiny_checkpoint(family or DEFAULT_FAMILY))
+    modalities = adapter_for_checkpoint(path).modalities
+    config = ServeConfig(
+        model_path=path,
+        port=_free_port(),
+        engine=EngineConfig(max_running_prompts=4, max_context_len=4096),
+    )
+    print(f"areno demo: starting the server for {path} (Ray + 4 Serve deployments)...")
+    started = time.perf_counter()
+    run_server(config, block=False)
+    print(f"areno demo: server up in {time.perf_counter() - started:.1f} s")
+    try:
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{config.port}/v1", api_key="none")
+        model = client.models.list().data[0].id
+        with tempfile.TemporaryDirectory(prefix="areno-demo-") as tmp:
+            _ask_all(client, model, _media(Path(tmp)), modalities)
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+    print("\nareno demo: done (the tiny checkpoint has random weights, so answers are noise).")
