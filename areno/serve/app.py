@@ -12,6 +12,21 @@ from areno.serve.config import ServeConfig
 APP_NAME = "areno"
 
 
+def check_config(config: ServeConfig) -> None:
+    """Fail now, with the flag to change, on what would otherwise fail inside a replica (which
+    Serve keeps restarting): an unsupported family, a context length over the model's, a TP size
+    the family cannot take."""
+    from transformers import AutoConfig
+
+    from areno.engine.generator import resolve_max_context_len
+    from areno.engine.parallel import tp_plan_for
+    from areno.models.registry import adapter_for_checkpoint
+
+    adapter = adapter_for_checkpoint(config.model_path)
+    resolve_max_context_len(config.engine, AutoConfig.from_pretrained(config.model_path))
+    tp_plan_for(adapter, config.engine.tp_size)
+
+
 def build_app(config: ServeConfig):
     """The Ingress bound to its MediaDecoder, Processor and Generator deployments."""
     from areno.serve.deployments import (
@@ -21,6 +36,7 @@ def build_app(config: ServeConfig):
         ProcessorServer,
     )
 
+    check_config(config)
     cpus = {"num_cpus": config.num_cpus_per_deployment}
     decoder = MediaDecoderServer.options(
         num_replicas=config.num_decoder_replicas, ray_actor_options=cpus
@@ -51,9 +67,13 @@ def _generator_resources(config: ServeConfig) -> dict[str, Any]:
 
 def app_builder(args: dict[str, Any]):
     """`serve run` entry point: `import_path: areno.serve.app:app_builder` with `args` holding
-    ServeConfig fields (engine fields under `engine`)."""
+    ServeConfig fields (engine fields under `engine`; no model_path: the tiny default)."""
     args = dict(args)
     engine = EngineConfig(**args.pop("engine", {}))
+    if not args.get("model_path"):
+        from areno.models.tiny import DEFAULT_FAMILY, tiny_checkpoint
+
+        args["model_path"] = str(tiny_checkpoint(DEFAULT_FAMILY))
     if "allowed_local_media_paths" in args and args["allowed_local_media_paths"] is not None:
         args["allowed_local_media_paths"] = tuple(args["allowed_local_media_paths"])
     return build_app(ServeConfig(engine=engine, **args))

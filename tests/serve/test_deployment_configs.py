@@ -1,0 +1,37 @@
+"""The Serve config files in deployments/ pass Ray Serve's schema and build AReno's app."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from areno.serve.app import app_builder
+
+serve_schema = pytest.importorskip("ray.serve.schema")
+
+CONFIGS = sorted((Path(__file__).parents[2] / "deployments").glob("*.yaml"))
+
+
+def test_there_are_configs():
+    assert {p.name for p in CONFIGS} >= {"multimodal.yaml", "gemma4-audio-video.yaml"}
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_config_validates_and_builds(path, tiny_path):
+    config = serve_schema.ServeDeploySchema.model_validate(yaml.safe_load(path.read_text()))
+    for app in config.applications:
+        assert app.import_path == "areno.serve.app:app_builder"
+        args = dict(app.args) | {"model_path": str(tiny_path("gemma4"))}
+        # The tiny stand-in has a 4096-token position limit; real checkpoints have more.
+        engine = dict(args.get("engine", {}))
+        engine["max_context_len"] = min(engine.get("max_context_len") or 4096, 4096)
+        app_builder(args | {"engine": engine})  # binds the deployments; models load only when Serve starts them
+
+
+def test_a_context_longer_than_the_model_fails_before_deploying(tiny_path):
+    from areno.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="max_position_embeddings"):
+        app_builder({"model_path": str(tiny_path("gemma4")), "engine": {"max_context_len": 10**6}})
