@@ -8,7 +8,10 @@ MediaDecoder hop.
 # NOTE: no `from __future__ import annotations` here: FastAPI reads the route signatures'
 # annotations at runtime, and string annotations made `request: Request` a required query field.
 import dataclasses
+import json
 import logging
+import os
+import time
 import uuid
 from typing import Any
 
@@ -17,6 +20,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from ray import serve
 
 from areno.engine.generator import EngineDeadError, Generator
+from areno.engine.outputs import merge_outputs
 from areno.engine.sampling import SamplingParams
 from areno.errors import ArenoError
 from areno.media import MediaDecoder, MediaPolicy
@@ -30,7 +34,39 @@ from areno.serve.config import ServeConfig
 from areno.serve.openai_routes import ChunkWriter, build_response, error_line, tools_in_play
 from areno.tools import get_tool_parser
 
-logger = logging.getLogger("areno.serve")
+# Children of "ray.serve": Serve routes them to the replica's log file and the driver's console.
+logger = logging.getLogger("ray.serve.areno")
+completion_logger = logging.getLogger("ray.serve.areno.completions")
+
+
+def _log_completions() -> bool:
+    return os.environ.get("ARENO_LOG_COMPLETIONS", "0") not in ("", "0", "false")
+
+
+class IngressMetrics:
+    """Prometheus metrics of the OpenAI route, exported by Ray next to Serve's own."""
+
+    def __init__(self) -> None:
+        from ray.serve import metrics
+
+        self.requests = metrics.Counter(
+            "areno_requests", "Chat completion requests by HTTP status.", tag_keys=("status",)
+        )
+        self.prompt_tokens = metrics.Counter("areno_prompt_tokens", "Encoded prompt tokens.")
+        self.completion_tokens = metrics.Counter("areno_completion_tokens", "Generated tokens.")
+        self.malformed_tool_calls = metrics.Counter(
+            "areno_malformed_tool_calls", "Tool-call text that did not parse (returned as content)."
+        )
+        self.time_to_first_token = metrics.Histogram(
+            "areno_time_to_first_token_s",
+            "Seconds from request arrival to the first generated token.",
+            boundaries=[0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30],
+        )
+        self.tokens_per_s = metrics.Histogram(
+            "areno_output_tokens_per_s",
+            "Generated tokens per second of each request after its first token.",
+            boundaries=[1, 5, 10, 25, 50, 100, 250, 500, 1000],
+        )
 
 
 class ModelNotFoundError(ArenoError):
@@ -79,9 +115,24 @@ class MediaDecoderServer:
             allow_private_network=config.allow_private_network_media,
         )
         self.decoder = MediaDecoder(policy, processor.decode_options())
+        from ray.serve import metrics
+
+        self.decode_seconds = metrics.Histogram(
+            "areno_media_decode_s",
+            "Seconds to resolve and decode one media item.",
+            boundaries=[0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5],
+            tag_keys=("modality",),
+        )
 
     def decode_many(self, refs: list) -> list:
-        return self.decoder.decode_many(refs)
+        decoded = []
+        for ref in refs:
+            start = time.perf_counter()
+            decoded.append(self.decoder.decode(ref))
+            self.decode_seconds.observe(
+                time.perf_counter() - start, tags={"modality": ref.modality}
+            )
+        return decoded
 
 
 @serve.deployment(max_ongoing_requests=64)
@@ -108,10 +159,25 @@ class GeneratorServer:
 
     def __init__(self, config: ServeConfig):
         self.generator = Generator.from_config(config.model_path, config.engine)
+        from ray.serve import metrics
+
+        self.queue_depth = metrics.Gauge(
+            "areno_engine_waiting", "Sequences waiting for a cache slot in this engine."
+        )
+        self.running = metrics.Gauge("areno_engine_running", "Sequences decoding in this engine.")
 
     async def generate(self, inputs, params: SamplingParams, request_id: str):
-        async for output in self.generator.generate(inputs, params, request_id):
-            yield output
+        self._report()
+        try:
+            async for output in self.generator.generate(inputs, params, request_id):
+                yield output
+        finally:
+            self._report()
+
+    def _report(self) -> None:
+        stats = self.generator.stats()
+        self.queue_depth.set(stats["num_waiting"])
+        self.running.set(stats["num_running"])
 
     def stats(self) -> dict[str, int]:
         return self.generator.stats()
@@ -138,6 +204,7 @@ class Ingress:
         self.config = config
         self.tokenizer = AutoTokenizer.from_pretrained(config.model_path)
         self.tool_parser = get_tool_parser(adapter_for_checkpoint(config.model_path).tool_format)
+        self.metrics = IngressMetrics()
 
     @api.get("/health")
     async def health(self) -> dict:
@@ -158,6 +225,7 @@ class Ingress:
     async def chat_completions(self, request: Request):
         if (denied := self._check_key(request)) is not None:
             return denied
+        arrival = time.perf_counter()
         try:
             chat = parse_chat_request(await request.body())
             if chat.model is not None and chat.model != self.config.model_name:
@@ -175,22 +243,61 @@ class Ingress:
             first = await stream.__anext__()  # request-level errors surface before any byte
         except Exception as e:  # noqa: BLE001 - every failure becomes an OpenAI error response
             return self._error(e)
+        first_token_at = time.perf_counter()
+        self.metrics.time_to_first_token.observe(first_token_at - arrival)
         model = self.config.model_name
         if chat.stream:
             writer = ChunkWriter(chat, model, inputs, self.tokenizer, parser)
             return StreamingResponse(
-                self._sse(writer, first, stream), media_type="text/event-stream"
+                self._sse(writer, first, stream, first_token_at), media_type="text/event-stream"
             )
         try:
             outputs = [first] + [output async for output in stream]
         except Exception as e:  # noqa: BLE001
             return self._error(e)
-        from areno.engine.outputs import merge_outputs
-
-        response = build_response(
-            chat, model, inputs, merge_outputs(outputs), self.tokenizer, parser
+        merged = merge_outputs(outputs)
+        response = build_response(chat, model, inputs, merged, self.tokenizer, parser)
+        malformed = (
+            sum(parser.parse(d.text, chat.tools).num_malformed for d in merged.samples)
+            if parser
+            else 0
         )
+        self._record(chat, inputs, response.model_dump(), first_token_at, malformed)
         return JSONResponse(response.model_dump(exclude_none=True))
+
+    def _record(self, chat, inputs, body: dict, first_token_at: float, malformed: int) -> None:
+        """Metrics of a finished request, and its log line with ARENO_LOG_COMPLETIONS=1."""
+        usage = body.get("usage") or {}
+        completion_tokens = usage.get("completion_tokens", 0)
+        elapsed = time.perf_counter() - first_token_at
+        self.metrics.requests.inc(tags={"status": "200"})
+        self.metrics.prompt_tokens.inc(inputs.num_prompt_tokens)
+        self.metrics.completion_tokens.inc(completion_tokens)
+        if malformed:
+            self.metrics.malformed_tool_calls.inc(malformed)
+        if completion_tokens > 1 and elapsed > 0:
+            self.metrics.tokens_per_s.observe((completion_tokens - 1) / elapsed)
+        if _log_completions():
+            choices = [
+                {
+                    "index": c["index"],
+                    "content": c["message"].get("content"),
+                    "tool_calls": [
+                        {"name": t["function"]["name"], "arguments": t["function"]["arguments"]}
+                        for t in c["message"].get("tool_calls") or []
+                    ],
+                    "finish_reason": c["finish_reason"],
+                }
+                for c in body["choices"]
+            ]
+            line = {
+                "id": body.get("id"),
+                "prompt_tokens": inputs.num_prompt_tokens,
+                "completion_tokens": completion_tokens,
+                "malformed_tool_calls": malformed,
+                "choices": choices,
+            }
+            completion_logger.info("completion %s", json.dumps(line, ensure_ascii=False))
 
     async def _encode(self, chat):
         refs = await self.processor.media_refs.remote(chat.messages)
@@ -200,17 +307,26 @@ class Ingress:
             chat.messages, media, tools, chat.chat_template_kwargs
         )
 
-    async def _sse(self, writer: ChunkWriter, first, stream):
+    async def _sse(self, writer: ChunkWriter, first, stream, first_token_at: float):
         try:
+            outputs = [first]
             for line in writer.chunks(first):
                 yield line
             async for output in stream:
+                outputs.append(output)
                 for line in writer.chunks(output):
                     yield line
         except Exception as e:  # noqa: BLE001 - the status line is sent; report in-stream
             yield error_line(ErrorResponse.from_error(_user_error(e)).error.model_dump())
+            return
         for line in writer.end():
             yield line
+        merged = merge_outputs(outputs)
+        body = build_response(
+            writer.request, writer.model, writer.inputs, merged, self.tokenizer, writer.parser
+        ).model_dump()
+        malformed = writer.num_malformed_tool_calls
+        self._record(writer.request, writer.inputs, body, first_token_at, malformed)
 
     def _check_key(self, request: Request) -> JSONResponse | None:
         key = self.config.api_key
@@ -222,5 +338,6 @@ class Ingress:
 
     def _error(self, error: Exception) -> JSONResponse:
         user_error = _user_error(error)
+        self.metrics.requests.inc(tags={"status": str(user_error.status_code)})
         body = ErrorResponse.from_error(user_error).model_dump()
         return JSONResponse(body, status_code=user_error.status_code)

@@ -147,6 +147,10 @@ class ChunkWriter:
             )
             yield self._line(ChatCompletionChunk(id=self.id, model=self.model, choices=[choice]))
 
+    @property
+    def num_malformed_tool_calls(self) -> int:
+        return sum(stream.num_malformed for stream in self._streams.values())
+
     def _split(self, delta: SampleDelta) -> tuple[str, list[ToolCallDelta]]:
         if self.parser is None:
             return delta.text, []

@@ -27,7 +27,9 @@ def test_config_validates_and_builds(path, tiny_path):
         # The tiny stand-in has a 4096-token position limit; real checkpoints have more.
         engine = dict(args.get("engine", {}))
         engine["max_context_len"] = min(engine.get("max_context_len") or 4096, 4096)
-        app_builder(args | {"engine": engine})  # binds the deployments; models load only when Serve starts them
+        app_builder(
+            args | {"engine": engine}
+        )  # binds the deployments; models load only when Serve starts them
 
 
 def test_a_context_longer_than_the_model_fails_before_deploying(tiny_path):

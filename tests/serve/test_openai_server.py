@@ -8,6 +8,7 @@ import base64
 import concurrent.futures
 import os
 import socket
+from pathlib import Path
 
 import openai
 import pytest
@@ -32,6 +33,7 @@ def _free_port() -> int:
 @pytest.fixture(scope="module")
 def server(tiny_path):
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    os.environ["ARENO_LOG_COMPLETIONS"] = "1"  # inherited by the Serve replicas
     port = _free_port()
     config = ServeConfig(
         model_path=str(tiny_path("gemma4")),
@@ -233,3 +235,21 @@ def test_tools_reach_the_template_unless_tool_choice_is_none(server, media):
     without = prompt_tokens()
     assert prompt_tokens(tools=tools, tool_choice="auto") > without
     assert prompt_tokens(tools=tools, tool_choice="none") == without
+
+
+def test_completions_are_logged_with_areno_log_completions(server):
+    import glob
+    import time
+
+    response = ask(server, "Log me.")
+    session = ray._private.worker._global_node.get_session_dir_path()
+    for _ in range(50):
+        logs = "".join(
+            Path(p).read_text(errors="replace")
+            for p in glob.glob(f"{session}/logs/serve/replica_areno_Ingress_*.log")
+        )
+        if response.id in logs:
+            break
+        time.sleep(0.2)
+    line = next(x for x in logs.splitlines() if response.id in x)
+    assert '"prompt_tokens"' in line and '"finish_reason"' in line and '"tool_calls"' in line
