@@ -6,8 +6,11 @@ from __future__ import annotations
 
 import base64
 import concurrent.futures
+import dataclasses
+import http.server
 import os
 import socket
+import threading
 from pathlib import Path
 
 import openai
@@ -30,8 +33,16 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+API_KEY = "sk-test-key"
+
+
 @pytest.fixture(scope="module")
-def server(tiny_path):
+def media_root(tmp_path_factory):
+    return tmp_path_factory.mktemp("allowed-media")
+
+
+@pytest.fixture(scope="module")
+def server(tiny_path, media_root):
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     os.environ["ARENO_LOG_COMPLETIONS"] = "1"  # inherited by the Serve replicas
     port = _free_port()
@@ -41,11 +52,21 @@ def server(tiny_path):
         port=port,
         engine=EngineConfig(max_running_prompts=2, max_context_len=2048),
         max_prompt_tokens=MAX_PROMPT_TOKENS,
+        allow_remote_media=True,
+        allow_private_network_media=True,  # the test's HTTP server is on loopback
     )
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         serve.run(build_app(config), name=APP_NAME, route_prefix="/")
+        # A second app: an API key, one allowed media root, remote media at its default (off).
+        guarded = dataclasses.replace(
+            config, api_key=API_KEY, allowed_local_media_paths=(str(media_root),)
+        )
+        guarded = dataclasses.replace(
+            guarded, allow_remote_media=False, allow_private_network_media=False
+        )
+        serve.run(build_app(guarded), name="guarded", route_prefix="/guarded")
         yield openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused")
     finally:
         serve.shutdown()
@@ -253,3 +274,64 @@ def test_completions_are_logged_with_areno_log_completions(server):
         time.sleep(0.2)
     line = next(x for x in logs.splitlines() if response.id in x)
     assert '"prompt_tokens"' in line and '"finish_reason"' in line and '"tool_calls"' in line
+
+
+@pytest.fixture(scope="module")
+def http_media(media):
+    """A loopback HTTP server over the test's media directory."""
+    directory = str(media["dir"])
+
+    class Handler(http.server.SimpleHTTPRequestHandler):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, directory=directory, **kwargs)
+
+        def log_message(self, *args):
+            pass
+
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{httpd.server_address[1]}"
+    httpd.shutdown()
+    httpd.server_close()
+    thread.join(timeout=10)
+
+
+def guarded_client(server, key: str | None = API_KEY) -> openai.OpenAI:
+    base = str(server.base_url).rstrip("/").removesuffix("/v1")
+    return openai.OpenAI(base_url=f"{base}/guarded/v1", api_key=key or "wrong", max_retries=0)
+
+
+def test_remote_media_fetched_when_allowed(server, http_media):
+    url = f"{http_media}/a.png"
+    response = ask(server, [{"type": "image_url", "image_url": {"url": url}}])
+    assert response.usage.prompt_tokens_details.image_tokens > 0
+
+
+def test_api_key_is_required_on_every_route_but_health(server):
+    import httpx2
+
+    base = str(guarded_client(server).base_url).rstrip("/")
+    with pytest.raises(openai.AuthenticationError):
+        guarded_client(server, key="wrong").models.list()
+    with pytest.raises(openai.AuthenticationError):
+        ask(guarded_client(server, key="wrong"), "hi")
+    assert httpx2.get(base.removesuffix("/v1") + "/health").status_code == 200
+    assert [m.id for m in guarded_client(server).models.list().data] == ["tiny-gemma4"]
+
+
+def test_guarded_server_refuses_media_outside_its_roots_and_remote_urls(
+    server, media, media_root, http_media
+):
+    client = guarded_client(server)
+    inside = write_image(media_root / "ok.png", 32, 32)
+    assert ask(client, [{"type": "image_url", "image_url": {"url": str(inside)}}]).choices
+    refused = {
+        media["image"]: "allowed",
+        f"{http_media}/a.png": "remote",
+    }
+    for url, needle in refused.items():
+        with pytest.raises(openai.APIStatusError) as caught:
+            ask(client, [{"type": "image_url", "image_url": {"url": url}}])
+        assert 400 <= caught.value.status_code < 500
+        assert needle in caught.value.message.lower(), caught.value.message
