@@ -143,8 +143,13 @@ class ProcessorServer:
         limits = PromptLimits(config.max_prompt_tokens, config.engine.max_context_len)
         self.processor = Processor(config.model_path, limits=limits)
 
-    def media_refs(self, messages: list) -> list:
-        return self.processor.media_refs(messages)
+    def prepare(self, messages: list, tools: list | None, template_kwargs: Any):
+        """("inputs", PromptInputs) for a request without media, so text pays one hop; else
+        ("refs", media refs) to decode before `encode`."""
+        refs = self.processor.media_refs(messages)
+        if refs:
+            return "refs", refs
+        return "inputs", self.encode(messages, [], tools, template_kwargs)
 
     def encode(self, messages: list, media: list, tools: list | None, template_kwargs: Any):
         return self.processor.encode(
@@ -300,9 +305,13 @@ class Ingress:
             completion_logger.info("completion %s", json.dumps(line, ensure_ascii=False))
 
     async def _encode(self, chat):
-        refs = await self.processor.media_refs.remote(chat.messages)
-        media = await self.decoder.decode_many.remote(refs) if refs else []
         tools = chat.tools if tools_in_play(chat) else None
+        kind, value = await self.processor.prepare.remote(
+            chat.messages, tools, chat.chat_template_kwargs
+        )
+        if kind == "inputs":
+            return value
+        media = await self.decoder.decode_many.remote(value)
         return await self.processor.encode.remote(
             chat.messages, media, tools, chat.chat_template_kwargs
         )

@@ -1,0 +1,160 @@
+"""Latency the Serve hops add, and served requests/s for image and video requests (CPU).
+
+Workload (fixed seed): the tiny Gemma 4 checkpoint; one-token greedy answers so generation is a
+small, fixed part of each request.
+- in-process: MediaDecoder + Processor + Generator called directly in this process (the floor).
+- served:     the same request through `areno serve` (Ingress -> [MediaDecoder] -> Processor ->
+              Generator) with the official `openai` client over loopback HTTP.
+Text requests run one at a time (latency p50 / p99, and what Serve adds to the floor); image and
+video requests run `--concurrency` at a time (requests/s). Prints a table and writes JSON (default
+benchmarks/results/serve_latency.json).
+
+    python benchmarks/serve_latency.py [--requests 50] [--concurrency 8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import concurrent.futures
+import json
+import os
+import platform
+import socket
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+from areno.engine.config import EngineConfig
+from areno.engine.generator import Generator
+from areno.engine.sampling import SamplingParams
+from areno.media import MediaDecoder, MediaPolicy
+from areno.media.samples import write_image, write_video
+from areno.models.tiny import DEFAULT_FAMILY, tiny_checkpoint
+from areno.processing import Processor, process_messages
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+def messages(kind: str, media: dict[str, str], i: int) -> list[dict]:
+    text = {"type": "text", "text": f"Question number {i}: what is this?"}
+    if kind == "text":
+        return [{"role": "user", "content": text["text"]}]
+    part = {"type": f"{kind}_url", f"{kind}_url": {"url": media[kind]}}
+    return [{"role": "user", "content": [part, text]}]
+
+
+def in_process_latencies(path: str, media: dict, num: int) -> list[float]:
+    processor = Processor(path)
+    decoder = MediaDecoder(MediaPolicy.for_training(), processor.decode_options())
+    generator = Generator.from_config(path, EngineConfig(max_running_prompts=8))
+    params = SamplingParams(temperature=0, max_tokens=1)
+    times = []
+    try:
+        for i in range(num + 3):
+            start = time.perf_counter()
+            inputs = process_messages(processor, decoder, messages("text", media, i))
+            asyncio.run(generator.generate_all(inputs, params))
+            if i >= 3:  # warm-up
+                times.append(time.perf_counter() - start)
+    finally:
+        generator.shutdown()
+    return times
+
+
+def served(path: str, media: dict, num: int, concurrency: int) -> dict:
+    import openai
+    import ray
+    from ray import serve
+
+    from areno.serve.app import APP_NAME, build_app
+    from areno.serve.config import ServeConfig
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    config = ServeConfig(model_path=path, port=port, engine=EngineConfig(max_running_prompts=8))
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    ray.init(include_dashboard=False, log_to_driver=False)
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        serve.run(build_app(config), name=APP_NAME, route_prefix="/")
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none")
+
+        def ask(kind: str, i: int) -> float:
+            start = time.perf_counter()
+            client.chat.completions.create(
+                model=config.model_name,
+                messages=messages(kind, media, i),
+                max_tokens=1,
+                temperature=0,
+            )
+            return time.perf_counter() - start
+
+        for i in range(3):
+            ask("text", i), ask("image", i), ask("video", i)  # warm-up
+        text = [ask("text", i) for i in range(num)]
+        rates = {}
+        for kind in ("image", "video"):
+            start = time.perf_counter()
+            with concurrent.futures.ThreadPoolExecutor(concurrency) as pool:
+                list(pool.map(lambda i, k=kind: ask(k, i), range(num)))
+            rates[kind] = num / (time.perf_counter() - start)
+        return {"text": text, "rates": rates}
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--requests", type=int, default=50)
+    parser.add_argument("--concurrency", type=int, default=8)
+    parser.add_argument("--out", default="benchmarks/results/serve_latency.json")
+    args = parser.parse_args()
+    path = str(tiny_checkpoint(DEFAULT_FAMILY))
+    with tempfile.TemporaryDirectory() as tmp:
+        media = {
+            "image": str(write_image(Path(tmp) / "a.jpg", 320, 240)),
+            "video": str(write_video(Path(tmp) / "v.mp4", seconds=2.0, fps=8.0)),
+        }
+        floor = in_process_latencies(path, media, args.requests)
+        result = served(path, media, args.requests, args.concurrency)
+    rows = {
+        "in_process_text_ms": {
+            q: percentile(floor, v) * 1e3 for q, v in (("p50", 0.5), ("p99", 0.99))
+        },
+        "served_text_ms": {
+            q: percentile(result["text"], v) * 1e3 for q, v in (("p50", 0.5), ("p99", 0.99))
+        },
+    }
+    added = {q: rows["served_text_ms"][q] - rows["in_process_text_ms"][q] for q in ("p50", "p99")}
+    print(f"{'':28}{'p50 ms':>10}{'p99 ms':>10}")
+    for name, values in [*rows.items(), ("added_by_serve_ms", added)]:
+        print(f"{name:28}{values['p50']:>10.1f}{values['p99']:>10.1f}")
+    for kind, rate in result["rates"].items():
+        print(f"served {kind} requests/s at concurrency {args.concurrency}: {rate:.1f}")
+    report = {
+        "meta": {
+            "machine": platform.platform(),
+            "cpus": os.cpu_count(),
+            "requests": args.requests,
+            "concurrency": args.concurrency,
+            "model": "tiny gemma4",
+            "median_text_latency_floor_ms": statistics.median(floor) * 1e3,
+        },
+        **rows,
+        "added_by_serve_ms": added,
+        "requests_per_s": result["rates"],
+    }
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(report, indent=2))
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
