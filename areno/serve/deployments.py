@@ -171,6 +171,14 @@ class GeneratorServer:
         )
         self.running = metrics.Gauge("areno_engine_running", "Sequences decoding in this engine.")
 
+    async def generate_all(self, inputs, params: SamplingParams, request_id: str):
+        """The whole request in one reply (non-streaming HTTP: no per-delta handle traffic)."""
+        self._report()
+        try:
+            return await self.generator.generate_all(inputs, params, request_id)
+        finally:
+            self._report()
+
     async def generate(self, inputs, params: SamplingParams, request_id: str):
         self._report()
         try:
@@ -205,6 +213,7 @@ class Ingress:
         from transformers import AutoTokenizer
 
         self.decoder, self.processor = decoder, processor
+        self.generator_unary = generator
         self.generator = generator.options(stream=True)
         self.config = config
         self.tokenizer = AutoTokenizer.from_pretrained(config.model_path)
@@ -244,30 +253,30 @@ class Ingress:
             if parser is not None:  # tool-call tags are special tokens: keep them in the text
                 params = dataclasses.replace(params, skip_special_tokens=False)
             inputs = await self._encode(chat)
-            stream = self.generator.generate.remote(inputs, params, uuid.uuid4().hex)
+            request_id = uuid.uuid4().hex
+            if not chat.stream:
+                merged = await self.generator_unary.generate_all.remote(inputs, params, request_id)
+                return self._respond(chat, inputs, merged, parser, arrival)
+            stream = self.generator.generate.remote(inputs, params, request_id)
             first = await stream.__anext__()  # request-level errors surface before any byte
         except Exception as e:  # noqa: BLE001 - every failure becomes an OpenAI error response
             return self._error(e)
         first_token_at = time.perf_counter()
         self.metrics.time_to_first_token.observe(first_token_at - arrival)
-        model = self.config.model_name
-        if chat.stream:
-            writer = ChunkWriter(chat, model, inputs, self.tokenizer, parser)
-            return StreamingResponse(
-                self._sse(writer, first, stream, first_token_at), media_type="text/event-stream"
-            )
-        try:
-            outputs = [first] + [output async for output in stream]
-        except Exception as e:  # noqa: BLE001
-            return self._error(e)
-        merged = merge_outputs(outputs)
-        response = build_response(chat, model, inputs, merged, self.tokenizer, parser)
-        malformed = (
-            sum(parser.parse(d.text, chat.tools).num_malformed for d in merged.samples)
-            if parser
-            else 0
+        writer = ChunkWriter(chat, self.config.model_name, inputs, self.tokenizer, parser)
+        return StreamingResponse(
+            self._sse(writer, first, stream, first_token_at), media_type="text/event-stream"
         )
-        self._record(chat, inputs, response.model_dump(), first_token_at, malformed)
+
+    def _respond(self, chat, inputs, merged, parser, arrival: float) -> JSONResponse:
+        """The JSON answer of a non-streaming request (its tokens/s include the prefill: the
+        first token's time is not known here)."""
+        model = self.config.model_name
+        response = build_response(chat, model, inputs, merged, self.tokenizer, parser)
+        malformed = 0
+        if parser is not None:
+            malformed = sum(parser.parse(d.text, chat.tools).num_malformed for d in merged.samples)
+        self._record(chat, inputs, response.model_dump(), arrival, malformed)
         return JSONResponse(response.model_dump(exclude_none=True))
 
     def _record(self, chat, inputs, body: dict, first_token_at: float, malformed: int) -> None:
