@@ -134,7 +134,8 @@ class Generator:
             executor = TPExecutor.create(spec, num_cpus_per_rank=config.num_cpus_per_rank)
             model = executor.worker.model
         eos = model_eos_token_ids(model)
-        eos += [tokenizer.convert_tokens_to_ids(token) for token in adapter.stop_tokens]
+        vocab = tokenizer.get_vocab()
+        eos += [vocab[token] for token in adapter.stop_tokens if token in vocab]
         return cls(executor, tokenizer, config, max_context_len=max_len, eos_token_ids=eos)
 
     # ---- public API -----------------------------------------------------------------------

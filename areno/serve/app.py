@@ -53,7 +53,7 @@ def build_app(config: ServeConfig):
 def _generator_resources(config: ServeConfig) -> dict[str, Any]:
     engine = config.engine
     per_rank = {"CPU": engine.num_cpus_per_rank}
-    if engine.device == "cuda":
+    if _wants_gpu(engine.device):
         per_rank["GPU"] = 1
     options: dict[str, Any] = {
         "ray_actor_options": {"num_cpus": per_rank["CPU"], "num_gpus": per_rank.get("GPU", 0)}
@@ -63,6 +63,17 @@ def _generator_resources(config: ServeConfig) -> dict[str, Any]:
         options["placement_group_bundles"] = [per_rank] * engine.tp_size
         options["placement_group_strategy"] = "STRICT_PACK"
     return options
+
+
+def _wants_gpu(device: str) -> bool:
+    """Whether Generator ranks must reserve a GPU. NOTE: "auto" must decide here, not in the
+    replica: Ray hides GPUs from an actor that reserved none, so the replica would fall back to
+    CPU on a GPU cluster."""
+    if device != "auto":
+        return device == "cuda"
+    import ray
+
+    return ray.is_initialized() and ray.cluster_resources().get("GPU", 0) > 0
 
 
 def app_builder(args: dict[str, Any]):

@@ -37,3 +37,11 @@ def test_a_context_longer_than_the_model_fails_before_deploying(tiny_path):
 
     with pytest.raises(ConfigError, match="max_position_embeddings"):
         app_builder({"model_path": str(tiny_path("gemma4")), "engine": {"max_context_len": 10**6}})
+
+
+def test_generator_reserves_a_gpu_only_where_one_is_wanted():
+    from areno.serve.app import _wants_gpu
+
+    assert _wants_gpu("cuda") and not _wants_gpu("cpu")
+    # "auto" follows the cluster: no Ray here, so no GPU to reserve.
+    assert not _wants_gpu("auto")
