@@ -67,6 +67,7 @@ def _serve(args: argparse.Namespace) -> None:
         else None,
         allow_remote_media=args.allow_remote_media,
         allow_private_network_media=args.allow_private_network_media,
+        max_queued_requests=args.max_queued_requests,
     )
     run_server(config)
 
@@ -87,6 +88,12 @@ def _add_serve_parser(sub) -> None:
     serve.add_argument(
         "--max-running-prompts", type=int, default=8, help="sequences decoding at once per replica"
     )
+    serve.add_argument(
+        "--max-queued-requests",
+        type=int,
+        help="requests waiting for a slot per replica before more get 429 "
+        "(default: 8 x --max-running-prompts)",
+    )
     serve.add_argument("--max-prompt-tokens", type=int, help="limit on the ENCODED prompt")
     serve.add_argument("--max-context-len", type=int, help="prompt + output tokens per sequence")
     serve.add_argument(
@@ -106,6 +113,134 @@ def _add_serve_parser(sub) -> None:
         help="let remote media URLs reach loopback / private / link-local addresses",
     )
     serve.set_defaults(func=_serve)
+
+
+def _parse_value(text: str):
+    import yaml
+
+    return yaml.safe_load(text)
+
+
+# `areno train` flags that override a field of the config file (flag dest -> dotted field).
+_TRAIN_FLAGS = {
+    "model_path": "model_path",
+    "run_dir": "run.run_dir",
+    "max_steps": "run.max_steps",
+    "seed": "run.seed",
+    "save_every": "run.save_every",
+    "eval_every": "run.eval_every",
+    "max_running_prompts": "rollout.max_running_prompts",
+    "max_prompt_tokens": "rollout.max_prompt_tokens",
+    "max_context_len": "rollout.max_context_len",
+    "tp_size": "rollout.tp_size",
+    "num_rollout_workers": "rollout.num_workers",
+    "num_trainer_workers": "trainer.num_workers",
+    "zero_stage": "trainer.zero_stage",
+    "group_size": "grpo.group_size",
+    "prompts_per_step": "grpo.prompts_per_step",
+    "lr": "optim.lr",
+}
+
+
+def _train_config(args: argparse.Namespace):
+    from areno.train.config import GRPOConfig, merge_overrides
+
+    overrides = {
+        field: getattr(args, dest)
+        for dest, field in _TRAIN_FLAGS.items()
+        if getattr(args, dest) is not None
+    }
+    for item in args.set or []:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ArenoError(f"--set takes key=value (e.g. grpo.loss.kl_coef=0.01); got {item!r}")
+        overrides[key] = _parse_value(value)
+    if args.resume:
+        overrides["run.resume"] = True
+    if args.no_progress:
+        overrides["run.progress"] = False
+    if args.config:
+        return GRPOConfig.from_yaml(args.config, overrides)
+    return GRPOConfig.from_dict(merge_overrides({}, overrides))
+
+
+def _train(args: argparse.Namespace) -> None:
+    from areno.train.run import run
+
+    run_dir = run(_train_config(args))
+    print(f"areno train: done; metrics, checkpoints and the exported model are in {run_dir}")
+
+
+def _sft(args: argparse.Namespace) -> None:
+    from areno.models.tiny import DEFAULT_FAMILY, tiny_checkpoint
+    from areno.train.sft import SFTConfig, sft
+
+    kwargs = {k: _parse_value(v) for k, v in (i.split("=", 1) for i in args.loader_arg or [])}
+    config = SFTConfig(
+        model_path=args.model_path or str(tiny_checkpoint(DEFAULT_FAMILY)),
+        out_dir=args.out,
+        loader=args.loader,
+        loader_kwargs=kwargs,
+        target_key=args.target_key,
+        steps=args.steps,
+        batch_size=args.batch_size,
+        lr=args.lr,
+        seed=args.seed,
+    )
+    print(f"areno sft: wrote {sft(config)}")
+
+
+def _plot(args: argparse.Namespace) -> None:
+    from areno.train.plot import plot_run
+
+    print(f"areno plot: wrote {plot_run(args.run_dir, args.out)}")
+
+
+def _add_train_parsers(sub) -> None:
+    train = sub.add_parser("train", help="agentic GRPO on Ray Train + DeepSpeed")
+    train.add_argument("--config", help="a GRPO YAML config (flags override it)")
+    train.add_argument("--model-path", help="checkpoint (default: the embedded tiny model)")
+    train.add_argument("--run-dir", help="where metrics, checkpoints and hf/ go")
+    train.add_argument("--resume", action="store_true", help="continue from the run's checkpoint")
+    for flag, kind in (
+        ("--max-steps", int),
+        ("--seed", int),
+        ("--save-every", int),
+        ("--eval-every", int),
+        ("--max-running-prompts", int),
+        ("--max-prompt-tokens", int),
+        ("--max-context-len", int),
+        ("--tp-size", int),
+        ("--num-rollout-workers", int),
+        ("--num-trainer-workers", int),
+        ("--zero-stage", int),
+        ("--group-size", int),
+        ("--prompts-per-step", int),
+        ("--lr", float),
+    ):
+        train.add_argument(flag, type=kind)
+    train.add_argument(
+        "--set", action="append", metavar="KEY=VALUE", help="any config field, e.g. grpo.loss.kl_coef=0.01"
+    )
+    train.add_argument("--no-progress", action="store_true", help="no progress bar")
+    train.set_defaults(func=_train)
+
+    sft = sub.add_parser("sft", help="a short supervised warm-start on the same data path")
+    sft.add_argument("--model-path", help="checkpoint (default: the embedded tiny model)")
+    sft.add_argument("--out", required=True, help="checkpoint directory to write")
+    sft.add_argument("--loader", default="areno.tasks.color_quiz:load", help="module:callable")
+    sft.add_argument("--loader-arg", action="append", metavar="KEY=VALUE", help="loader kwarg")
+    sft.add_argument("--target-key", default="answer", help="the private field to learn")
+    sft.add_argument("--steps", type=int, default=50)
+    sft.add_argument("--batch-size", type=int, default=8)
+    sft.add_argument("--lr", type=float, default=1e-3)
+    sft.add_argument("--seed", type=int, default=0)
+    sft.set_defaults(func=_sft)
+
+    plot = sub.add_parser("plot", help="PNG curves of a training run's metrics")
+    plot.add_argument("run_dir")
+    plot.add_argument("--out", help="PNG path (default: RUN_DIR/curves.png)")
+    plot.set_defaults(func=_plot)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -144,6 +279,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     demo.set_defaults(func=_demo)
     _add_serve_parser(sub)
+    _add_train_parsers(sub)
     return parser
 
 

@@ -45,9 +45,19 @@ def build_app(config: ServeConfig):
         num_replicas=config.num_processor_replicas, ray_actor_options=cpus
     ).bind(config)
     generator = GeneratorServer.options(
-        num_replicas=config.num_generator_replicas, **_generator_resources(config)
+        num_replicas=config.num_generator_replicas,
+        max_ongoing_requests=_generator_max_ongoing(config),
+        **_generator_resources(config),
     ).bind(config)
     return Ingress.options(ray_actor_options=cpus).bind(decoder, processor, generator, config)
+
+
+def _generator_max_ongoing(config: ServeConfig) -> int:
+    """Serve's per-replica cap on the Generator's calls in flight. NOTE: it must stay well above
+    running + queued requests, so that a request over --max-queued-requests reaches the replica
+    and is refused with 429 there, instead of waiting unbounded in Serve's router."""
+    held = config.engine.max_running_prompts + config.queue_limit
+    return max(4096, 4 * held)
 
 
 def _generator_resources(config: ServeConfig) -> dict[str, Any]:

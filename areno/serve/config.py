@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 from areno.engine.config import EngineConfig
 from areno.errors import ConfigError
 
+QUEUE_FACTOR = 8  # default waiting requests per running slot of a Generator replica
+
 
 @dataclass(frozen=True)
 class ServeConfig:
@@ -16,6 +18,10 @@ class ServeConfig:
     world_size / tp_size Generator replicas of tp_size ranks each (`--world-size`, `--tp-size`).
     allowed_local_media_paths: roots local media may come from; None is the safe default for
     `host` (any local file on a loopback bind, none otherwise).
+    max_queued_requests: requests one Generator replica lets wait for cache slots beyond the
+    `engine.max_running_prompts` running sequences (`--max-queued-requests`); one more is
+    refused with 429. None: QUEUE_FACTOR x max_running_prompts, deep enough that a burst of a few
+    batches waits instead of failing, bounded so that a flood is refused at once.
     """
 
     model_path: str
@@ -32,6 +38,7 @@ class ServeConfig:
     num_decoder_replicas: int = 1
     num_processor_replicas: int = 1
     num_cpus_per_deployment: float = 0.25
+    max_queued_requests: int | None = None
 
     def __post_init__(self) -> None:
         if self.world_size < self.engine.tp_size or self.world_size % self.engine.tp_size:
@@ -42,11 +49,26 @@ class ServeConfig:
             )
         if not 0 < self.port < 65536:
             raise ConfigError(f"--port must be in 1..65535; got {self.port}", param="port")
+        queued = self.max_queued_requests
+        if queued is not None and (
+            isinstance(queued, bool) or not isinstance(queued, int) or queued < 0
+        ):
+            raise ConfigError(
+                f"--max-queued-requests must be an integer >= 0; got {queued!r}",
+                param="max_queued_requests",
+            )
 
     @property
     def model_name(self) -> str:
         """The name clients send as `model` and `/v1/models` lists."""
         return self.served_model_name or os.path.basename(os.path.normpath(self.model_path))
+
+    @property
+    def queue_limit(self) -> int:
+        """Requests one Generator replica lets wait: max_queued_requests or its default."""
+        if self.max_queued_requests is not None:
+            return self.max_queued_requests
+        return QUEUE_FACTOR * self.engine.max_running_prompts
 
     @property
     def num_generator_replicas(self) -> int:

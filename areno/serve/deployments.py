@@ -18,6 +18,8 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from ray import serve
+from ray.serve.config import BackpressureConfig
+from ray.serve.exceptions import BackPressureError
 
 from areno.engine.generator import EngineDeadError, Generator
 from areno.engine.outputs import merge_outputs
@@ -30,9 +32,23 @@ from areno.processing.encode import PromptLimits
 from areno.protocol import parse_chat_request
 from areno.protocol.errors import ErrorResponse
 from areno.protocol.responses import ModelCard, ModelList
+from areno.serve.admission import RETRY_AFTER_S, Admission, EngineUnavailableError
 from areno.serve.config import ServeConfig
-from areno.serve.openai_routes import ChunkWriter, build_response, error_line, tools_in_play
+from areno.serve.openai_routes import (
+    ChunkWriter,
+    build_response,
+    error_line,
+    forced_prompt_text,
+    forced_reply_prefix,
+    tools_in_play,
+)
 from areno.tools import get_tool_parser
+
+# HTTP requests the Serve proxy queues for the Ingress once every Ingress replica has
+# INGRESS_MAX_ONGOING in flight; beyond that Serve itself answers 503 (plain text, with
+# Retry-After). The engine-side limit (--max-queued-requests, 429) normally refuses far earlier.
+INGRESS_MAX_ONGOING = 4096
+INGRESS_MAX_QUEUED = 1024
 
 # Children of "ray.serve": Serve routes them to the replica's log file and the driver's console.
 logger = logging.getLogger("ray.serve.areno")
@@ -80,12 +96,6 @@ class AuthenticationError(ArenoError):
     code = "invalid_api_key"
 
 
-class ServerOverloadedError(ArenoError):
-    status_code = 503
-    error_type = "server_error"
-    code = "engine_unavailable"
-
-
 def _user_error(error: Exception) -> ArenoError:
     """The ArenoError behind `error` (Ray wraps a replica's exception in RayTaskError), or a
     generic server error for anything else (logged, never shown to the client)."""
@@ -95,7 +105,9 @@ def _user_error(error: Exception) -> ArenoError:
     if isinstance(error, ArenoError) and hasattr(error, "message"):
         return error
     if isinstance(cause, EngineDeadError) or isinstance(error, EngineDeadError):
-        return ServerOverloadedError("the generation engine is restarting; retry shortly")
+        return EngineUnavailableError("the generation engine is restarting; retry shortly")
+    if isinstance(cause, BackPressureError) or isinstance(error, BackPressureError):
+        return EngineUnavailableError("the server is overloaded; retry shortly")
     logger.exception("internal error", exc_info=error)
     internal = ArenoError("internal server error; see the server log")
     internal.status_code, internal.error_type, internal.code = 500, "server_error", "internal"
@@ -164,6 +176,7 @@ class GeneratorServer:
 
     def __init__(self, config: ServeConfig):
         self.generator = Generator.from_config(config.model_path, config.engine)
+        self.admission = Admission(config.engine.max_running_prompts, config.queue_limit)
         from ray.serve import metrics
 
         self.queue_depth = metrics.Gauge(
@@ -173,19 +186,32 @@ class GeneratorServer:
 
     async def generate_all(self, inputs, params: SamplingParams, request_id: str):
         """The whole request in one reply (non-streaming HTTP: no per-delta handle traffic)."""
-        self._report()
+        self._admit(params, request_id)
         try:
             return await self.generator.generate_all(inputs, params, request_id)
         finally:
-            self._report()
+            self._release(request_id)
 
     async def generate(self, inputs, params: SamplingParams, request_id: str):
-        self._report()
+        self._admit(params, request_id)
         try:
             async for output in self.generator.generate(inputs, params, request_id):
                 yield output
         finally:
-            self._report()
+            self._release(request_id)
+
+    def _admit(self, params: SamplingParams, request_id: str) -> None:
+        """Refuse at once what would otherwise hang: 503 while the engine is paused (an RL
+        weight update), 429 when the waiting queue is full. A dead engine raises
+        EngineDeadError from `generate` itself (503 too)."""
+        if self.generator.is_paused:
+            raise EngineUnavailableError("the generation engine is paused; retry shortly")
+        self.admission.admit(request_id, params.n)
+        self._report()
+
+    def _release(self, request_id: str) -> None:
+        self.admission.release(request_id)
+        self._report()
 
     def _report(self) -> None:
         stats = self.generator.stats()
@@ -204,7 +230,11 @@ class GeneratorServer:
 api = FastAPI(title="AReno", docs_url=None, redoc_url=None)
 
 
-@serve.deployment(max_ongoing_requests=4096)
+@serve.deployment(
+    max_ongoing_requests=INGRESS_MAX_ONGOING,
+    max_queued_requests=INGRESS_MAX_QUEUED,
+    backpressure_config=BackpressureConfig(status_code=503, retry_after_s=RETRY_AFTER_S),
+)
 @serve.ingress(api)
 class Ingress:
     """`POST /v1/chat/completions`, `GET /v1/models`, `GET /health`."""
@@ -252,30 +282,41 @@ class Ingress:
             parser = self.tool_parser if tools_in_play(chat) else None
             if parser is not None:  # tool-call tags are special tokens: keep them in the text
                 params = dataclasses.replace(params, skip_special_tokens=False)
-            inputs = await self._encode(chat)
+            prefix = forced_reply_prefix(chat, parser)
+            inputs = self._force_prefix(await self._encode(chat), prefix)
             request_id = uuid.uuid4().hex
             if not chat.stream:
                 merged = await self.generator_unary.generate_all.remote(inputs, params, request_id)
-                return self._respond(chat, inputs, merged, parser, arrival)
+                return self._respond(chat, inputs, merged, parser, prefix, arrival)
             stream = self.generator.generate.remote(inputs, params, request_id)
             first = await stream.__anext__()  # request-level errors surface before any byte
         except Exception as e:  # noqa: BLE001 - every failure becomes an OpenAI error response
             return self._error(e)
         first_token_at = time.perf_counter()
         self.metrics.time_to_first_token.observe(first_token_at - arrival)
-        writer = ChunkWriter(chat, self.config.model_name, inputs, self.tokenizer, parser)
+        writer = ChunkWriter(chat, self.config.model_name, inputs, self.tokenizer, parser, prefix)
         return StreamingResponse(
             self._sse(writer, first, stream, first_token_at), media_type="text/event-stream"
         )
 
-    def _respond(self, chat, inputs, merged, parser, arrival: float) -> JSONResponse:
+    def _force_prefix(self, inputs, prefix: str):
+        """The prompt followed by the forced call opening (tool_choice "required" or named):
+        the model continues a call it cannot avoid. No grammar engine needed."""
+        if not prefix:
+            return inputs
+        text = forced_prompt_text(inputs.prompt_text, prefix)
+        ids = self.tokenizer.encode(text, add_special_tokens=False)
+        return inputs.with_tokens(inputs.input_ids + ids)
+
+    def _respond(self, chat, inputs, merged, parser, prefix: str, arrival: float) -> JSONResponse:
         """The JSON answer of a non-streaming request (its tokens/s include the prefill: the
         first token's time is not known here)."""
         model = self.config.model_name
-        response = build_response(chat, model, inputs, merged, self.tokenizer, parser)
+        response = build_response(chat, model, inputs, merged, self.tokenizer, parser, prefix)
         malformed = 0
         if parser is not None:
-            malformed = sum(parser.parse(d.text, chat.tools).num_malformed for d in merged.samples)
+            texts = (prefix + d.text for d in merged.samples)
+            malformed = sum(parser.parse(text, chat.tools).num_malformed for text in texts)
         self._record(chat, inputs, response.model_dump(), arrival, malformed)
         return JSONResponse(response.model_dump(exclude_none=True))
 
@@ -341,7 +382,13 @@ class Ingress:
             yield line
         merged = merge_outputs(outputs)
         body = build_response(
-            writer.request, writer.model, writer.inputs, merged, self.tokenizer, writer.parser
+            writer.request,
+            writer.model,
+            writer.inputs,
+            merged,
+            self.tokenizer,
+            writer.parser,
+            writer.prefix,
         ).model_dump()
         malformed = writer.num_malformed_tool_calls
         self._record(writer.request, writer.inputs, body, first_token_at, malformed)
@@ -358,4 +405,6 @@ class Ingress:
         user_error = _user_error(error)
         self.metrics.requests.inc(tags={"status": str(user_error.status_code)})
         body = ErrorResponse.from_error(user_error).model_dump()
-        return JSONResponse(body, status_code=user_error.status_code)
+        retry_after = getattr(user_error, "retry_after_s", None)
+        headers = {"Retry-After": str(retry_after)} if retry_after is not None else None
+        return JSONResponse(body, status_code=user_error.status_code, headers=headers)

@@ -13,6 +13,7 @@ from typing import Any
 from areno.engine.outputs import RequestOutput, SampleDelta
 from areno.processing.types import PromptInputs
 from areno.protocol import ChatCompletionRequest
+from areno.protocol.chat import NamedToolChoice
 from areno.protocol.responses import (
     ChatCompletionChunk,
     ChatCompletionResponse,
@@ -33,6 +34,33 @@ from areno.tools import ContentDelta, ToolParser
 def tools_in_play(request: ChatCompletionRequest) -> bool:
     """Whether the model sees the request's tools and its output is parsed for calls."""
     return bool(request.tools) and request.tool_choice != "none"
+
+
+def forced_reply_prefix(request: ChatCompletionRequest, parser: ToolParser | None) -> str:
+    """The call opening every choice is forced to start with: any call for tool_choice
+    "required", a call of the named function for a named choice, "" otherwise. (The protocol
+    layer already refused a named function that is not in `tools`, and "required" without
+    tools.)"""
+    if parser is None or not tools_in_play(request):
+        return ""
+    if request.tool_choice == "required":
+        return parser.forced_prefix(None)
+    if isinstance(request.tool_choice, NamedToolChoice):
+        return parser.forced_prefix(request.tool_choice.function.name)
+    return ""
+
+
+_OPEN_THINK = "<think>\n"
+
+
+def forced_prompt_text(prompt_text: str, reply_prefix: str) -> str:
+    """The text appended to the rendered prompt to force `reply_prefix`. A generation prompt
+    that opens a reasoning block (Qwen3.5 and thinking checkpoints end it with `<think>\n`) is
+    closed first, as the template's enable_thinking=false form writes it: a forced call skips
+    reasoning rather than starting inside it."""
+    if prompt_text.endswith(_OPEN_THINK):
+        return "\n</think>\n\n" + reply_prefix
+    return reply_prefix
 
 
 def usage_for(inputs: PromptInputs, num_completion_tokens: int) -> Usage:
@@ -76,15 +104,17 @@ def build_response(
     output: RequestOutput,
     tokenizer: Any,
     parser: ToolParser | None = None,
+    prefix: str = "",
 ) -> ChatCompletionResponse:
     """The non-streaming response from a request's merged output (one delta per sample);
-    with a `parser`, tool calls are split out of each sample's text."""
+    with a `parser`, tool calls are split out of each sample's text, read after the forced
+    call opening `prefix` (see forced_reply_prefix)."""
     choices = []
     for delta in output.samples:
         message = ResponseMessage(content=delta.text)
         finish_reason = finish_reason_for(delta) or "stop"
         if parser is not None:
-            parsed = parser.parse(delta.text, request.tools)
+            parsed = parser.parse(prefix + delta.text, request.tools)
             message = ResponseMessage(content=parsed.content or None, tool_calls=parsed.tool_calls)
             if parsed.tool_calls and finish_reason == "stop":
                 finish_reason = "tool_calls"
@@ -104,7 +134,8 @@ def build_response(
 
 class ChunkWriter:
     """Turns one request's stream of deltas into SSE lines of `chat.completion.chunk`s; with a
-    `parser`, each choice's text goes through its own tool-call stream parser."""
+    `parser`, each choice's text goes through its own tool-call stream parser, fed the forced
+    call opening `prefix` first (so a forced call's deltas carry its name)."""
 
     def __init__(
         self,
@@ -113,9 +144,10 @@ class ChunkWriter:
         inputs: PromptInputs,
         tokenizer: Any,
         parser: ToolParser | None = None,
+        prefix: str = "",
     ):
         self.request, self.model, self.inputs, self.tokenizer = request, model, inputs, tokenizer
-        self.parser = parser
+        self.parser, self.prefix = parser, prefix
         self.id = ChatCompletionResponse(model=model, choices=[]).id
         self.num_completion_tokens = 0
         self._started: set[int] = set()
@@ -155,9 +187,11 @@ class ChunkWriter:
         if self.parser is None:
             return delta.text, []
         stream = self._streams.get(delta.index)
+        text = delta.text
         if stream is None:
             stream = self._streams[delta.index] = self.parser.stream(self.request.tools)
-        events = stream.feed(delta.text)
+            text = self.prefix + text
+        events = stream.feed(text)
         if delta.finish_reason is not None:
             events += stream.finish()
         content = "".join(e.text for e in events if isinstance(e, ContentDelta))

@@ -148,6 +148,19 @@ class ToolParser(ABC):
     def parse_call(self, body: str, schemas: ToolSchemas) -> ParsedCall | None:
         """The call in `body` (the text between the tags), or None when it is malformed."""
 
+    @abstractmethod
+    def forced_prefix(self, name: str | None) -> str:
+        """The opening of a call as the family's template writes it, for forcing a call without
+        a grammar: the server appends it to the generation prompt and parses it in front of the
+        generated text. `name` None (tool_choice "required") opens a call to any function; a
+        name (a named tool_choice) also writes that function's name.
+
+        NOTE: it ends where the template's text continues at a token boundary (never with a
+        trailing space the model would write as part of its next token), and
+        `parse(forced_prefix(name) + rest)` reads the call when `rest` completes it as the
+        template does.
+        """
+
     def could_open_call(self, body_prefix: str) -> bool:
         """Whether a body starting with `body_prefix` can still be a well-formed call."""
         text = body_prefix.lstrip()

@@ -33,6 +33,10 @@ class Gemma4ToolParser(ToolParser):
             arguments = _read_native(match[2])
         return ParsedCall(match[1], arguments) if isinstance(arguments, dict) else None
 
+    def forced_prefix(self, name: str | None) -> str:
+        """`<|tool_call>call:`, then the name when there is one (its arguments follow)."""
+        return f"{self.start_tag}call:{name or ''}"
+
 
 def _read_native(text: str) -> Any:
     """Decode Gemma's native argument notation; None when it does not parse."""

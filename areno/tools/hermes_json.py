@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from areno.tools.base import NOT_JSON, ParsedCall, ToolParser, ToolSchemas, is_valid_name, try_json
@@ -25,6 +26,13 @@ class HermesJsonToolParser(ToolParser):
             return None
         arguments = _arguments(obj.get("arguments", {}))
         return None if arguments is None else ParsedCall(obj["name"], arguments)
+
+    def forced_prefix(self, name: str | None) -> str:
+        """`<tool_call>` and the object up to the name's opening quote, or with a name up to
+        `"arguments":` (the template writes the name first)."""
+        if name is None:
+            return '<tool_call>\n{"name": "'
+        return f'<tool_call>\n{{"name": {json.dumps(name)}, "arguments":'
 
 
 def _arguments(value: Any) -> dict[str, Any] | None:

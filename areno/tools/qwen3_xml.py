@@ -40,6 +40,12 @@ class Qwen3XmlToolParser(ToolParser):
         arguments = _parameters(match[2], properties if isinstance(properties, dict) else {})
         return None if arguments is None else ParsedCall(name, arguments)
 
+    def forced_prefix(self, name: str | None) -> str:
+        """`<tool_call>` up to `<function=`, or with a name its whole `<function=NAME>` line."""
+        if name is None:
+            return "<tool_call>\n<function="
+        return f"<tool_call>\n<function={name}>\n"
+
 
 def _parameters(inner: str, properties: dict[str, Any]) -> dict[str, Any] | None:
     """Decode the parameters; None when text other than whitespace lies between them or a key

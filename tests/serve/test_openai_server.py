@@ -1,6 +1,7 @@
 """A live AReno server (Ray Serve, tiny Gemma 4 checkpoint) driven by the official `openai`
 client over loopback HTTP: every media source, streaming, n, logprobs, usage, queueing beyond
---max-running-prompts, and errors answered 4xx while the server keeps serving."""
+--max-running-prompts, overload refused with 429 beyond --max-queued-requests, tool_choice
+enforcement, and errors answered 4xx while the server keeps serving."""
 
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ ray = pytest.importorskip("ray")
 serve = pytest.importorskip("ray.serve")
 
 MAX_PROMPT_TOKENS = 900
+GUARDED_MAX_QUEUED = 1  # the guarded app: 2 running + 1 waiting, then 429
 
 
 def _free_port() -> int:
@@ -59,9 +61,13 @@ def server(tiny_path, media_root):
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         serve.run(build_app(config), name=APP_NAME, route_prefix="/")
-        # A second app: an API key, one allowed media root, remote media at its default (off).
+        # A second app: an API key, one allowed media root, remote media at its default (off),
+        # a one-request waiting queue.
         guarded = dataclasses.replace(
-            config, api_key=API_KEY, allowed_local_media_paths=(str(media_root),)
+            config,
+            api_key=API_KEY,
+            allowed_local_media_paths=(str(media_root),),
+            max_queued_requests=GUARDED_MAX_QUEUED,
         )
         guarded = dataclasses.replace(
             guarded, allow_remote_media=False, allow_private_network_media=False
@@ -258,22 +264,31 @@ def test_tools_reach_the_template_unless_tool_choice_is_none(server, media):
     assert prompt_tokens(tools=tools, tool_choice="none") == without
 
 
-def test_completions_are_logged_with_areno_log_completions(server):
+def completion_log(response_id: str) -> dict:
+    """The ARENO_LOG_COMPLETIONS record of a response, read from the Ingress replica's log."""
     import glob
+    import json
     import time
 
-    response = ask(server, "Log me.")
     session = ray._private.worker._global_node.get_session_dir_path()
     for _ in range(50):
         logs = "".join(
             Path(p).read_text(errors="replace")
             for p in glob.glob(f"{session}/logs/serve/replica_areno_Ingress_*.log")
         )
-        if response.id in logs:
+        if response_id in logs:
             break
         time.sleep(0.2)
-    line = next(x for x in logs.splitlines() if response.id in x)
-    assert '"prompt_tokens"' in line and '"finish_reason"' in line and '"tool_calls"' in line
+    line = next(x for x in logs.splitlines() if response_id in x)
+    record, _ = json.JSONDecoder().raw_decode(line, line.index("completion {") + len("completion "))
+    return record
+
+
+def test_completions_are_logged_with_areno_log_completions(server):
+    response = ask(server, "Log me.")
+    record = completion_log(response.id)
+    assert record["prompt_tokens"] == response.usage.prompt_tokens
+    assert {"finish_reason", "tool_calls"} <= set(record["choices"][0])
 
 
 @pytest.fixture(scope="module")
@@ -335,3 +350,93 @@ def test_guarded_server_refuses_media_outside_its_roots_and_remote_urls(
             ask(client, [{"type": "image_url", "image_url": {"url": url}}])
         assert 400 <= caught.value.status_code < 500
         assert needle in caught.value.message.lower(), caught.value.message
+
+
+ZOOM = {
+    "type": "function",
+    "function": {
+        "name": "zoom",
+        "description": "Crop and zoom into the image.",
+        "parameters": {"type": "object", "properties": {"x": {"type": "number"}}},
+    },
+}
+NOTE = {"type": "function", "function": {"name": "note", "parameters": {"type": "object"}}}
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_path("gemma4"))
+
+
+def _tool_ask(client, tool_choice, **kwargs):
+    return ask(client, "Zoom in.", tools=[NOTE, ZOOM], tool_choice=tool_choice, **kwargs)
+
+
+@pytest.mark.parametrize("choice", ["required", "named"])
+def test_tool_choice_forces_the_call_opening(server, tokenizer, choice):
+    """The tiny model's weights are random, so it never completes a call by itself; what the
+    server guarantees is the forced opening: the prompt carries it (prompt_tokens grow by its
+    tokens), the reply is parsed after it, and the unfinished call comes back as content that
+    starts with it (naming the function for a named choice), counted as malformed."""
+    from areno.tools import get_tool_parser
+
+    named = {"type": "function", "function": {"name": "zoom"}}
+    prefix = get_tool_parser("gemma4").forced_prefix("zoom" if choice == "named" else None)
+    auto = _tool_ask(server, "auto", max_tokens=4)
+    forced = _tool_ask(server, named if choice == "named" else "required", max_tokens=4)
+    num_prefix_tokens = len(tokenizer.encode(prefix, add_special_tokens=False))
+    assert forced.usage.prompt_tokens == auto.usage.prompt_tokens + num_prefix_tokens
+
+    [answer] = forced.choices
+    assert answer.message.content.startswith(prefix)
+    assert not answer.message.tool_calls
+    assert answer.finish_reason in {"stop", "length"}  # never "tool_calls" without a call
+    assert completion_log(forced.id)["malformed_tool_calls"] == 1
+
+
+def test_named_tool_choice_streams_what_the_unary_reply_holds(server):
+    named = {"type": "function", "function": {"name": "zoom"}}
+    full = _tool_ask(server, named, max_tokens=6)
+    stream = _tool_ask(server, named, max_tokens=6, stream=True)
+    content, calls, finish = "", [], None
+    for chunk in stream:
+        for choice in chunk.choices:
+            content += choice.delta.content or ""
+            calls += choice.delta.tool_calls or []
+            finish = choice.finish_reason or finish
+    assert content == full.choices[0].message.content
+    assert content.startswith("<|tool_call>call:zoom")
+    assert calls == [] and finish == full.choices[0].finish_reason
+
+
+def test_named_tool_choice_outside_tools_is_400(server):
+    with pytest.raises(openai.BadRequestError) as caught:
+        _tool_ask(server, {"type": "function", "function": {"name": "pan"}})
+    assert "'pan'" in caught.value.message and "zoom" in caught.value.message
+
+
+def test_overload_is_refused_with_429_and_the_server_keeps_serving(server):
+    """More concurrent requests than the guarded app's 2 slots + 1 waiting place: each is
+    answered or refused at once with 429 and Retry-After, never left hanging."""
+    client = guarded_client(server)  # max_retries=0: a 429 reaches the test
+
+    def call(i: int):
+        try:
+            return ask(client, f"Long answer {i}", max_tokens=256, extra_body={"ignore_eos": True})
+        except openai.RateLimitError as e:
+            return e
+
+    with concurrent.futures.ThreadPoolExecutor(10) as pool:
+        results = list(pool.map(call, range(10), timeout=300))
+    answered = [r for r in results if not isinstance(r, Exception)]
+    refused = [r for r in results if isinstance(r, Exception)]
+    assert answered and refused
+    assert all(r.choices[0].finish_reason == "length" for r in answered)
+    for error in refused:
+        assert error.status_code == 429
+        assert "--max-queued-requests" in error.message
+        assert error.code == "rate_limit_exceeded"
+        assert int(error.response.headers["retry-after"]) >= 1
+    assert ask(client, "Fresh request after the burst.").choices[0].finish_reason

@@ -1,0 +1,136 @@
+"""Admission control of a Generator replica without Ray: the bounded waiting queue (429), the
+paused engine (503), the errors' wire form and the config that sets the bound."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from areno.engine.config import EngineConfig
+from areno.engine.generator import EngineDeadError
+from areno.engine.sampling import SamplingParams
+from areno.errors import ConfigError
+from areno.serve.admission import Admission, EngineUnavailableError, QueueFullError
+from areno.serve.config import QUEUE_FACTOR, ServeConfig
+
+
+def test_a_burst_fills_the_slots_then_the_queue_then_is_refused():
+    admission = Admission(num_slots=2, max_queued_requests=3)
+    for i in range(5):
+        admission.admit(f"r{i}", 1)
+    assert (admission.num_held, admission.num_queued) == (5, 3)
+    with pytest.raises(QueueFullError) as caught:
+        admission.admit("r5", 1)
+    error = caught.value
+    assert (error.status_code, error.code, error.retry_after_s) == (429, "rate_limit_exceeded", 1)
+    assert "--max-queued-requests 3" in error.message and "retry" in error.message
+    admission.release("r0")  # a running request ends: the oldest waiting one takes its slot
+    assert admission.num_queued == 2
+    admission.admit("r5", 1)
+    assert admission.num_queued == 3
+
+
+def test_requests_count_their_samples_in_fcfs_order():
+    admission = Admission(num_slots=4, max_queued_requests=1)
+    admission.admit("a", 3)
+    admission.admit("b", 2)  # 3 + 2 > 4: waits, and blocks what comes after it
+    assert admission.num_queued == 1
+    with pytest.raises(QueueFullError):
+        admission.admit("c", 1)  # one slot is free, but strict FCFS puts it behind "b"
+    admission.release("a")
+    assert admission.num_queued == 0
+    admission.admit("c", 1)
+    admission.admit("d", 2)  # 2 + 1 + 2 > 4
+    assert admission.num_queued == 1
+
+
+def test_zero_queue_refuses_whatever_cannot_run_at_once():
+    admission = Admission(num_slots=1, max_queued_requests=0)
+    admission.admit("a", 1)
+    with pytest.raises(QueueFullError):
+        admission.admit("b", 1)
+    admission.release("a")
+    admission.release("a")  # releasing twice, or an unknown id, is harmless
+    admission.admit("b", 1)
+
+
+def test_a_request_that_can_never_run_is_left_to_the_engine():
+    admission = Admission(num_slots=2, max_queued_requests=0)
+    admission.admit("a", 2)
+    admission.admit("huge", 3)  # not held, not refused: the engine answers it with a 400
+    assert admission.num_held == 1
+
+
+def test_config_bounds_the_queue():
+    config = ServeConfig(model_path="m", engine=EngineConfig(max_running_prompts=3))
+    assert config.queue_limit == QUEUE_FACTOR * 3
+    assert ServeConfig(model_path="m", max_queued_requests=0).queue_limit == 0
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ConfigError, match="--max-queued-requests"):
+            ServeConfig(model_path="m", max_queued_requests=bad)
+
+
+class _StubGenerator:
+    """What GeneratorServer reads of a Generator, with a scripted pause state."""
+
+    def __init__(self, paused: bool):
+        self.is_paused = paused
+
+    def stats(self) -> dict[str, int]:
+        return {"num_waiting": 0, "num_running": 0}
+
+    async def generate_all(self, inputs, params, request_id):
+        return "done"
+
+    def shutdown(self) -> None:
+        pass
+
+
+class _Gauge:
+    def set(self, value) -> None:
+        pass
+
+
+def _generator_server(paused: bool, max_queued_requests: int = 0):
+    from areno.serve.deployments import GeneratorServer
+
+    server = GeneratorServer.func_or_class.__new__(GeneratorServer.func_or_class)
+    server.generator = _StubGenerator(paused)
+    server.admission = Admission(1, max_queued_requests)
+    server.queue_depth = server.running = _Gauge()
+    return server
+
+
+def test_generator_server_answers_503_while_paused_and_holds_nothing():
+    server = _generator_server(paused=True)
+    with pytest.raises(EngineUnavailableError, match="paused") as caught:
+        asyncio.run(server.generate_all(None, SamplingParams(), "r"))
+    assert caught.value.status_code == 503 and caught.value.retry_after_s == 1
+    assert server.admission.num_held == 0
+
+
+def test_generator_server_releases_finished_requests():
+    server = _generator_server(paused=False)
+    assert asyncio.run(server.generate_all(None, SamplingParams(), "r")) == "done"
+    assert asyncio.run(server.generate_all(None, SamplingParams(), "r2")) == "done"
+    assert server.admission.num_held == 0
+
+
+def test_engine_and_serve_overload_errors_map_to_503():
+    from ray.serve.exceptions import BackPressureError
+
+    from areno.serve.deployments import _user_error
+
+    dead = _user_error(EngineDeadError("boom"))
+    assert (dead.status_code, dead.retry_after_s) == (503, 1)
+    backpressure = _user_error(BackPressureError(num_queued_requests=3, max_queued_requests=2))
+    assert backpressure.status_code == 503 and "overloaded" in backpressure.message
+    full = QueueFullError("full")
+    assert _user_error(full) is full
+    assert full.to_dict() == {
+        "message": "full",
+        "type": "requests",
+        "param": None,
+        "code": "rate_limit_exceeded",
+    }
