@@ -147,6 +147,96 @@ def placeholder_token_ids(hf_processor: Any) -> dict[str, int]:
     return ids
 
 
+def _tool_media_dropped(hf_processor: Any, modality: str, chat_template_kwargs: dict) -> bool:
+    """Whether the chat template drops `modality` parts inside tool messages (renders nothing)."""
+    probe = [
+        {"role": "user", "content": "probe"},
+        {"role": "assistant", "content": "probe"},
+        {"role": "tool", "tool_call_id": "probe", "content": [{"type": modality}]},
+    ]
+    empty = [*probe[:2], {**probe[2], "content": []}]
+    render = hf_processor.apply_chat_template
+    kwargs = {"tokenize": False, "add_generation_prompt": False, **chat_template_kwargs}
+    return render(probe, **kwargs) == render(empty, **kwargs)
+
+
+def _move_tool_media(
+    hf_processor: Any, messages: list[dict], chat_template_kwargs: dict
+) -> list[dict]:
+    """Move media out of tool messages whose template drops it, into a user message right after
+    the run of consecutive tool messages (media order is kept)."""
+    modalities = {
+        part["type"]
+        for m in messages
+        if m["role"] == "tool" and isinstance(m["content"], list)
+        for part in m["content"]
+        if part["type"] != "text"
+    }
+    dropped = {m for m in modalities if _tool_media_dropped(hf_processor, m, chat_template_kwargs)}
+    if not dropped:
+        return messages
+    out: list[dict] = []
+    moved: list[dict] = []
+    for i, message in enumerate(messages):
+        content = message["content"]
+        is_tool = message["role"] == "tool" and isinstance(content, list)
+        if is_tool and any(part["type"] in dropped for part in content):
+            # Move every media part of the message, so the media order stays the order the
+            # decoded items arrive in.
+            moved += [part for part in content if part["type"] != "text"]
+            message = {**message, "content": [p for p in content if p["type"] == "text"]}
+        out.append(message)
+        next_is_tool = i + 1 < len(messages) and messages[i + 1]["role"] == "tool"
+        if moved and not next_is_tool:
+            out.append({"role": "user", "content": moved})
+            moved = []
+    return out
+
+
+def prepare_messages(
+    hf_processor: Any,
+    adapter: FamilyAdapter,
+    template_messages: list[dict],
+    media: Sequence[DecodedMedia],
+    chat_template_kwargs: dict | None = None,
+) -> tuple[list[dict], list[DecodedMedia]]:
+    """Template messages and media as the processor takes them (copies; inputs are untouched).
+
+    Tool-message media that the template would drop moves into a user message after the tool
+    results; a video's audio track becomes its own item; every modality is checked.
+    """
+    messages = [dict(m) for m in template_messages]
+    messages = _move_tool_media(hf_processor, messages, chat_template_kwargs or {})
+    media = list(media)
+    if adapter.video_with_audio and "audio" in adapter.modalities:
+        media = _expand_video_audio(messages, media)
+    for item in media:
+        adapter.check_modality(item.modality)
+    return messages, media
+
+
+def run_processor(
+    hf_processor: Any, adapter: FamilyAdapter, text: str, media: list[DecodedMedia]
+) -> PromptInputs:
+    """THE native processor call: rendered template text + decoded media -> PromptInputs.
+
+    `media` holds the items in placeholder order (after `prepare_messages`); spans are relative
+    to `text`'s tokens. Special tokens are never added: the template writes them.
+    """
+    out = hf_processor(
+        text=[text],
+        return_tensors="pt",
+        return_offsets_mapping=True,
+        return_text_replacement_offsets=True,
+        add_special_tokens=False,
+        **_processor_call_kwargs(adapter, media),
+    )
+    input_ids = out["input_ids"][0].tolist()
+    spans = _spans(out, media, placeholder_token_ids(hf_processor)) if media else []
+    mm_inputs = {k: v for k, v in out.items() if k not in _TEXT_KEYS}
+    return PromptInputs(input_ids=input_ids, mm_inputs=mm_inputs, mm_spans=spans, prompt_text=text)
+
+
 def encode_prompt(
     hf_processor: Any,
     adapter: FamilyAdapter,
@@ -165,12 +255,9 @@ def encode_prompt(
     `media` holds the decoded items in the same order. Raises PromptTooLongError when the encoded
     length breaks `limits`.
     """
-    messages = [dict(m) for m in template_messages]
-    media = list(media)
-    if adapter.video_with_audio and "audio" in adapter.modalities:
-        media = _expand_video_audio(messages, media)
-    for item in media:
-        adapter.check_modality(item.modality)
+    messages, media = prepare_messages(
+        hf_processor, adapter, template_messages, media, chat_template_kwargs
+    )
     text = hf_processor.apply_chat_template(
         messages,
         tools=tools,
@@ -178,17 +265,6 @@ def encode_prompt(
         tokenize=False,
         **(chat_template_kwargs or {}),
     )
-    call_kwargs = _processor_call_kwargs(adapter, media)
-    out = hf_processor(
-        text=[text],
-        return_tensors="pt",
-        return_offsets_mapping=True,
-        return_text_replacement_offsets=True,
-        add_special_tokens=False,
-        **call_kwargs,
-    )
-    input_ids = out["input_ids"][0].tolist()
-    spans = _spans(out, media, placeholder_token_ids(hf_processor)) if media else []
-    mm_inputs = {k: v for k, v in out.items() if k not in _TEXT_KEYS}
-    (limits or PromptLimits()).check(len(input_ids), max_new_tokens)
-    return PromptInputs(input_ids=input_ids, mm_inputs=mm_inputs, mm_spans=spans, prompt_text=text)
+    inputs = run_processor(hf_processor, adapter, text, media)
+    (limits or PromptLimits()).check(inputs.num_prompt_tokens, max_new_tokens)
+    return inputs

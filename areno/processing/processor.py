@@ -20,6 +20,7 @@ from areno.processing.messages import (
     tools_as_dicts,
     validate_messages,
 )
+from areno.processing.turns import encode_continuation, extend_prompt
 from areno.processing.types import PromptInputs
 
 
@@ -75,6 +76,32 @@ class Processor:
             limits=self.limits,
             max_new_tokens=max_new_tokens,
         )
+
+    def encode_continuation(
+        self,
+        messages: Sequence[Any],
+        media: Sequence[DecodedMedia],
+        *,
+        tools: Sequence[Any] | None = None,
+        chat_template_kwargs: dict | None = None,
+        add_generation_prompt: bool = True,
+    ) -> PromptInputs:
+        """The new messages of an episode (tool results...) encoded to follow a finished
+        assistant turn; see `areno.processing.turns.encode_continuation`."""
+        return encode_continuation(
+            self,
+            messages,
+            media,
+            tools=tools,
+            add_generation_prompt=add_generation_prompt,
+            chat_template_kwargs=chat_template_kwargs,
+        )
+
+    def extend(
+        self, prefix: PromptInputs, generated_ids: Sequence[int], delta: PromptInputs
+    ) -> PromptInputs:
+        """`prefix` + generated tokens + `delta` as one prompt; see `turns.extend_prompt`."""
+        return extend_prompt(self, prefix, generated_ids, delta)
 
 
 def process_messages(
