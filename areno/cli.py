@@ -220,7 +220,10 @@ def _add_train_parsers(sub) -> None:
     ):
         train.add_argument(flag, type=kind)
     train.add_argument(
-        "--set", action="append", metavar="KEY=VALUE", help="any config field, e.g. grpo.loss.kl_coef=0.01"
+        "--set",
+        action="append",
+        metavar="KEY=VALUE",
+        help="any config field, e.g. grpo.loss.kl_coef=0.01",
     )
     train.add_argument("--no-progress", action="store_true", help="no progress bar")
     train.set_defaults(func=_train)

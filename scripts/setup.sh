@@ -14,6 +14,8 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
     .venv/bin/python -m pip install -q "$(grep '^torch==' requirements/ci.txt)" \
         "$(grep '^torchvision==' requirements/ci.txt)"
     .venv/bin/python -m pip install -q -r requirements/ci.txt
+    # DeepSpeed ships as an sdist whose setup imports torch: build it against the pinned one.
+    .venv/bin/python -m pip install -q --no-build-isolation deepspeed==0.19.8
     .venv/bin/python -m pip install -q --no-deps -e .
     echo "$want" > "$stamp"
 fi

@@ -1,0 +1,175 @@
+"""One episode: generate -> parse tool calls -> run tools -> append results -> repeat.
+
+Token-in, token-out: each turn's prompt is the previous turn's exact token sequence, followed by
+the tokens the model sampled and the encoded tool results (`Processor.encode_continuation`).
+History is never re-templated, so the trainer scores exactly the tokens the generator saw.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from areno.engine.generator import Generator
+from areno.engine.sampling import SamplingParams
+from areno.media.decoder import MediaDecoder
+from areno.processing.processor import Processor
+from areno.processing.types import PromptInputs
+from areno.rollout.agent import Agent, ToolContext
+from areno.rollout.trajectory import ToolCallRecord, Trajectory
+from areno.tools.base import ToolParser
+
+
+@dataclass(frozen=True)
+class EpisodeLimits:
+    """Per-episode limits; `max_context_len` bounds the whole episode's token sequence."""
+
+    max_context_len: int
+    max_tokens_per_turn: int = 256
+
+
+@dataclass
+class RolloutEnv:
+    """The serving parts an episode runs on, all in one process (a rollout worker)."""
+
+    decoder: MediaDecoder
+    processor: Processor
+    generator: Generator
+    parser: ToolParser
+
+    @property
+    def end_of_turn_id(self) -> int:
+        tokenizer = self.processor.tokenizer
+        return int(tokenizer.convert_tokens_to_ids(self.processor.adapter.stop_tokens[0]))
+
+
+def encode_prompt_for(env: RolloutEnv, agent: Agent, messages: list[dict]) -> PromptInputs:
+    """The episode's first prompt: the agent's messages, decoded and encoded on the one path."""
+    messages = agent.prompt_messages(messages)
+    media = env.decoder.decode_many(env.processor.media_refs(messages))
+    return env.processor.encode(messages, media, tools=agent.tool_schemas or None)
+
+
+async def run_episode(
+    env: RolloutEnv,
+    agent: Agent,
+    ctx: ToolContext,
+    prompt: PromptInputs,
+    sampling: SamplingParams,
+    limits: EpisodeLimits,
+) -> Trajectory:
+    """Run one episode from an encoded prompt until a final answer, a turn limit or the context
+    limit, and return its Trajectory (reward not yet set)."""
+    inputs = prompt
+    n = prompt.num_prompt_tokens
+    traj = Trajectory(ctx.sample_id, ctx.episode_index, prompt, n, [0] * n, [0.0] * n, [])
+    eot = env.end_of_turn_id
+    for turn in range(agent.max_turns):
+        room = limits.max_context_len - inputs.num_prompt_tokens
+        if room < 1:
+            traj.finish = "context"
+            break
+        params = _turn_params(sampling, limits, room, ctx.episode_index, turn)
+        output = await env.generator.generate_all(inputs, params)
+        sample = output.samples[0]
+        generated = list(sample.token_ids)
+        traj.policy_versions.append(output.policy_version)
+        traj.loss_mask += [1] * len(generated)
+        traj.rollout_logprobs += list(sample.logprobs or [0.0] * len(generated))
+        traj.turn_texts.append(sample.text)
+        parsed = env.parser.parse(sample.text, agent.tool_schemas or None)
+        traj.num_malformed_tool_calls += parsed.num_malformed
+        traj.final_text = parsed.content
+        if sample.finish_reason == "length" and len(generated) >= room:
+            inputs = inputs.with_tokens(inputs.input_ids + generated)
+            traj.finish = "context"
+            break
+        if not parsed.tool_calls or sample.finish_reason == "length":
+            inputs = inputs.with_tokens(inputs.input_ids + generated)
+            traj.finish = "answer" if sample.finish_reason != "length" else "length"
+            break
+        if not generated or generated[-1] != eot:
+            generated.append(eot)  # close the turn the way the template would; not trained on
+            traj.loss_mask.append(0)
+            traj.rollout_logprobs.append(0.0)
+        results, final = _run_tools(agent, ctx, parsed.tool_calls, turn, traj)
+        delta = _encode_results(env, agent, results)
+        if inputs.num_prompt_tokens + len(generated) + delta.num_prompt_tokens >= (
+            limits.max_context_len
+        ):
+            inputs = inputs.with_tokens(inputs.input_ids + generated)
+            traj.finish = "context"
+            break
+        before = inputs.num_prompt_tokens + len(generated)
+        inputs = env.processor.extend(inputs, generated, delta)
+        # NOTE: not delta.num_prompt_tokens: a family that numbers media per prompt (MiniCPM-V)
+        # may renumber the delta's media, which can change its length by a digit.
+        added = inputs.num_prompt_tokens - before
+        traj.loss_mask += [0] * added
+        traj.rollout_logprobs += [0.0] * added
+        if final:
+            traj.finish = "final_tool"
+            break
+    else:
+        traj.finish = "max_turns"
+    traj.inputs = inputs
+    traj.check()
+    return traj
+
+
+def _turn_params(
+    sampling: SamplingParams, limits: EpisodeLimits, room: int, episode: int, turn: int
+) -> SamplingParams:
+    max_tokens = min(room, limits.max_tokens_per_turn, sampling.max_tokens or room)
+    seed = None if sampling.seed is None else sampling.seed + 7919 * episode + turn
+    return dataclasses.replace(
+        sampling,
+        n=1,
+        max_tokens=max_tokens,
+        seed=seed,
+        logprobs=True,
+        top_logprobs=0,
+        detokenize=True,
+        skip_special_tokens=False,  # tool-call tags may be special tokens
+    )
+
+
+def _run_tools(
+    agent: Agent, ctx: ToolContext, calls: list, turn: int, traj: Trajectory
+) -> tuple[list[dict], bool]:
+    """Run each parsed call; returns the tool messages and whether a final tool was called."""
+    messages, final = [], False
+    for call in calls:
+        name = call.function.name
+        try:
+            arguments = json.loads(call.function.arguments or "{}")
+        except json.JSONDecodeError:
+            arguments = None
+        if not isinstance(arguments, dict):
+            result: Any = "error: the arguments must be a JSON object"
+        else:
+            result = agent.call_tool(name, arguments, ctx)
+        content = _as_content(result)
+        text = " ".join(part["text"] for part in content if part.get("type") == "text")
+        num_media = sum(1 for part in content if part.get("type") != "text")
+        traj.tool_calls.append(
+            ToolCallRecord(turn, name, call.function.arguments or "", text, num_media)
+        )
+        messages.append({"role": "tool", "tool_call_id": call.id, "content": content})
+        final = final or name in agent.final_tools
+    return messages, final
+
+
+def _as_content(result: Any) -> list[dict]:
+    if isinstance(result, str):
+        return [{"type": "text", "text": result}]
+    if isinstance(result, list) and all(isinstance(p, dict) and "type" in p for p in result):
+        return result
+    return [{"type": "text", "text": str(result)}]
+
+
+def _encode_results(env: RolloutEnv, agent: Agent, messages: list[dict]) -> PromptInputs:
+    media = env.decoder.decode_many(env.processor.media_refs(messages))
+    return env.processor.encode_continuation(messages, media, tools=agent.tool_schemas or None)

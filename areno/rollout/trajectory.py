@@ -1,0 +1,78 @@
+"""What an episode leaves behind: the exact token sequence the generator saw and produced."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from areno.processing.types import PromptInputs
+
+
+@dataclass
+class ToolCallRecord:
+    """One tool call of an episode: what the model asked for and what the tool answered."""
+
+    turn: int
+    name: str
+    arguments: str  # the JSON text the model produced
+    result_text: str  # the text parts of the result ("" for media only)
+    num_media: int = 0  # media items the result carried back to the model
+
+
+@dataclass
+class Trajectory:
+    """One episode, token-in / token-out.
+
+    `inputs` holds every token of the episode (prompt, generated turns, tool results) with the
+    media tensors of every media item in it, so the trainer's forward sees exactly what the
+    generator saw. `loss_mask[i]` is 1 for tokens the model sampled, 0 for prompt and tool tokens;
+    `rollout_logprobs[i]` is the generator's logprob of token i (0 where the mask is 0).
+    """
+
+    sample_id: str | None
+    episode_index: int
+    inputs: PromptInputs
+    num_prompt_tokens: int
+    loss_mask: list[int]
+    rollout_logprobs: list[float]
+    policy_versions: list[int]  # one per generated turn
+    final_text: str = ""  # the last assistant turn's content (tool-call markup removed)
+    tool_calls: list[ToolCallRecord] = field(default_factory=list)
+    turn_texts: list[str] = field(default_factory=list)  # every assistant turn's raw text
+    finish: str = "answer"  # answer | final_tool | max_turns | length | context
+    num_malformed_tool_calls: int = 0
+    reward: float | None = None
+    reward_components: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.inputs.input_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.inputs.input_ids)
+
+    @property
+    def num_generated_tokens(self) -> int:
+        return sum(self.loss_mask)
+
+    @property
+    def num_turns(self) -> int:
+        return len(self.policy_versions)
+
+    @property
+    def policy_version(self) -> int:
+        """The oldest policy that produced any of its tokens (what staleness is measured by)."""
+        return min(self.policy_versions) if self.policy_versions else 0
+
+    @property
+    def media_hashes(self) -> list[str]:
+        return [span.content_hash for span in self.inputs.mm_spans]
+
+    def check(self) -> None:
+        """NOTE: the per-token lists line up with the token ids (an invariant, not user input)."""
+        n = self.num_tokens
+        assert len(self.loss_mask) == n and len(self.rollout_logprobs) == n, (
+            len(self.loss_mask),
+            len(self.rollout_logprobs),
+            n,
+        )

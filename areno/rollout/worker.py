@@ -1,0 +1,102 @@
+"""RolloutWorker: the serving classes (MediaDecoder, Processor, Generator) in one Ray actor.
+
+Run as `ray.remote(RolloutWorker)`; the GRPO trainer calls `run_group` for each prompt of a step
+and `update_weights` after each optimizer step. It only ever sees PUBLIC samples: private
+metadata stays with the trainer, which computes rewards.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from areno.engine.config import EngineConfig
+from areno.engine.generator import Generator
+from areno.engine.sampling import SamplingParams
+from areno.media.decoder import MediaDecoder
+from areno.media.sources import MediaPolicy
+from areno.processing.encode import PromptLimits
+from areno.processing.processor import Processor
+from areno.processing.types import PromptInputs
+from areno.rollout.agent import ToolContext, load_agent
+from areno.rollout.episode import EpisodeLimits, RolloutEnv, encode_prompt_for, run_episode
+from areno.rollout.trajectory import Trajectory
+from areno.tools.registry import get_tool_parser
+
+
+@dataclass(frozen=True)
+class RolloutSpec:
+    """Everything a rollout worker needs to build its parts (picklable, sent to the actor)."""
+
+    model_path: str
+    engine: EngineConfig
+    agent: str | None = None  # import path "module:callable" of an Agent factory
+    agent_kwargs: dict = field(default_factory=dict)
+    max_prompt_tokens: int | None = None
+    max_tokens_per_turn: int = 256
+    allow_remote_media: bool = False
+
+
+class RolloutWorker:
+    """One generator replica plus its decoder and processor; runs GRPO groups of episodes."""
+
+    def __init__(self, spec: RolloutSpec):
+        self.spec = spec
+        max_context_len = spec.engine.max_context_len
+        processor = Processor(
+            spec.model_path, limits=PromptLimits(spec.max_prompt_tokens, max_context_len)
+        )
+        decoder = MediaDecoder(
+            MediaPolicy.for_training(allow_remote=spec.allow_remote_media),
+            processor.decode_options(),
+        )
+        generator = Generator.from_config(spec.model_path, spec.engine)
+        parser = get_tool_parser(processor.adapter.tool_format)
+        self.env = RolloutEnv(decoder, processor, generator, parser)
+        self.agent = load_agent(spec.agent, **spec.agent_kwargs)
+        self.limits = EpisodeLimits(generator.max_context_len, spec.max_tokens_per_turn)
+        self._prompts: dict[str, PromptInputs] = {}
+
+    def node(self) -> str:
+        import ray
+
+        return ray.get_runtime_context().get_node_id() if ray.is_initialized() else os.uname()[1]
+
+    async def run_group(
+        self, sample_id: str | None, messages: list[dict], group_size: int, sampling: SamplingParams
+    ) -> tuple[list[Trajectory], dict[str, float]]:
+        """`group_size` episodes of one public sample, run concurrently; the prompt is decoded
+        and encoded once for the group. Returns the trajectories and timings."""
+        start = time.perf_counter()
+        prompt = await asyncio.to_thread(encode_prompt_for, self.env, self.agent, messages)
+        encoded = time.perf_counter()
+        episodes = [
+            run_episode(
+                self.env,
+                self.agent,
+                ToolContext(sample_id, messages, index),
+                prompt,
+                sampling,
+                self.limits,
+            )
+            for index in range(group_size)
+        ]
+        trajectories = list(await asyncio.gather(*episodes))
+        timings = {"encode_s": encoded - start, "generate_s": time.perf_counter() - encoded}
+        return trajectories, timings
+
+    async def update_weights(self, weights: Any, version: int) -> int:
+        """Load new trainable weights in place (Ray resolves an ObjectRef argument here)."""
+        return await self.env.generator.update_weights(weights, version)
+
+    def policy_version(self) -> int:
+        return self.env.generator.policy_version
+
+    def stats(self) -> dict[str, Any]:
+        return {**self.env.generator.stats(), **self.env.decoder.cache_info()}
+
+    def shutdown(self) -> None:
+        self.env.generator.shutdown()

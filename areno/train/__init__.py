@@ -1,0 +1,1 @@
+"""Training: GRPO loss math, and the trainer built on it."""

@@ -1,0 +1,226 @@
+"""GRPOConfig: one typed config per part, composed; read from YAML, overridden by flags.
+
+A YAML file mirrors the sections below (`data:`, `rollout:`, `grpo:`, `optim:`, `trainer:`,
+`run:`) plus the top-level `model_path` and `reward`. Unknown keys are errors that name the key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from areno.errors import ConfigError
+from areno.train.grpo import GRPOLossConfig
+
+
+def _positive(section: str, name: str, value: Any, *, allow_zero: bool = False) -> None:
+    low = 0 if allow_zero else 1
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ConfigError(f"{section}.{name} must be an integer >= {low}; got {value!r}")
+
+
+@dataclass
+class DataConfig:
+    """Where samples come from: loaders named by import path ("module:callable")."""
+
+    loader: str = "areno.tasks.color_quiz:load"
+    loader_kwargs: dict = field(default_factory=dict)
+    eval_loader: str | None = None  # None: the training loader with split="validation"
+    eval_loader_kwargs: dict = field(default_factory=dict)
+    shuffle: bool = True
+
+
+@dataclass
+class RolloutConfig:
+    """The rollout workers: serving's decoder / processor / generator, same flags as serving."""
+
+    agent: str | None = None  # "module:callable" returning an areno Agent; None: single turn
+    agent_kwargs: dict = field(default_factory=dict)
+    num_workers: int = 1  # generator replicas (--world-size / --tp-size in serving)
+    tp_size: int = 1
+    max_running_prompts: int = 16
+    max_prompt_tokens: int | None = None
+    max_context_len: int = 1024
+    max_tokens_per_turn: int = 64
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    dtype: str = "auto"
+    device: str = "auto"
+    num_cpus_per_worker: float = 1.0
+    num_gpus_per_worker: float = 0.0  # fractional values share a GPU with the trainer
+
+    def __post_init__(self) -> None:
+        for name in ("num_workers", "tp_size", "max_running_prompts", "max_tokens_per_turn"):
+            _positive("rollout", name, getattr(self, name))
+
+
+@dataclass
+class AlgoConfig:
+    """GRPO: groups of `group_size` episodes per prompt, `prompts_per_step` prompts per step."""
+
+    group_size: int = 8
+    prompts_per_step: int = 4
+    normalize_std: bool = True
+    # "rollout": the generator's logprobs are the behaviour policy (ratio vs the sampler);
+    # "recompute": the trainer's own pre-update logprobs, with `tis_cap` correcting the mismatch.
+    behaviour_logprobs: str = "rollout"
+    loss: GRPOLossConfig = field(default_factory=GRPOLossConfig)
+
+    def __post_init__(self) -> None:
+        _positive("grpo", "group_size", self.group_size)
+        _positive("grpo", "prompts_per_step", self.prompts_per_step)
+        if self.behaviour_logprobs not in ("rollout", "recompute"):
+            raise ConfigError(
+                f"grpo.behaviour_logprobs must be 'rollout' or 'recompute'; "
+                f"got {self.behaviour_logprobs!r}"
+            )
+        if isinstance(self.loss, dict):
+            self.loss = _build(GRPOLossConfig, self.loss, "grpo.loss")
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 1e-5
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.999)
+    grad_clip: float = 1.0
+
+
+@dataclass
+class TrainerConfig:
+    """Ray Train workers holding the policy under DeepSpeed."""
+
+    num_workers: int = 1
+    zero_stage: int = 2
+    dtype: str = "auto"  # float32 on CPU, bfloat16 on GPU
+    use_gpu: bool = False
+    num_cpus_per_worker: float = 1.0
+    num_gpus_per_worker: float = 1.0
+    freeze_media_towers: bool = True
+    freeze_projectors: bool = True
+
+    def __post_init__(self) -> None:
+        _positive("trainer", "num_workers", self.num_workers)
+        if self.zero_stage not in (0, 1, 2, 3):
+            raise ConfigError(f"trainer.zero_stage must be 0, 1, 2 or 3; got {self.zero_stage!r}")
+
+
+@dataclass
+class RunConfig:
+    run_dir: str = "runs/grpo"
+    max_steps: int = 20
+    save_every: int = 0  # 0: only at the end
+    eval_every: int = 5  # 0: never
+    eval_size: int = 16
+    eval_temperature: float = 0.0
+    seed: int = 0
+    resume: bool = False
+    export_hf: bool = True
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        _positive("run", "max_steps", self.max_steps)
+        _positive("run", "save_every", self.save_every, allow_zero=True)
+        _positive("run", "eval_every", self.eval_every, allow_zero=True)
+
+
+@dataclass
+class GRPOConfig:
+    model_path: str | None = None  # None: the embedded tiny checkpoint
+    reward: str = "areno.tasks.color_quiz:reward"
+    reward_kwargs: dict = field(default_factory=dict)
+    data: DataConfig = field(default_factory=DataConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    grpo: AlgoConfig = field(default_factory=AlgoConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+
+    def __post_init__(self) -> None:
+        total = self.grpo.group_size * self.grpo.prompts_per_step
+        if total % self.trainer.num_workers:
+            raise ConfigError(
+                f"grpo.group_size x grpo.prompts_per_step = {total} episodes per step must "
+                f"divide evenly over trainer.num_workers = {self.trainer.num_workers}"
+            )
+
+    @property
+    def episodes_per_step(self) -> int:
+        return self.grpo.group_size * self.grpo.prompts_per_step
+
+    @classmethod
+    def from_dict(cls, raw: dict) -> GRPOConfig:
+        return _build(cls, raw, "config")
+
+    @classmethod
+    def from_yaml(cls, path: str | os.PathLike, overrides: dict | None = None) -> GRPOConfig:
+        import yaml
+
+        try:
+            raw = yaml.safe_load(Path(path).read_text()) or {}
+        except FileNotFoundError:
+            raise ConfigError(f"config file {path} does not exist") from None
+        except yaml.YAMLError as error:
+            raise ConfigError(f"config file {path} is not valid YAML: {error}") from None
+        if not isinstance(raw, dict):
+            raise ConfigError(f"config file {path} must hold a mapping at the top level")
+        return cls.from_dict(merge_overrides(raw, overrides or {}))
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def merge_overrides(raw: dict, overrides: dict[str, Any]) -> dict:
+    """Apply dotted overrides ("rollout.max_context_len": 512) to a nested dict (copied)."""
+    import copy
+
+    merged = copy.deepcopy(raw)
+    for dotted, value in overrides.items():
+        node = merged
+        *parents, leaf = dotted.split(".")
+        for key in parents:
+            node = node.setdefault(key, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"override {dotted!r}: {key!r} is not a section")
+        node[leaf] = value
+    return merged
+
+
+def _build(cls: type, raw: Any, where: str) -> Any:
+    if isinstance(raw, cls):
+        return raw
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{where} must be a mapping; got {type(raw).__name__}")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(raw) - set(fields))
+    if unknown:
+        raise ConfigError(
+            f"{where}: unknown key(s) {unknown}; valid keys: {', '.join(sorted(fields))}"
+        )
+    kwargs = {}
+    for name, value in raw.items():
+        sub = _SECTIONS.get((cls, name))
+        if sub is not None:
+            value = _build(sub, value, f"{where}.{name}" if where != "config" else name)
+        elif name == "betas" and isinstance(value, list):
+            value = tuple(value)
+        kwargs[name] = value
+    try:
+        return cls(**kwargs)
+    except TypeError as error:
+        raise ConfigError(f"{where}: {error}") from None
+
+
+_SECTIONS: dict[tuple[type, str], type] = {
+    (GRPOConfig, "data"): DataConfig,
+    (GRPOConfig, "rollout"): RolloutConfig,
+    (GRPOConfig, "grpo"): AlgoConfig,
+    (GRPOConfig, "optim"): OptimConfig,
+    (GRPOConfig, "trainer"): TrainerConfig,
+    (GRPOConfig, "run"): RunConfig,
+    (AlgoConfig, "loss"): GRPOLossConfig,
+}

@@ -1,0 +1,263 @@
+"""GRPO loss math: group-relative advantages, token log-probs, the clipped policy loss.
+
+Pure tensor functions, no model, Ray or DeepSpeed code. Shapes: B sequences, T response
+tokens, V vocabulary entries. Every [B, T] tensor is aligned with `loss_mask`, which is 1 on
+the tokens the policy produced and 0 on prompt, padding and tool-output tokens.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from areno.errors import ConfigError
+
+LOSS_AGGS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
+
+
+@dataclass(frozen=True)
+class GRPOLossConfig:
+    """How `policy_loss` weighs and aggregates per-token losses.
+
+    clip_low, clip_high: the PPO ratio is clipped to [1 - clip_low, 1 + clip_high]; a larger
+        clip_high is DAPO's clip-higher.
+    kl_coef: weight of the k3 KL estimate to a frozen reference policy; 0 turns it off.
+    tis_cap: truncated importance sampling for the train/rollout mismatch: each token's loss is
+        multiplied by min(exp(old_logprobs - rollout_logprobs), tis_cap); None turns it off.
+    loss_agg: "token_mean" (sum over the batch's valid tokens / their number; DAPO),
+        "seq_mean_token_mean" (each sequence's token mean, then the mean over sequences), or
+        "seq_mean_token_sum_norm" (each sequence's token sum / max_response_len, then the mean
+        over sequences; Dr.GRPO).
+    max_response_len: the constant normaliser of "seq_mean_token_sum_norm".
+    """
+
+    clip_low: float = 0.2
+    clip_high: float = 0.2
+    kl_coef: float = 0.0
+    tis_cap: float | None = None
+    loss_agg: str = "token_mean"
+    max_response_len: int | None = None
+
+    def __post_init__(self) -> None:
+        _check_number("clip_low", self.clip_low, low=0.0, high=1.0, high_open=True)
+        _check_number("clip_high", self.clip_high, low=0.0)
+        _check_number("kl_coef", self.kl_coef, low=0.0)
+        if self.tis_cap is not None:
+            _check_number("tis_cap", self.tis_cap, low=0.0, low_open=True)
+        if self.loss_agg not in LOSS_AGGS:
+            raise ConfigError(
+                f"loss_agg must be one of {LOSS_AGGS}; got {self.loss_agg!r}", param="loss_agg"
+            )
+        value = self.max_response_len
+        if value is not None and (
+            isinstance(value, bool) or not isinstance(value, int) or value < 1
+        ):
+            raise ConfigError(
+                f"max_response_len must be an integer >= 1; got {value!r}",
+                param="max_response_len",
+            )
+        if self.loss_agg == "seq_mean_token_sum_norm" and value is None:
+            raise ConfigError(
+                'loss_agg="seq_mean_token_sum_norm" divides by max_response_len; set it to the '
+                "rollout's maximum number of response tokens",
+                param="max_response_len",
+            )
+
+
+def _check_number(
+    name: str,
+    value: object,
+    *,
+    low: float,
+    high: float = math.inf,
+    low_open: bool = False,
+    high_open: bool = False,
+) -> None:
+    ok = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+    if ok:
+        ok = (value > low if low_open else value >= low) and (
+            value < high if high_open else value <= high
+        )
+    if not ok:
+        bounds = f"{'(' if low_open else '['}{low}, {high}{')' if high_open else ']'}"
+        raise ConfigError(f"{name} must be a number in {bounds}; got {value!r}", param=name)
+
+
+def group_advantages(
+    rewards: Tensor,
+    group_ids: Tensor | Sequence[int],
+    *,
+    normalize_std: bool = True,
+    eps: float = 1e-6,
+) -> Tensor:
+    """GRPO advantages: each reward minus its group's mean, over (group std + eps) if asked.
+
+    rewards: [B]; group_ids: [B], one id per sample, samples of one prompt sharing an id. Groups
+    need not be contiguous. The std is the population std (unbiased=False): for the fixed group
+    size of GRPO the choice only rescales advantages, and it keeps a group of two rewards {0, 1}
+    at advantages -1 / +1. A group of one sample, or of equal rewards, gets advantage 0.
+    Returns float32 [B].
+    """
+    ids = torch.as_tensor(group_ids, device=rewards.device)
+    if rewards.dim() != 1 or ids.shape != rewards.shape:
+        raise ValueError(
+            f"rewards and group_ids must both be 1-D of the same length; got shapes "
+            f"{tuple(rewards.shape)} and {tuple(ids.shape)}"
+        )
+    values = rewards.double()
+    _, inverse = torch.unique(ids, return_inverse=True)
+    num_groups = int(inverse.max()) + 1 if inverse.numel() else 0
+    counts = torch.zeros(num_groups, dtype=values.dtype, device=values.device)
+    counts.index_add_(0, inverse, torch.ones_like(values))
+    sums = torch.zeros_like(counts).index_add_(0, inverse, values)
+    centred = values - (sums / counts)[inverse]
+    if normalize_std:
+        sq_sums = torch.zeros_like(counts).index_add_(0, inverse, centred.square())
+        std = (sq_sums / counts).sqrt()[inverse]
+        centred = centred / (std + eps)
+    # NOTE: exact zero for singletons, whatever rounding the mean had.
+    centred = torch.where(counts[inverse] > 1, centred, torch.zeros_like(centred))
+    return centred.float()
+
+
+def token_logprobs(logits_BTV: Tensor, token_ids_BT: Tensor) -> Tensor:
+    """log softmax(logits)[token] for each position: [B, T, V], [B, T] -> float32 [B, T].
+
+    Rows are done one at a time so that only one row's float32 copy of the logits exists at
+    once, not a full [B, T, V] log-softmax.
+    """
+    if logits_BTV.dim() != 3 or token_ids_BT.shape != logits_BTV.shape[:2]:
+        raise ValueError(
+            f"logits must be [B, T, V] and token_ids [B, T]; got shapes "
+            f"{tuple(logits_BTV.shape)} and {tuple(token_ids_BT.shape)}"
+        )
+    rows = []
+    for logits_TV, ids_T in zip(logits_BTV, token_ids_BT, strict=True):
+        logits_TV = logits_TV.float()
+        picked_T = logits_TV.gather(-1, ids_T.long().unsqueeze(-1)).squeeze(-1)
+        rows.append(picked_T - torch.logsumexp(logits_TV, dim=-1))
+    return torch.stack(rows)
+
+
+def policy_loss(
+    logprobs: Tensor,
+    old_logprobs: Tensor,
+    advantages: Tensor,
+    loss_mask: Tensor,
+    *,
+    config: GRPOLossConfig,
+    ref_logprobs: Tensor | None = None,
+    rollout_logprobs: Tensor | None = None,
+) -> tuple[Tensor, dict[str, float]]:
+    """The GRPO loss (scalar, differentiable in `logprobs`) and its metrics.
+
+    logprobs: [B, T] under the policy being trained; old_logprobs: [B, T] under the policy that
+    the training step started from; advantages: [B], one per sequence; loss_mask: [B, T];
+    ref_logprobs: [B, T] under the frozen reference (needed when config.kl_coef > 0);
+    rollout_logprobs: [B, T] as the inference engine reported them (needed when config.tis_cap
+    is set). Everything but `logprobs` is treated as a constant.
+
+    Per token: -min(r * A, clip(r, 1 - clip_low, 1 + clip_high) * A) with r = exp(logprobs -
+    old_logprobs), times the TIS weight, plus kl_coef * k3, aggregated by config.loss_agg.
+    Metrics: "clip_fraction" (valid tokens whose clipped branch was the one taken),
+    "ratio_mean", "ratio_max", "kl" (mean k3, when ref_logprobs is given), "tis_weight_mean"
+    (when tis_cap is set). Means over no valid tokens are 0.
+    """
+    _check_bt(logprobs, old_logprobs=old_logprobs, loss_mask=loss_mask)
+    if advantages.shape != logprobs.shape[:1]:
+        raise ValueError(
+            f"advantages must be [B] = {tuple(logprobs.shape[:1])}; got {tuple(advantages.shape)}"
+        )
+    mask = loss_mask.bool()
+    weights = mask.float()
+    logprobs = logprobs.float()
+    # NOTE: masked positions may hold anything (padding, -inf); `where` keeps them, and their
+    # gradients, out of every sum below.
+    log_ratio = torch.where(mask, logprobs - old_logprobs.detach().float(), 0.0)
+    ratio = log_ratio.exp()
+    adv = advantages.detach().float().unsqueeze(-1)
+    unclipped = -adv * ratio
+    clipped = -adv * ratio.clamp(1.0 - config.clip_low, 1.0 + config.clip_high)
+    token_loss = torch.maximum(unclipped, clipped)
+    metrics = {
+        "clip_fraction": _masked_mean((clipped > unclipped).float(), weights),
+        "ratio_mean": _masked_mean(ratio.detach(), weights),
+        "ratio_max": float(ratio.detach()[mask].max()) if mask.any() else 0.0,
+    }
+    if config.tis_cap is not None:
+        if rollout_logprobs is None:
+            raise ValueError("config.tis_cap is set: pass rollout_logprobs to policy_loss")
+        _check_bt(logprobs, rollout_logprobs=rollout_logprobs)
+        tis_log = torch.where(mask, old_logprobs.float() - rollout_logprobs.float(), 0.0)
+        tis_weight = tis_log.exp().clamp(max=config.tis_cap).detach()
+        token_loss = token_loss * tis_weight
+        metrics["tis_weight_mean"] = _masked_mean(tis_weight, weights)
+    if config.kl_coef > 0 and ref_logprobs is None:
+        raise ValueError("config.kl_coef > 0: pass ref_logprobs to policy_loss")
+    if ref_logprobs is not None:
+        _check_bt(logprobs, ref_logprobs=ref_logprobs)
+        delta = torch.where(mask, ref_logprobs.detach().float() - logprobs, 0.0)
+        k3 = delta.exp() - delta - 1.0
+        metrics["kl"] = _masked_mean(k3.detach(), weights)
+        if config.kl_coef > 0:
+            token_loss = token_loss + config.kl_coef * k3
+    token_loss = torch.where(mask, token_loss, 0.0)
+    return _aggregate(token_loss, weights, config), metrics
+
+
+def logprob_mismatch(
+    train_logprobs: Tensor, rollout_logprobs: Tensor, loss_mask: Tensor
+) -> dict[str, float]:
+    """How far the trainer's log-probs are from the inference engine's, over valid tokens.
+
+    "logprob_mismatch_mean_abs" / "_max_abs": mean and max |train - rollout|;
+    "rollout_train_ppl_ratio": rollout perplexity / train perplexity
+    = exp(mean(train - rollout)), 1 when they agree. Over no valid tokens: 0, 0, 1.
+    """
+    _check_bt(train_logprobs, rollout_logprobs=rollout_logprobs, loss_mask=loss_mask)
+    mask = loss_mask.bool()
+    diff = (train_logprobs.detach().float() - rollout_logprobs.detach().float())[mask]
+    if diff.numel() == 0:
+        return {
+            "logprob_mismatch_mean_abs": 0.0,
+            "logprob_mismatch_max_abs": 0.0,
+            "rollout_train_ppl_ratio": 1.0,
+        }
+    return {
+        "logprob_mismatch_mean_abs": float(diff.abs().mean()),
+        "logprob_mismatch_max_abs": float(diff.abs().max()),
+        "rollout_train_ppl_ratio": float(diff.mean().exp()),
+    }
+
+
+def _aggregate(token_loss: Tensor, weights: Tensor, config: GRPOLossConfig) -> Tensor:
+    if config.loss_agg == "token_mean":
+        return token_loss.sum() / weights.sum().clamp(min=1.0)
+    seq_sums = token_loss.sum(dim=-1)
+    if config.loss_agg == "seq_mean_token_sum_norm":
+        # Dr.GRPO: a constant normaliser, so no sequence's tokens count more for being short.
+        return seq_sums.mean() / config.max_response_len
+    seq_counts = weights.sum(dim=-1)
+    # Sequences without a valid token have no mean; they are left out of the mean over sequences.
+    has_tokens = seq_counts > 0
+    seq_means = seq_sums / seq_counts.clamp(min=1.0)
+    return (seq_means * has_tokens).sum() / has_tokens.sum().clamp(min=1)
+
+
+def _masked_mean(values: Tensor, weights: Tensor) -> float:
+    return float((values * weights).sum() / weights.sum().clamp(min=1.0))
+
+
+def _check_bt(reference: Tensor, **tensors: Tensor) -> None:
+    if reference.dim() != 2:
+        raise ValueError(f"log-probs must be [B, T]; got shape {tuple(reference.shape)}")
+    for name, tensor in tensors.items():
+        if tensor.shape != reference.shape:
+            raise ValueError(
+                f"{name} must have the log-probs' shape {tuple(reference.shape)}; "
+                f"got {tuple(tensor.shape)}"
+            )

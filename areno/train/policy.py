@@ -1,0 +1,79 @@
+"""The policy as the trainer holds it: the family's model with its media towers frozen, and the
+log-probabilities it gives a trajectory's tokens (the same tokens and media the generator saw)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+
+import torch
+
+from areno.models.registry import FamilyAdapter, adapter_for_checkpoint
+from areno.processing.types import PromptInputs
+from areno.train.grpo import token_logprobs
+
+
+def frozen_prefixes(adapter: FamilyAdapter, *, towers: bool, projectors: bool) -> tuple[str, ...]:
+    """Module paths whose parameters do not train (the adapter's towers / projectors)."""
+    return (adapter.media_towers if towers else ()) + (adapter.projectors if projectors else ())
+
+
+def _is_under(name: str, prefixes: tuple[str, ...]) -> bool:
+    return any(name == p or name.startswith(p + ".") for p in prefixes)
+
+
+def load_policy(
+    model_path: str | os.PathLike,
+    *,
+    dtype: torch.dtype,
+    freeze_towers: bool = True,
+    freeze_projectors: bool = True,
+) -> tuple[torch.nn.Module, FamilyAdapter, tuple[str, ...]]:
+    """The model with frozen modules' `requires_grad` off; returns it, its adapter and the
+    frozen module paths."""
+    adapter = adapter_for_checkpoint(model_path)
+    model = adapter.load_model(model_path, dtype=dtype)
+    prefixes = frozen_prefixes(adapter, towers=freeze_towers, projectors=freeze_projectors)
+    for name, param in model.named_parameters():
+        if _is_under(name, prefixes):
+            param.requires_grad_(False)
+    set_train_mode(model, prefixes)
+    return model, adapter, prefixes
+
+
+def set_train_mode(model: torch.nn.Module, frozen: tuple[str, ...]) -> None:
+    """Train mode for the trained part; frozen towers stay in eval mode (no dropout, and
+    norm statistics untouched)."""
+    model.train()
+    for name, module in model.named_modules():
+        if _is_under(name, frozen):
+            module.eval()
+
+
+def trainable_parameters(model: torch.nn.Module) -> Iterator[tuple[str, torch.nn.Parameter]]:
+    return ((n, p) for n, p in model.named_parameters() if p.requires_grad)
+
+
+def count_parameters(model: torch.nn.Module) -> tuple[int, int]:
+    """(trainable, total) parameter counts (ZeRO-3 partitioned parameters counted whole)."""
+
+    def numel(p: torch.nn.Parameter) -> int:
+        return int(getattr(p, "ds_numel", p.numel()))
+
+    params = list(model.parameters())
+    return sum(numel(p) for p in params if p.requires_grad), sum(numel(p) for p in params)
+
+
+def sequence_logprobs(
+    model: torch.nn.Module, inputs: PromptInputs, device: str, start: int = 1
+) -> torch.Tensor:
+    """logprob of tokens start..N-1 under `model` ([N-start], float32), from one forward over
+    the whole trajectory with its media; logits are kept only from position start-1 on."""
+    batch = {
+        k: v.to(device) if isinstance(v, torch.Tensor) else v
+        for k, v in inputs.model_inputs().items()
+    }
+    ids = batch["input_ids"]
+    keep = ids.shape[1] - start + 1
+    logits = model(**batch, use_cache=False, logits_to_keep=keep).logits  # [1, keep, V]
+    return token_logprobs(logits[:, :-1], ids[:, start:])[0]

@@ -1,0 +1,122 @@
+"""Trainer rank 0's side of a step: dispatch groups to the rollout workers, score them.
+
+Private metadata never leaves this process: workers get `Sample.public()`, the reward reads the
+private part here.
+"""
+
+from __future__ import annotations
+
+import importlib
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from areno.data import Sample
+from areno.engine.sampling import SamplingParams
+from areno.errors import ConfigError
+from areno.rewards import combine
+from areno.rollout.trajectory import Trajectory
+from areno.train.grpo import group_advantages
+
+
+def load_callable(spec: str, what: str) -> Callable[..., Any]:
+    module_name, sep, attr = spec.partition(":")
+    if not sep or not module_name or not attr:
+        raise ConfigError(f"{what} {spec!r} must be an import path of the form 'module:callable'")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as error:
+        raise ConfigError(f"{what} {spec!r}: cannot import {module_name!r}: {error}") from error
+    fn = getattr(module, attr, None)
+    if not callable(fn):
+        raise ConfigError(f"{what} {spec!r}: {module_name} has no callable {attr!r}")
+    return fn
+
+
+@dataclass
+class ScoredBatch:
+    trajectories: list[Trajectory]
+    advantages: torch.Tensor  # [num_trajectories]
+    timings: dict[str, float]
+
+
+def collect(
+    workers: Sequence[Any],
+    samples: Sequence[Sample],
+    group_size: int,
+    sampling: SamplingParams,
+    *,
+    seed: int | None = None,
+) -> tuple[list[list[Trajectory]], float]:
+    """Run one group per sample, spread round-robin over the workers; groups in sample order."""
+    import dataclasses
+
+    import ray
+
+    start = time.perf_counter()
+    refs = []
+    for index, sample in enumerate(samples):
+        public = sample.public()
+        params = sampling
+        if seed is not None:
+            params = dataclasses.replace(sampling, seed=seed + 100_003 * index)
+        worker = workers[index % len(workers)]
+        refs.append(worker.run_group.remote(public.id, public.messages, group_size, params))
+    groups = [trajectories for trajectories, _ in ray.get(refs)]
+    return groups, time.perf_counter() - start
+
+
+def score(
+    reward_fn: Callable[..., Any],
+    groups: Sequence[Sequence[Trajectory]],
+    samples: Sequence[Sample],
+    reward_kwargs: dict | None = None,
+) -> float:
+    """Set each trajectory's reward (and components) from its sample's private metadata."""
+    start = time.perf_counter()
+    for group, sample in zip(groups, samples, strict=True):
+        for traj in group:
+            value = reward_fn(traj, sample.private, **(reward_kwargs or {}))
+            if isinstance(value, dict):
+                traj.reward_components = {k: float(v) for k, v in value.items()}
+                traj.reward = float(combine(traj.reward_components))
+            else:
+                traj.reward = float(value)
+    return time.perf_counter() - start
+
+
+def advantages(groups: Sequence[Sequence[Trajectory]], normalize_std: bool) -> torch.Tensor:
+    rewards = torch.tensor([t.reward for group in groups for t in group], dtype=torch.float32)
+    group_ids = [g for g, group in enumerate(groups) for _ in group]
+    return group_advantages(rewards, group_ids, normalize_std=normalize_std)
+
+
+def rollout_metrics(trajectories: Sequence[Trajectory], prefix: str = "") -> dict[str, float]:
+    """Reward, accuracy, lengths and tool use over a list of trajectories."""
+    n = max(len(trajectories), 1)
+    rewards = torch.tensor([t.reward or 0.0 for t in trajectories], dtype=torch.float64)
+    metrics = {
+        "reward_mean": rewards.mean().item() if len(trajectories) else 0.0,
+        "reward_std": rewards.std(unbiased=False).item() if len(trajectories) else 0.0,
+        "accuracy": sum(_is_correct(t) for t in trajectories) / n,
+        "response_len_mean": sum(t.num_generated_tokens for t in trajectories) / n,
+        "episode_len_mean": sum(t.num_tokens for t in trajectories) / n,
+        "turns_mean": sum(t.num_turns for t in trajectories) / n,
+        "tool_calls_per_episode": sum(len(t.tool_calls) for t in trajectories) / n,
+        "malformed_tool_calls": float(sum(t.num_malformed_tool_calls for t in trajectories)),
+    }
+    names = sorted({k for t in trajectories for k in t.reward_components})
+    for name in names:
+        metrics[f"reward/{name}"] = (
+            sum(t.reward_components.get(name, 0.0) for t in trajectories) / n
+        )
+    return {f"{prefix}{k}": v for k, v in metrics.items()}
+
+
+def _is_correct(traj: Trajectory) -> bool:
+    if "accuracy" in traj.reward_components:
+        return traj.reward_components["accuracy"] >= 0.5
+    return (traj.reward or 0.0) >= 1.0 - 1e-6

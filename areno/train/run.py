@@ -1,0 +1,100 @@
+"""`areno train`: start (or join) Ray, create the rollout workers, run the Ray Train job."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+
+from areno.engine.config import EngineConfig
+from areno.rollout.worker import RolloutSpec, RolloutWorker
+from areno.train.config import GRPOConfig
+
+logger = logging.getLogger("areno.train")
+
+
+def rollout_spec(config: GRPOConfig, model_path: str) -> RolloutSpec:
+    r = config.rollout
+    engine = EngineConfig(
+        tp_size=r.tp_size,
+        max_running_prompts=r.max_running_prompts,
+        max_context_len=r.max_context_len,
+        dtype=r.dtype,
+        device=r.device,
+        num_cpus_per_rank=r.num_cpus_per_worker,
+    )
+    return RolloutSpec(
+        model_path=model_path,
+        engine=engine,
+        agent=r.agent,
+        agent_kwargs=dict(r.agent_kwargs),
+        max_prompt_tokens=r.max_prompt_tokens,
+        max_tokens_per_turn=r.max_tokens_per_turn,
+    )
+
+
+def start_rollout_workers(config: GRPOConfig, model_path: str) -> list:
+    """One RolloutWorker actor per generator replica (tensor-parallel followers are its own)."""
+    import ray
+
+    spec = rollout_spec(config, model_path)
+    cls = ray.remote(RolloutWorker).options(
+        num_cpus=config.rollout.num_cpus_per_worker,
+        num_gpus=config.rollout.num_gpus_per_worker,
+        max_concurrency=64,
+    )
+    workers = [cls.remote(spec) for _ in range(config.rollout.num_workers)]
+    ray.get([w.policy_version.remote() for w in workers])  # surface construction errors here
+    return workers
+
+
+def run(config: GRPOConfig) -> Path:
+    """Train; returns the run directory (metrics.jsonl, checkpoints/, hf/)."""
+    import ray
+    from ray.train import RunConfig, ScalingConfig
+    from ray.train.torch import TorchConfig, TorchTrainer
+
+    model_path = config.model_path or _embedded_default()
+    run_dir = Path(config.run.run_dir).resolve()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    config.run.run_dir = str(run_dir)
+    (run_dir / "config.json").write_text(json.dumps(config.to_dict(), indent=2, default=str))
+    if not ray.is_initialized():
+        ray.init(address=os.environ.get("RAY_ADDRESS"), log_to_driver=True)
+    workers = start_rollout_workers(config, model_path)
+    t = config.trainer
+    resources = {"CPU": t.num_cpus_per_worker}
+    if t.use_gpu:
+        resources["GPU"] = t.num_gpus_per_worker
+    trainer = TorchTrainer(
+        train_loop_per_worker=_train_loop,
+        train_loop_config={
+            "config": config.to_dict(),
+            "rollout_workers": workers,
+            "model_path": model_path,
+        },
+        scaling_config=ScalingConfig(
+            num_workers=t.num_workers, use_gpu=t.use_gpu, resources_per_worker=resources
+        ),
+        torch_config=TorchConfig(backend="nccl" if t.use_gpu else "gloo"),
+        run_config=RunConfig(name="areno-grpo", storage_path=str(run_dir / "ray")),
+    )
+    try:
+        trainer.fit()
+    finally:
+        for worker in workers:
+            ray.kill(worker)
+    return run_dir
+
+
+def _train_loop(loop_config: dict) -> None:
+    from areno.train.trainer import train_loop
+
+    train_loop(loop_config)
+
+
+def _embedded_default() -> str:
+    from areno.models.tiny import DEFAULT_FAMILY, tiny_checkpoint
+
+    return str(tiny_checkpoint(DEFAULT_FAMILY))
