@@ -94,16 +94,23 @@ class SamplerOutput:
 
 
 def sample(
-    logits_BV: Tensor, tensors: SamplingTensors, generators: list[torch.Generator | None]
+    logits_BV: Tensor,
+    tensors: SamplingTensors,
+    generators: list[torch.Generator | None],
+    banned_ids: Tensor | None = None,
 ) -> SamplerOutput:
     """Choose one token per row of `logits_BV`.
 
     `generators[i]` is row i's own generator (a seeded sequence) or None (the device's default
-    generator). A seeded row draws the same tokens whatever else is in the batch.
+    generator). A seeded row draws the same tokens whatever else is in the batch. `banned_ids`
+    are never chosen (media placeholders: a sampled one would claim media features that do not
+    exist); like the filters, banning leaves the reported raw-logit logprobs as they are.
     """
     assert len(generators) == logits_BV.shape[0], "one generator (or None) per row"
     logits_BV = logits_BV.float()
     logprobs_BV = torch.log_softmax(logits_BV, dim=-1)
+    if banned_ids is not None:
+        logits_BV = logits_BV.index_fill(-1, banned_ids, float("-inf"))
     greedy_B = logits_BV.argmax(dim=-1)
     if tensors.all_greedy:
         token_ids_B = greedy_B

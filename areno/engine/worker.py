@@ -92,6 +92,10 @@ class Worker:
         self.samples = sample
         self.tensor_parallel = tensor_parallel
         self._generators: dict[int, torch.Generator] = {}
+        banned = media_placeholder_ids(model.config)
+        self._banned_ids = (
+            torch.tensor(banned, dtype=torch.long, device=self.device) if banned else None
+        )
 
     @property
     def model(self) -> torch.nn.Module:
@@ -144,7 +148,7 @@ class Worker:
         params = [row.params for row in rows]
         tensors = SamplingTensors.from_params(params, self.device)
         generators = [self._generator(row) for row in rows]
-        out = sample(logits_BV, tensors, generators).to("cpu")
+        out = sample(logits_BV, tensors, generators, self._banned_ids).to("cpu")
         token_ids = out.token_ids_B.tolist()
         top_ids, top_lps = out.top_logprobs_ids_BK.tolist(), out.top_logprobs_BK.tolist()
         top = [
@@ -204,3 +208,14 @@ class Worker:
                 dist.broadcast(full, src=0)
             param.copy_(full)
         return len(updates)
+
+
+def media_placeholder_ids(config) -> list[int]:
+    """The model's media placeholder token ids (image / video / audio), never to be sampled."""
+    ids = set()
+    for name in ("image_token_id", "video_token_id", "audio_token_id", "image_token_index"):
+        for source in (config, getattr(config, "text_config", None)):
+            value = getattr(source, name, None) if source is not None else None
+            if isinstance(value, int) and value >= 0:
+                ids.add(value)
+    return sorted(ids)

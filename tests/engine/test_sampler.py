@@ -80,6 +80,20 @@ def test_filters_that_leave_one_token_equal_greedy(params: SamplingParams) -> No
     assert torch.equal(out.token_ids_B, logits.argmax(-1))
 
 
+def test_banned_ids_are_never_chosen_and_logprobs_stay_raw() -> None:
+    """Media placeholders are banned: neither greedy nor sampled rows pick them, even when they
+    are the most likely, and the reported logprobs are still the raw distribution's."""
+    logits = random_logits(rows=200)
+    banned = logits[:, :10].argmax(-1).unique()  # tokens that win many rows
+    logits[:, banned] += 20.0
+    params = [SamplingParams(temperature=0 if i % 2 else 1.0) for i in range(200)]
+    tensors = SamplingTensors.from_params(params, "cpu")
+    out = sample(logits, tensors, [None] * 200, banned_ids=banned)
+    assert not torch.isin(out.token_ids_B, banned).any()
+    expected = torch.log_softmax(logits, -1).gather(-1, out.token_ids_B[:, None]).squeeze(-1)
+    assert torch.allclose(out.logprobs_B, expected, atol=1e-6, rtol=0)
+
+
 def test_sampling_follows_the_distribution() -> None:
     assert torch.allclose(frequencies(SamplingParams()), PROBS, atol=0.02)
 
