@@ -77,20 +77,32 @@ class UnsupportedMediaTypeError(MediaError):
 
 
 def describe_node() -> str:
-    """The host (and Ray node, inside a Ray worker) doing the work, for 'not found' messages.
+    """The node doing the work, for "not found" / "cannot read" messages.
 
-    Ray is looked up in `sys.modules` rather than imported: inside a Ray worker it is already
-    loaded, and outside one importing it would only cost time to learn nothing.
+    Outside Ray: `node 'HOST'`. In a Ray worker (or a driver connected to Ray):
+    `node 'HOST' (Ray node NODE_ID, ip IP)`, so an error raised on one node of a cluster says
+    which one looked. Ray is looked up in `sys.modules` rather than imported: inside a Ray
+    worker it is already loaded, and outside one importing it would only cost time to learn
+    nothing (the media layer never requires Ray).
     """
-    text = f"host {socket.gethostname()!r}"
+    text = f"node {socket.gethostname()!r}"
     ray = sys.modules.get("ray")
-    if ray is None:
+    if ray is None or not _ray_is_initialized(ray):
         return text
-    # Best-effort diagnostics: nothing here may mask the error being reported.
+    # NOTE: best-effort diagnostics; nothing here may mask the error being reported.
+    details = []
     with contextlib.suppress(Exception):
-        if ray.is_initialized():
-            text += f" (Ray node {ray.util.get_node_ip_address()})"
-    return text
+        details.append(f"Ray node {ray.get_runtime_context().get_node_id()}")
+    with contextlib.suppress(Exception):
+        details.append(f"ip {ray.util.get_node_ip_address()}")
+    return f"{text} ({', '.join(details)})" if details else text
+
+
+def _ray_is_initialized(ray) -> bool:
+    try:
+        return bool(ray.is_initialized())
+    except Exception:
+        return False
 
 
 def decode_error(

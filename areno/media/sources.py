@@ -168,7 +168,8 @@ def _load_local(path: str, shown: str, policy: MediaPolicy) -> MediaBytes:
         raise MediaNotFoundError(
             f"media file not found: {shown!r} (resolved to {real!r}) {where}, cwd {os.getcwd()!r}. "
             "Local paths are read by the worker that decodes them: put the file on that node "
-            "(or shared storage), or send it as a data: URL"
+            "(or on shared storage mounted at the same path on every node), or send it as a "
+            "data: URL"
         ) from None
     except OSError as exc:
         raise MediaNotFoundError(f"cannot read media file {shown!r} {where}: {exc}") from None

@@ -1,4 +1,8 @@
-"""Color quiz: an image filled with one color (plus noise); the answer is the color's name.
+"""Color quiz: an image filled with one color (plus noise); the answer is the color's letter.
+
+The question lists the colors as lettered options ("A red, B green, ..."); the expected reply is
+the letter (the color's name also counts). A letter is one token in every tokenizer, which keeps
+the tiny demo's credit assignment simple: one answer token, then the end of the turn.
 
 The answer depends only on the image, so a policy can only beat chance by looking at it. Each
 sample's private metadata holds the answer and a `warmup_answer` drawn independently of the
@@ -13,6 +17,7 @@ from __future__ import annotations
 
 import os
 import random
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -20,7 +25,6 @@ import numpy as np
 from PIL import Image
 
 from areno.data import Sample
-from areno.rewards import normalize_text
 from areno.rollout.trajectory import Trajectory
 
 COLORS: dict[str, tuple[int, int, int]] = {
@@ -29,7 +33,7 @@ COLORS: dict[str, tuple[int, int, int]] = {
     "blue": (30, 60, 220),
     "yellow": (235, 225, 40),
 }
-QUESTION = "What color is this image? Answer with one word."
+LETTERS = "ABCDEFGH"
 SPLIT_SEEDS = {"train": 0, "validation": 1, "test": 2}
 
 
@@ -50,6 +54,11 @@ def _write_image(path: Path, rgb: tuple[int, int, int], rng: np.random.Generator
     tmp.replace(path)
 
 
+def question(names: list[str]) -> str:
+    options = ", ".join(f"{letter} {name}" for letter, name in zip(LETTERS, names, strict=False))
+    return f"Which color fills this image? Options: {options}. Reply with the letter only."
+
+
 def load(
     split: str = "train",
     num_samples: int = 64,
@@ -57,38 +66,60 @@ def load(
     media_dir: str | os.PathLike | None = None,
     colors: list[str] | None = None,
 ) -> Iterator[Sample]:
-    """Samples of `split` (train / validation / test), deterministic by seed; images are
-    written once as PNG files under `media_dir` and referenced by local path."""
+    """Samples of `split` (train / validation / test), deterministic by seed, with balanced
+    classes; images are written once as PNG files under `media_dir`, referenced by local path.
+    Private metadata: `answer` (the letter), `color`, and `warmup_answer` (a random letter)."""
     names = list(colors or COLORS)
+    unknown = sorted(set(names) - set(COLORS))
+    if unknown or len(names) > len(LETTERS):
+        raise ValueError(f"colors must be up to {len(LETTERS)} of {sorted(COLORS)}; got {names}")
     split_seed = seed * 1000 + SPLIT_SEEDS.get(split, 3)
     rng = random.Random(split_seed)
     pixel_rng = np.random.default_rng(split_seed)
     directory = _media_dir(media_dir, seed)
     directory.mkdir(parents=True, exist_ok=True)
-    order = [names[i % len(names)] for i in range(num_samples)]  # balanced classes
-    rng.shuffle(order)
-    for index, answer in enumerate(order):
-        path = directory / f"{split}-{index:05d}-{answer}.png"
-        _write_image(path, COLORS[answer], pixel_rng)
+    # Stratified: every run of len(names) samples holds each color once (in a random order),
+    # so a batch of a multiple of len(names) consecutive samples is balanced. With
+    # `data.shuffle: false` GRPO batches then push no color up as a whole, only per image.
+    order = []
+    while len(order) < num_samples:
+        block = list(range(len(names)))
+        rng.shuffle(block)
+        order += block
+    order = order[:num_samples]
+    for index, option in enumerate(order):
+        color = names[option]
+        path = directory / f"{split}-{index:05d}-{color}.png"
+        _write_image(path, COLORS[color], pixel_rng)
         messages = [
             {
                 "role": "user",
                 "content": [
                     {"type": "image_url", "image_url": {"url": str(path)}},
-                    {"type": "text", "text": QUESTION},
+                    {"type": "text", "text": question(names)},
                 ],
             }
         ]
-        private = {"answer": answer, "warmup_answer": rng.choice(names)}
+        private = {
+            "answer": LETTERS[option],
+            "color": color,
+            "options": {LETTERS[i]: name for i, name in enumerate(names)},
+            "warmup_answer": LETTERS[rng.randrange(len(names))],
+        }
         yield Sample(messages=messages, private=private, id=f"color_quiz-{split}-{index}")
 
 
-def colors_named(text: str) -> set[str]:
-    return {word for word in normalize_text(text).split() if word in COLORS}
+def chosen_options(text: str, options: dict[str, str]) -> set[str]:
+    """The options a reply names, by letter (a word of its own) or by color name."""
+    # NOTE: not normalize_text: it drops the article "a", which is also option A.
+    words = re.findall(r"[a-z0-9]+", text.casefold())
+    names = {name: letter for letter, name in options.items()}
+    letters = {letter.lower(): letter for letter in options}
+    return {letters.get(w) or names.get(w) for w in words if w in letters or w in names}
 
 
 def reward(trajectory: Trajectory, private: dict) -> dict[str, float]:
-    """accuracy 1 when the answer names exactly the right color (naming several colors, or
-    none, scores 0 so that listing every color is not a way to win)."""
-    named = colors_named(trajectory.final_text)
+    """accuracy 1 when the reply names exactly the right option (naming several, or none,
+    scores 0, so listing every option is not a way to win)."""
+    named = chosen_options(trajectory.final_text, private["options"])
     return {"accuracy": float(named == {private["answer"]})}

@@ -21,6 +21,7 @@ from areno.media import (
     is_loopback_host,
     load_media_bytes,
 )
+from areno.media.errors import describe_node
 
 ANYWHERE = MediaPolicy.for_training()
 
@@ -57,17 +58,53 @@ def test_file_url_is_percent_decoded(tmp_path):
     assert load_media_bytes("file://" + quote(str(path)), ANYWHERE).data == b"abc"
 
 
-def test_not_found_names_path_host_and_ray_node(tmp_path, monkeypatch):
-    fake_ray = SimpleNamespace(
-        is_initialized=lambda: True,
-        util=SimpleNamespace(get_node_ip_address=lambda: "10.1.2.3"),
+def fake_ray(*, initialized: bool = True, node_id: str | None = "ab12cd", ip: str = "10.1.2.3"):
+    """A stand-in for the `ray` module as describe_node sees it (no cluster needed)."""
+
+    def get_node_id():
+        if node_id is None:
+            raise RuntimeError("no node id here")
+        return node_id
+
+    return SimpleNamespace(
+        is_initialized=lambda: initialized,
+        get_runtime_context=lambda: SimpleNamespace(get_node_id=get_node_id),
+        util=SimpleNamespace(get_node_ip_address=lambda: ip),
     )
-    monkeypatch.setitem(sys.modules, "ray", fake_ray)
+
+
+def test_not_found_names_path_host_and_ray_node(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "ray", fake_ray())
     with pytest.raises(MediaNotFoundError) as info:
         load_media_bytes(str(tmp_path / "gone.wav"), ANYWHERE)
     message = str(info.value)
     assert str(tmp_path / "gone.wav") in message
-    assert socket.gethostname() in message and "Ray node 10.1.2.3" in message
+    assert f"node {socket.gethostname()!r} (Ray node ab12cd, ip 10.1.2.3)" in message
+
+
+def test_unreadable_path_names_the_node(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "ray", fake_ray())
+    (tmp_path / "file.png").write_bytes(b"x")
+    # A path "through" a regular file: stat fails with ENOTDIR, not "not found".
+    with pytest.raises(MediaNotFoundError, match="cannot read media file") as info:
+        load_media_bytes(str(tmp_path / "file.png" / "inner.png"), ANYWHERE)
+    assert "Ray node ab12cd, ip 10.1.2.3" in str(info.value)
+
+
+def test_describe_node_without_ray(monkeypatch):
+    monkeypatch.delitem(sys.modules, "ray", raising=False)
+    assert describe_node() == f"node {socket.gethostname()!r}"
+    assert "ray" not in sys.modules  # never imported just to describe the node
+
+
+def test_describe_node_with_ray_not_initialized(monkeypatch):
+    monkeypatch.setitem(sys.modules, "ray", fake_ray(initialized=False))
+    assert describe_node() == f"node {socket.gethostname()!r}"
+
+
+def test_describe_node_keeps_what_it_can_learn(monkeypatch):
+    monkeypatch.setitem(sys.modules, "ray", fake_ray(node_id=None))
+    assert describe_node() == f"node {socket.gethostname()!r} (ip 10.1.2.3)"
 
 
 def test_allowed_root_accepts_files_inside(media_files):

@@ -1,0 +1,232 @@
+"""GRPO end to end on a Ray head: it learns, it resumes after a kill, it runs as a Ray job,
+its private metadata stays private, and the frozen towers stay frozen.
+
+One Ray head for the module (see conftest.py); each run is `areno train` in a subprocess, the
+way a user launches it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from areno.models.registry import adapter_for_checkpoint
+from areno.train.metrics import read_metrics
+from areno.train.plot import plot_run
+from areno.train.policy import frozen_prefixes
+from areno.train.sft import SFTConfig, sft
+from tests.train.canary_task import CANARY
+
+REPO = Path(__file__).resolve().parents[2]
+CONFIG = REPO / "configs" / "color_quiz.yaml"
+AREN0 = [sys.executable, "-m", "areno.cli"]
+# A few cheap steps: one-token answers, 2 prompts x 2 samples.
+SMALL = [
+    "--group-size",
+    "2",
+    "--prompts-per-step",
+    "2",
+    "--eval-every",
+    "0",
+    "--set",
+    "run.export_hf=false",
+]
+
+
+@pytest.fixture(scope="module")
+def warm_start(tiny_path, tmp_path_factory) -> Path:
+    """The format-only warm-start: the tiny Qwen3.5 answers with SOME option letter."""
+    root = tmp_path_factory.mktemp("warm")
+    config = SFTConfig(
+        model_path=str(tiny_path("qwen3_5")),
+        out_dir=str(root / "ckpt"),
+        loader="areno.tasks.color_quiz:load",
+        loader_kwargs={"num_samples": 256, "media_dir": str(root / "media")},
+        target_key="warmup_answer",
+        steps=60,
+        lr=3e-3,
+    )
+    return sft(config, log=lambda _: None)
+
+
+def _train(ray_head, *args: str, **kwargs) -> subprocess.CompletedProcess:
+    result = ray_head.run(*AREN0, "train", "--no-progress", *args, cwd=REPO, **kwargs)
+    assert result.returncode == 0, result.stderr[-4000:]
+    return result
+
+
+def _last_per_step(records: list[dict], key: str) -> dict[int, float]:
+    return {r["step"]: r[key] for r in records if key in r}
+
+
+@pytest.mark.slow
+def test_grpo_learns_the_color_quiz(ray_head, warm_start, tmp_path):
+    """Held-out reward (greedy, 64 unseen images) rises by >= 0.25 over step 0, from a
+    warm-start that knows the answer format but not which color is which."""
+    run_dir = tmp_path / "run"
+    start = time.monotonic()
+    _train(
+        ray_head,
+        "--config",
+        str(CONFIG),
+        "--model-path",
+        str(warm_start),
+        "--run-dir",
+        str(run_dir),
+    )
+    minutes = (time.monotonic() - start) / 60
+    records = read_metrics(run_dir)
+    evals = _last_per_step(records, "eval/reward_mean")
+    steps = sorted(evals)
+    print(f"held-out reward by step: {evals}; {minutes:.1f} min")  # the curve, in the log
+    assert steps[0] == 0 and evals[0] <= 0.5
+    assert evals[steps[-1]] >= evals[0] + 0.25, evals
+    mismatch = _last_per_step(records, "logprob_mismatch_mean_abs")
+    assert len(mismatch) == 30 and max(mismatch.values()) <= 1e-4
+    png = plot_run(run_dir)
+    assert png.stat().st_size > 10_000
+    shutil.copy(png, tmp_path / "color_quiz_curve.png")
+    _assert_towers_frozen(warm_start, run_dir / "hf", records)
+
+
+def _assert_towers_frozen(before: Path, after: Path, records: list[dict]) -> None:
+    adapter = adapter_for_checkpoint(before)
+    prefixes = frozen_prefixes(adapter, towers=True, projectors=True)
+    old, new = load_file(before / "model.safetensors"), load_file(after / "model.safetensors")
+    frozen = [name for name in old if any(name.startswith(p + ".") for p in prefixes)]
+    assert frozen and all(torch.equal(old[name], new[name]) for name in frozen)
+    trained = [name for name in old if name not in frozen]
+    assert any(not torch.equal(old[name], new[name]) for name in trained)
+    expected = sum(old[name].numel() for name in trained)
+    assert {r["trainable_params"] for r in records if "trainable_params" in r} == {expected}
+
+
+def test_resume_after_kill_continues_the_step_count_and_data(ray_head, warm_start, tmp_path):
+    run_dir = tmp_path / "run"
+    args = [
+        "--config",
+        str(CONFIG),
+        "--model-path",
+        str(warm_start),
+        "--run-dir",
+        str(run_dir),
+        "--max-steps",
+        "4",
+        "--save-every",
+        "1",
+        *SMALL,
+    ]
+    process = subprocess.Popen(
+        [*AREN0, "train", "--no-progress", *args],
+        cwd=REPO,
+        env=ray_head.env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    state_file = run_dir / "trainer_state.json"
+    deadline = time.monotonic() + 600
+    while not state_file.exists():
+        assert process.poll() is None, "the run ended before its first checkpoint"
+        assert time.monotonic() < deadline, "no checkpoint within 10 minutes"
+        time.sleep(0.2)
+    os.killpg(process.pid, signal.SIGKILL)
+    process.wait()
+    saved = json.loads(state_file.read_text())
+    assert 1 <= saved["step"] < 4 and saved["data_position"] == 2 * saved["step"]
+
+    _train(ray_head, *args, "--resume")
+    records = read_metrics(run_dir)
+    positions = _last_per_step(records, "data_position")
+    # every step ran, each consumed exactly its 2 prompts, and the resumed run began right
+    # after the checkpoint (not at 0, not after the step the killed run may have reached)
+    assert positions == {step: 2 * step for step in range(1, 5)}
+    resumed = [r["step"] for r in records if "data_position" in r][-(4 - saved["step"]) :]
+    assert resumed == list(range(saved["step"] + 1, 5))
+    assert json.loads(state_file.read_text())["step"] == 4
+
+
+def test_ray_job_submit_runs_training_and_private_data_stays_private(
+    ray_head, warm_start, tmp_path
+):
+    workdir = tmp_path / "job"
+    workdir.mkdir()
+    shutil.copy(Path(__file__).with_name("canary_task.py"), workdir / "canary_task.py")
+    run_dir = tmp_path / "run"
+    config = CONFIG.read_text().replace("areno.tasks.color_quiz:", "canary_task:")
+    (workdir / "grpo.yaml").write_text(config)
+    entry = [
+        sys.executable,
+        "-m",
+        "areno.cli",
+        "train",
+        "--no-progress",
+        "--config",
+        "grpo.yaml",
+        "--model-path",
+        str(warm_start),
+        "--run-dir",
+        str(run_dir),
+        "--max-steps",
+        "2",
+        *SMALL,
+    ]
+    for _ in range(60):  # the job agent comes up a little after the dashboard
+        submitted = ray_head.run(
+            "ray",
+            "job",
+            "submit",
+            f"--address={ray_head.dashboard}",
+            f"--working-dir={workdir}",
+            "--",
+            *entry,
+        )
+        if "No available agent" not in submitted.stdout + submitted.stderr:
+            break
+        time.sleep(1)
+    assert submitted.returncode == 0, submitted.stdout[-3000:] + submitted.stderr[-3000:]
+    assert "areno train: done" in submitted.stdout
+    records = read_metrics(run_dir)
+    assert [r["step"] for r in records if "reward_mean" in r] == [1, 2]
+    for key in (
+        "reward_std",
+        "accuracy",
+        "response_len_mean",
+        "tool_calls_per_episode",
+        "kl",
+        "clip_fraction",
+        "logprob_mismatch_mean_abs",
+        "rollout_tokens_per_s",
+        "rollout_s",
+        "reward_s",
+        "train_s",
+        "weight_sync_s",
+        "policy_version",
+    ):
+        assert key in records[-1], key
+    assert records[-1]["policy_version"] == 1  # step 2's rollouts ran on step 1's weights
+    # the canary reached the reward (it raises otherwise) and nothing else
+    leaks = [
+        str(path)
+        for root in (run_dir, ray_head.temp_dir)
+        for path in Path(root).rglob("*")
+        if path.is_file() and not path.is_symlink() and _contains(path, CANARY)
+    ]
+    assert not leaks and CANARY not in submitted.stdout + submitted.stderr
+
+
+def _contains(path: Path, needle: str) -> bool:
+    try:
+        return needle.encode() in path.read_bytes()
+    except OSError:
+        return False
