@@ -5,7 +5,7 @@ their results -> repeat); `RolloutWorker` hosts the very MediaDecoder / Processo
 classes that serving deploys and runs episodes next to them.
 """
 
-from areno.rollout.agent import Agent, ToolContext, load_agent
+from areno.rollout.agent import Agent, ToolContext, ToolError, load_agent
 from areno.rollout.episode import EpisodeLimits, run_episode
 from areno.rollout.trajectory import ToolCallRecord, Trajectory
 
@@ -14,6 +14,7 @@ __all__ = [
     "EpisodeLimits",
     "ToolCallRecord",
     "ToolContext",
+    "ToolError",
     "Trajectory",
     "load_agent",
     "run_episode",

@@ -150,6 +150,14 @@ def _reduce(sums: dict[str, float]) -> dict[str, float]:
     }
 
 
+def _scatter(shares: list | None, totals: dict | None, rank: int) -> tuple[list, dict]:
+    """Each rank receives its own share of the step's trajectories (and the batch totals)."""
+    received: list[Any] = [None]
+    inputs = [(share, totals) for share in shares] if rank == 0 else None
+    dist.scatter_object_list(received, inputs, src=0)
+    return received[0]
+
+
 def _broadcast(obj: Any, rank: int) -> Any:
     box = [obj if rank == 0 else None]
     dist.broadcast_object_list(box, src=0)
@@ -273,21 +281,16 @@ def run_steps(
             metrics.update(rollout_m)
             pairs = list(zip(trajectories, adv.tolist(), strict=True))
             per_rank = len(pairs) // world
-            import ray
-
-            shares = [ray.put(pairs[r * per_rank : (r + 1) * per_rank]) for r in range(world)]
+            shares = [pairs[r * per_rank : (r + 1) * per_rank] for r in range(world)]
             totals = {
                 "tokens": sum(t.num_generated_tokens for t in trajectories),
                 "episodes": len(trajectories),
             }
-            payload = (shares, totals)
         else:
-            payload = None
-        shares, totals = _broadcast(payload, rank)
-        import ray
-
+            shares, totals = None, None
+        share, totals = _scatter(shares, totals, rank)
         train_start = time.perf_counter()
-        sums = learner.train_step(ray.get(shares[rank]), totals)
+        sums = learner.train_step(share, totals)
         train_metrics = _reduce(sums)
         train_s = time.perf_counter() - train_start
         state.step += 1

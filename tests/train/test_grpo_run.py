@@ -7,6 +7,7 @@ way a user launches it.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import shutil
@@ -180,6 +181,12 @@ def test_ray_job_submit_runs_training_and_private_data_stays_private(
         "--max-steps",
         "2",
         *SMALL,
+        # the multi-rank path: 2 trainer workers under ZeRO-3, KL to the frozen reference,
+        # recomputed behaviour logprobs with truncated importance sampling
+        *("--num-trainer-workers", "2", "--zero-stage", "3"),
+        *("--set", "trainer.num_cpus_per_worker=0.25", "--set", "grpo.loss.kl_coef=0.01"),
+        *("--set", "grpo.behaviour_logprobs=recompute", "--set", "grpo.loss.tis_cap=2.0"),
+        *("--set", "run.export_hf=true"),
     ]
     for _ in range(60):  # the job agent comes up a little after the dashboard
         submitted = ray_head.run(
@@ -215,6 +222,8 @@ def test_ray_job_submit_runs_training_and_private_data_stays_private(
     ):
         assert key in records[-1], key
     assert records[-1]["policy_version"] == 1  # step 2's rollouts ran on step 1's weights
+    assert records[-1]["kl"] > 0 and records[-1]["logprob_mismatch_mean_abs"] <= 1e-4
+    _assert_serving_classes_load(run_dir / "hf")
     # the canary reached the reward (it raises otherwise) and nothing else
     leaks = [
         str(path)
@@ -223,6 +232,23 @@ def test_ray_job_submit_runs_training_and_private_data_stays_private(
         if path.is_file() and not path.is_symlink() and _contains(path, CANARY)
     ]
     assert not leaks and CANARY not in submitted.stdout + submitted.stderr
+
+
+def _assert_serving_classes_load(checkpoint: Path) -> None:
+    """The exported checkpoint runs on the serving classes (decoder, processor, generator)."""
+    from areno.data import load_samples
+    from areno.engine.config import EngineConfig
+    from areno.engine.sampling import SamplingParams
+    from areno.rollout.worker import RolloutSpec, RolloutWorker
+
+    worker = RolloutWorker(RolloutSpec(str(checkpoint), EngineConfig(max_context_len=256)))
+    try:
+        sample = next(load_samples("areno.tasks.color_quiz:load", num_samples=1))
+        params = SamplingParams(temperature=0, max_tokens=4)
+        trajectories, _ = asyncio.run(worker.run_group(sample.id, sample.messages, 1, params))
+        assert trajectories[0].num_generated_tokens >= 1
+    finally:
+        worker.shutdown()
 
 
 def _contains(path: Path, needle: str) -> bool:

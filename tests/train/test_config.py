@@ -1,0 +1,49 @@
+"""GRPOConfig: YAML sections, dotted overrides, and clear errors for bad values."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from areno.cli import _train_config, build_parser
+from areno.errors import ConfigError
+from areno.train.config import GRPOConfig, merge_overrides
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_the_shipped_config_loads_and_flags_override_it() -> None:
+    args = build_parser().parse_args(
+        [
+            "train", "--config", str(REPO / "configs" / "color_quiz.yaml"),
+            "--max-steps", "7", "--max-context-len", "512", "--num-trainer-workers", "2",
+            "--set", "grpo.loss.kl_coef=0.05", "--set", "rollout.agent_kwargs={max_turns: 3}",
+        ]
+    )  # fmt: skip
+    config = _train_config(args)
+    assert config.run.max_steps == 7 and config.rollout.max_context_len == 512
+    assert config.trainer.num_workers == 2 and config.grpo.loss.kl_coef == 0.05
+    assert config.rollout.agent_kwargs == {"max_turns": 3}
+    assert config.grpo.group_size == 8 and config.data.shuffle is False  # from the file
+    assert GRPOConfig.from_dict(config.to_dict()) == config  # what the trainer workers rebuild
+
+
+def test_unknown_keys_and_bad_values_name_the_key() -> None:
+    with pytest.raises(ConfigError, match=r"rollout: unknown key\(s\) \['max_contxt_len'\]"):
+        GRPOConfig.from_dict({"rollout": {"max_contxt_len": 10}})
+    with pytest.raises(ConfigError, match="grpo.group_size must be an integer >= 1"):
+        GRPOConfig.from_dict({"grpo": {"group_size": 0}})
+    with pytest.raises(ConfigError, match="loss_agg must be one of"):
+        GRPOConfig.from_dict({"grpo": {"loss": {"loss_agg": "mean"}}})
+    with pytest.raises(ConfigError, match="divide evenly over trainer.num_workers = 3"):
+        GRPOConfig.from_dict({"trainer": {"num_workers": 3}})
+    with pytest.raises(ConfigError, match="does not exist"):
+        GRPOConfig.from_yaml("/nonexistent/grpo.yaml")
+
+
+def test_overrides_do_not_touch_the_original() -> None:
+    raw = {"run": {"max_steps": 3}}
+    merged = merge_overrides(raw, {"run.max_steps": 5, "optim.lr": 0.1})
+    assert raw == {"run": {"max_steps": 3}}
+    assert merged == {"run": {"max_steps": 5}, "optim": {"lr": 0.1}}
