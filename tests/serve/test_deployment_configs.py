@@ -45,3 +45,24 @@ def test_generator_reserves_a_gpu_only_where_one_is_wanted():
     assert _wants_gpu("cuda") and not _wants_gpu("cpu")
     # "auto" follows the cluster: no Ray here, so no GPU to reserve.
     assert not _wants_gpu("auto")
+
+
+def test_serve_build_writes_a_config_that_validates(tmp_path):
+    """`serve build` (Ray's CLI) on the app's import path writes a deployable config file."""
+    import os
+    import subprocess
+    import sys
+
+    out = tmp_path / "serve.yaml"
+    env = dict(os.environ, ARENO_CACHE_DIR=str(tmp_path / "cache"), RAY_AUTH_MODE="disabled")
+    serve_cli = Path(sys.executable).with_name("serve")
+    result = subprocess.run(
+        [str(serve_cli), "build", "areno.serve.default_app:app", "-o", str(out)],
+        env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    config = serve_schema.ServeDeploySchema.model_validate(yaml.safe_load(out.read_text()))
+    (app,) = config.applications
+    assert app.import_path == "areno.serve.default_app:app"
+    names = {d.name for d in app.deployments}
+    assert names == {"MediaDecoderServer", "ProcessorServer", "GeneratorServer", "Ingress"}
