@@ -15,6 +15,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from areno.engine.cache import BatchBinding, SlotCache, copy_slot
 from areno.engine.config import GRAPH_MODES
 from areno.engine.cuda_graphs import DecodeGraphs
+from areno.engine.linear_attention import EngineKernels
 from areno.processing.types import PromptInputs
 
 # NOTE: not cuDNN: with a per-row mask it re-plans its graph whenever the key length changes,
@@ -34,6 +35,7 @@ class ModelRunner:
         if graphs not in GRAPH_MODES:
             raise ValueError(f"graphs must be one of {GRAPH_MODES}; got {graphs!r}")
         self.model = model.eval()
+        self.kernels = EngineKernels(model)
         self.max_len = max_len
         self.device = next(model.parameters()).device
         self.text_config = model.config.get_text_config()
@@ -52,10 +54,14 @@ class ModelRunner:
         if graphs != "off":
             self.graphs = DecodeGraphs(self, max_rows=num_slots, capture=graphs == "capture")
 
-    def _attention_backends(self) -> contextlib.AbstractContextManager:
-        if self.device.type != "cuda":
-            return contextlib.nullcontext()
-        return sdpa_kernel(_CUDA_ATTENTION)
+    def _engine_context(self) -> contextlib.ExitStack:
+        """Around every forward of the runner: the engine's kernels, and on CUDA its attention
+        backends."""
+        stack = contextlib.ExitStack()
+        stack.enter_context(self.kernels)
+        if self.device.type == "cuda":
+            stack.enter_context(sdpa_kernel(_CUDA_ATTENTION))
+        return stack
 
     @torch.inference_mode()
     def prefill(self, inputs: PromptInputs, slots: list[int]) -> torch.Tensor:
@@ -68,7 +74,7 @@ class ModelRunner:
         if self.uses_mrope:
             self.model.model.rope_deltas = None
         model_inputs = {k: v.to(self.device) for k, v in inputs.model_inputs().items()}
-        with self._attention_backends():
+        with self._engine_context():
             out = self.model(
                 **model_inputs, past_key_values=self.cache, use_cache=True, logits_to_keep=1
             )
@@ -96,7 +102,7 @@ class ModelRunner:
             key: torch.cat([p.model_inputs()[key] for p in prompts]).to(self.device)
             for key in prompts[0].model_inputs()
         }
-        with self._attention_backends():
+        with self._engine_context():
             out = self.model(
                 **model_inputs, past_key_values=self.cache, use_cache=True, logits_to_keep=1
             )
@@ -115,7 +121,7 @@ class ModelRunner:
     def decode(self, slots: list[int], positions: list[int], token_ids: list[int]) -> torch.Tensor:
         """One token for each row: `token_ids[i]` sits at cache position `positions[i]` of
         `slots[i]`. Returns logits (B, V)."""
-        with self._attention_backends():
+        with self._engine_context():
             if self.graphs is not None:
                 return self.graphs.decode(slots, positions, token_ids)
             return self._decode_eager(slots, positions, token_ids)
@@ -165,7 +171,7 @@ class ModelRunner:
         if self.uses_mrope:
             self.model.model.rope_deltas = None
         model_inputs = {k: v.to(self.device) for k, v in inputs.model_inputs().items()}
-        with self._attention_backends():
+        with self._engine_context():
             logits_NV = self.model(**model_inputs, use_cache=False).logits[0, :-1].float()
         targets_N = model_inputs["input_ids"][0, 1:]
         return torch.log_softmax(logits_NV, dim=-1).gather(-1, targets_N[:, None]).squeeze(-1)
