@@ -7,7 +7,11 @@ MediaDecoder hop.
 
 # NOTE: no `from __future__ import annotations` here: FastAPI reads the route signatures'
 # annotations at runtime, and string annotations made `request: Request` a required query field.
+import asyncio
+import concurrent.futures
 import dataclasses
+import functools
+import hmac
 import json
 import logging
 import os
@@ -20,6 +24,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from ray import serve
 from ray.serve.config import BackpressureConfig
 from ray.serve.exceptions import BackPressureError
+from starlette.exceptions import HTTPException
 
 from areno.engine.generator import EngineDeadError, Generator
 from areno.engine.outputs import merge_outputs
@@ -30,7 +35,7 @@ from areno.models.registry import adapter_for_checkpoint
 from areno.processing import Processor
 from areno.processing.encode import PromptLimits
 from areno.protocol import parse_chat_request
-from areno.protocol.errors import ErrorResponse
+from areno.protocol.errors import ErrorInfo, ErrorResponse, check_body_size
 from areno.protocol.responses import ModelCard, ModelList
 from areno.serve.admission import RETRY_AFTER_S, Admission, EngineUnavailableError
 from areno.serve.config import ServeConfig
@@ -96,6 +101,20 @@ class AuthenticationError(ArenoError):
     code = "invalid_api_key"
 
 
+async def _read_body(request: Request) -> bytes:
+    """The body, refused (413) as soon as its declared or received size is over the limit, so
+    an oversized or lying upload is never buffered whole."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit():
+        check_body_size(int(declared))
+    chunks, num_bytes = [], 0
+    async for chunk in request.stream():
+        num_bytes += len(chunk)
+        check_body_size(num_bytes)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
 def _user_error(error: Exception) -> ArenoError:
     """The ArenoError behind `error` (Ray wraps a replica's exception in RayTaskError), or a
     generic server error for anything else (logged, never shown to the client)."""
@@ -149,23 +168,27 @@ class MediaDecoderServer:
 
 @serve.deployment(max_ongoing_requests=64)
 class ProcessorServer:
-    """Chat template + native processor: messages and decoded media to PromptInputs."""
+    """Chat template + native processor: messages and decoded media to PromptInputs (requests
+    with media; the Ingress encodes text-only requests itself)."""
 
     def __init__(self, config: ServeConfig):
         limits = PromptLimits(config.max_prompt_tokens, config.engine.max_context_len)
         self.processor = Processor(config.model_path, limits=limits)
 
-    def prepare(self, messages: list, tools: list | None, template_kwargs: Any):
-        """("inputs", PromptInputs) for a request without media, so text pays one hop; else
-        ("refs", media refs) to decode before `encode`."""
-        refs = self.processor.media_refs(messages)
-        if refs:
-            return "refs", refs
-        return "inputs", self.encode(messages, [], tools, template_kwargs)
-
-    def encode(self, messages: list, media: list, tools: list | None, template_kwargs: Any):
+    def encode(
+        self,
+        messages: list,
+        media: list,
+        tools: list | None,
+        template_kwargs: Any,
+        max_new_tokens: int | None = None,
+    ):
         return self.processor.encode(
-            messages, media, tools=tools, chat_template_kwargs=template_kwargs
+            messages,
+            media,
+            tools=tools,
+            chat_template_kwargs=template_kwargs,
+            max_new_tokens=max_new_tokens,
         )
 
 
@@ -227,7 +250,21 @@ class GeneratorServer:
             generator.shutdown()
 
 
-api = FastAPI(title="AReno", docs_url=None, redoc_url=None)
+# No /docs, /redoc or /openapi.json: they would answer without the API key.
+api = FastAPI(title="AReno", docs_url=None, redoc_url=None, openapi_url=None)
+
+
+@api.exception_handler(HTTPException)
+async def _http_error(request: Request, exc: HTTPException) -> JSONResponse:
+    """FastAPI's own refusals (an unknown route, a wrong method) as OpenAI error bodies."""
+    detail = str(exc.detail)
+    error = ErrorInfo(
+        message=f"{detail}: {request.method} {request.url.path}",
+        type="invalid_request_error",
+        code=detail.lower().replace(" ", "_"),
+    )
+    body = ErrorResponse(error=error).model_dump()
+    return JSONResponse(body, status_code=exc.status_code, headers=exc.headers)
 
 
 @serve.deployment(
@@ -247,6 +284,12 @@ class Ingress:
         self.generator = generator.options(stream=True)
         self.config = config
         self.tokenizer = AutoTokenizer.from_pretrained(config.model_path)
+        # Text-only requests are templated and tokenized here, sparing them a Serve hop; the
+        # Processor deployment takes the requests that carry media.
+        limits = PromptLimits(config.max_prompt_tokens, config.engine.max_context_len)
+        self.text_processor = Processor(config.model_path, limits=limits)
+        # One thread: a fast tokenizer must not be entered by two threads at once.
+        self.encode_thread = concurrent.futures.ThreadPoolExecutor(1, "areno-encode")
         self.tool_parser = get_tool_parser(adapter_for_checkpoint(config.model_path).tool_format)
         self.metrics = IngressMetrics()
 
@@ -271,7 +314,7 @@ class Ingress:
             return denied
         arrival = time.perf_counter()
         try:
-            chat = parse_chat_request(await request.body())
+            chat = parse_chat_request(await _read_body(request))
             if chat.model is not None and chat.model != self.config.model_name:
                 raise ModelNotFoundError(
                     f"model {chat.model!r} is not served here; this server serves "
@@ -355,15 +398,23 @@ class Ingress:
             completion_logger.info("completion %s", json.dumps(line, ensure_ascii=False))
 
     async def _encode(self, chat):
+        """PromptInputs of the request: text-only ones encoded here (on the encode thread, off the
+        event loop), the others through MediaDecoder then Processor."""
         tools = chat.tools if tools_in_play(chat) else None
-        kind, value = await self.processor.prepare.remote(
-            chat.messages, tools, chat.chat_template_kwargs
-        )
-        if kind == "inputs":
-            return value
-        media = await self.decoder.decode_many.remote(value)
+        kwargs = chat.chat_template_kwargs
+        refs = self.text_processor.media_refs(chat.messages)
+        if not refs:
+            encode = functools.partial(
+                self.text_processor.encode,
+                tools=tools,
+                chat_template_kwargs=kwargs,
+                max_new_tokens=chat.max_new_tokens,
+            )
+            loop = asyncio.get_running_loop()
+            return await loop.run_in_executor(self.encode_thread, encode, chat.messages, [])
+        media = await self.decoder.decode_many.remote(refs)
         return await self.processor.encode.remote(
-            chat.messages, media, tools, chat.chat_template_kwargs
+            chat.messages, media, tools, kwargs, chat.max_new_tokens
         )
 
     async def _sse(self, writer: ChunkWriter, first, stream, first_token_at: float):
@@ -395,7 +446,8 @@ class Ingress:
 
     def _check_key(self, request: Request) -> JSONResponse | None:
         key = self.config.api_key
-        if key is None or request.headers.get("authorization") == f"Bearer {key}":
+        sent = request.headers.get("authorization", "").encode()
+        if key is None or hmac.compare_digest(sent, f"Bearer {key}".encode()):
             return None
         return self._error(
             AuthenticationError("missing or wrong API key: send 'Authorization: Bearer <key>'")
