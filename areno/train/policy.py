@@ -75,5 +75,7 @@ def sequence_logprobs(
     }
     ids = batch["input_ids"]
     keep = ids.shape[1] - start + 1
-    logits = model(**batch, use_cache=False, logits_to_keep=keep).logits  # [1, keep, V]
+    logits = model(**batch, use_cache=False, logits_to_keep=keep).logits
+    # NOTE: some families (MiniCPM-V 4.6) ignore logits_to_keep and return every position.
+    logits = logits[:, -keep:]  # [1, keep, V]
     return token_logprobs(logits[:, :-1], ids[:, start:])[0]
