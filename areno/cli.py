@@ -182,6 +182,10 @@ def _sft(args: argparse.Namespace) -> None:
         loader=args.loader,
         loader_kwargs=kwargs,
         target_key=args.target_key,
+        agent=args.agent,
+        agent_kwargs={
+            k: _parse_value(v) for k, v in (i.split("=", 1) for i in args.agent_arg or [])
+        },
         steps=args.steps,
         batch_size=args.batch_size,
         lr=args.lr,
@@ -233,7 +237,13 @@ def _add_train_parsers(sub) -> None:
     sft.add_argument("--out", required=True, help="checkpoint directory to write")
     sft.add_argument("--loader", default="areno.tasks.color_quiz:load", help="module:callable")
     sft.add_argument("--loader-arg", action="append", metavar="KEY=VALUE", help="loader kwarg")
-    sft.add_argument("--target-key", default="answer", help="the private field to learn")
+    sft.add_argument(
+        "--target-key",
+        default="answer",
+        help='the private field to learn: text, or a reply {"tool_calls": [{"name", "arguments"}]}',
+    )
+    sft.add_argument("--agent", help="module:callable of the agent whose prompt and tools to use")
+    sft.add_argument("--agent-arg", action="append", metavar="KEY=VALUE", help="agent kwarg")
     sft.add_argument("--steps", type=int, default=50)
     sft.add_argument("--batch-size", type=int, default=8)
     sft.add_argument("--lr", type=float, default=1e-3)

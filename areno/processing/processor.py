@@ -20,7 +20,7 @@ from areno.processing.messages import (
     tools_as_dicts,
     validate_messages,
 )
-from areno.processing.turns import encode_continuation, extend_prompt
+from areno.processing.turns import encode_continuation, extend_prompt, reply_text
 from areno.processing.types import PromptInputs
 
 
@@ -94,6 +94,24 @@ class Processor:
             media,
             tools=tools,
             add_generation_prompt=add_generation_prompt,
+            chat_template_kwargs=chat_template_kwargs,
+        )
+
+    def reply_text(
+        self,
+        content: str,
+        tool_calls: Sequence[tuple[str, dict]] = (),
+        *,
+        tools: Sequence[Any] | None = None,
+        chat_template_kwargs: dict | None = None,
+    ) -> str:
+        """An assistant reply as this checkpoint generates it; see `turns.reply_text`."""
+        return reply_text(
+            self.hf_processor,
+            self.adapter,
+            content,
+            tool_calls,
+            tools=tools_as_dicts(tools),
             chat_template_kwargs=chat_template_kwargs,
         )
 

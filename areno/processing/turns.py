@@ -22,6 +22,7 @@ result equals encoding the whole conversation at once.
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -171,6 +172,48 @@ def _continuation_text(
 
 # ---------------------------------------------------------------------------------------------
 # extend_prompt
+
+
+def reply_text(
+    hf_processor: Any,
+    adapter: FamilyAdapter,
+    content: str,
+    tool_calls: Sequence[tuple[str, dict]],
+    *,
+    tools: list[dict] | None,
+    chat_template_kwargs: dict | None = None,
+) -> str:
+    """The text of an assistant reply (`content`, then calls of (name, arguments)) exactly as the
+    chat template writes it after the generation prompt, without the end-of-turn token: what a
+    model must generate to make those calls (a warm-start target)."""
+    calls = [
+        {"id": f"call_{i}", "type": "function", "function": {"name": name, "arguments": args}}
+        for i, (name, args) in enumerate(tool_calls)
+    ]
+    user = [{"role": "user", "content": _DUMMY_USER}]
+    assistant: dict[str, Any] = {"role": "assistant", "content": content}
+    if calls:
+        assistant["tool_calls"] = calls
+    kwargs = {"tools": tools, "tokenize": False, **(chat_template_kwargs or {})}
+    prompt = hf_processor.apply_chat_template(user, add_generation_prompt=True, **kwargs)
+    full = hf_processor.apply_chat_template([*user, assistant], **kwargs)
+    shared = len(os.path.commonprefix([prompt, full]))
+    if shared < len(prompt):  # the prompt opens something: back up to its line's start
+        shared = prompt.rfind("\n", 0, shared) + 1
+    opener = prompt[shared:]  # what the generation prompt adds beyond the assistant header
+    end_of_turn = adapter.stop_tokens[0]
+    end = full.find(end_of_turn, shared)
+    body = full[shared:end]
+    if end != -1 and body.startswith(opener):
+        return body[len(opener) :]
+    if end != -1 and opener.strip() == "<think>":
+        # A generation prompt that opens reasoning (Qwen3.5): close it the way the template's
+        # enable_thinking=false form does, then the reply.
+        return "\n</think>\n\n" + body
+    raise ContinuationError(
+        f"the {adapter.display_name} chat template does not write an assistant turn as its "
+        f"generation prompt followed by the reply and {end_of_turn!r}; cannot cut the reply"
+    )
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,9 @@
 """`areno sft`: a short supervised warm-start on the same data path as GRPO.
 
 Each sample's prompt goes through the one processor path (MediaDecoder + Processor); the target
-is a string from its private metadata (`target_key`), followed by the end-of-turn token. Only
+is its private metadata's `target_key`: a string, or a reply `{"content": ..., "tool_calls":
+[{"name": ..., "arguments": {...}}]}` written out by the checkpoint's own chat template (so a
+tool-calling warm-start learns the family's call format), followed by the end-of-turn token. Only
 the target tokens are trained on, with the media towers frozen as in GRPO. Single process: a
 warm-start is minutes on small models; the output is a checkpoint directory GRPO starts from.
 """
@@ -11,7 +13,7 @@ from __future__ import annotations
 import os
 import random
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -22,6 +24,7 @@ from areno.media.decoder import MediaDecoder
 from areno.media.sources import MediaPolicy
 from areno.processing.processor import Processor
 from areno.processing.types import PromptInputs
+from areno.rollout.agent import Agent, load_agent
 from areno.train.checkpoint import export_hf
 from areno.train.policy import load_policy, sequence_logprobs, set_train_mode
 
@@ -33,18 +36,41 @@ class SFTConfig:
     loader: str
     loader_kwargs: dict
     target_key: str = "answer"
+    agent: str | None = None  # module:callable; its system prompt and tools shape the prompt
+    agent_kwargs: dict = field(default_factory=dict)
     steps: int = 50
     batch_size: int = 8
     lr: float = 1e-3
     seed: int = 0
 
 
-def _encode(processor: Processor, decoder: MediaDecoder, sample, target: str) -> PromptInputs:
-    media = decoder.decode_many(processor.media_refs(sample.messages))
-    prompt = processor.encode(sample.messages, media, tools=sample.tools)
+def target_text(processor: Processor, sample, target, tools=None) -> str:
+    """The text to learn: a string as is, a reply with tool calls as the template writes it."""
+    if isinstance(target, str):
+        return target
+    if isinstance(target, dict) and set(target) <= {"content", "tool_calls"}:
+        calls = [(call["name"], call.get("arguments", {})) for call in target.get("tool_calls", [])]
+        return processor.reply_text(target.get("content", ""), calls, tools=tools)
+    raise ConfigError(
+        f"sample {sample.id!r}: a warm-start target is a string or a reply "
+        f'{{"content": ..., "tool_calls": [{{"name": ..., "arguments": {{...}}}}]}}; got {target!r}'
+    )
+
+
+def _encode(
+    processor: Processor, decoder: MediaDecoder, sample, target, agent: Agent | None
+) -> tuple[PromptInputs, int]:
+    """The sample's prompt as a rollout encodes it (the agent's system prompt and tools when
+    given) followed by the target's tokens and the end-of-turn token."""
+    messages, tools = sample.messages, sample.tools
+    if agent is not None:
+        messages, tools = agent.prompt_messages(messages), agent.tool_schemas or tools
+    media = decoder.decode_many(processor.media_refs(messages))
+    prompt = processor.encode(messages, media, tools=tools)
     tokenizer = processor.tokenizer
     eot = tokenizer.convert_tokens_to_ids(processor.adapter.stop_tokens[0])
-    target_ids = tokenizer.encode(target, add_special_tokens=False) + [eot]
+    text = target_text(processor, sample, target, tools)
+    target_ids = tokenizer.encode(text, add_special_tokens=False) + [eot]
     return prompt.with_tokens(prompt.input_ids + target_ids), prompt.num_prompt_tokens
 
 
@@ -56,13 +82,15 @@ def sft(config: SFTConfig, log=print) -> Path:
         raise ConfigError(f"loader {config.loader} yielded no samples")
     processor = Processor(config.model_path)
     decoder = MediaDecoder(MediaPolicy.for_training(), processor.decode_options())
+    agent = load_agent(config.agent, **config.agent_kwargs) if config.agent else None
     examples = []
     for sample in samples:
         if config.target_key not in sample.private:
             raise ConfigError(
                 f"sample {sample.id!r} has no private[{config.target_key!r}] to train on"
             )
-        examples.append(_encode(processor, decoder, sample, str(sample.private[config.target_key])))
+        target = sample.private[config.target_key]
+        examples.append(_encode(processor, decoder, sample, target, agent))
     model, _, frozen = load_policy(config.model_path, dtype=torch.float32)
     set_train_mode(model, frozen)
     params = [p for p in model.parameters() if p.requires_grad]

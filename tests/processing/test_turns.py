@@ -3,6 +3,8 @@ must equal encoding the whole conversation at once (ids, media tensors, spans), 
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -253,3 +255,34 @@ def test_padded_features_merge_to_a_common_length():
         merge_mm_inputs(
             "qwen3_5", {"pixel_values": torch.ones(2, 3)}, {"pixel_values": torch.ones(2, 4)}, 1, 1
         )
+
+
+SUBMIT = {
+    "type": "function",
+    "function": {
+        "name": "submit_answer",
+        "description": "Submit the answer.",
+        "parameters": {
+            "type": "object",
+            "properties": {"label": {"type": "string"}, "start_s": {"type": "number"}},
+            "required": ["label"],
+        },
+    },
+}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_reply_text_is_what_the_family_parser_reads_as_the_call(tiny_path, family):
+    """A warm-start target: the template's own text for a call, which the generation prompt
+    continues into and the family's parser turns back into the same call."""
+    from areno.tools import get_tool_parser
+
+    processor = Processor(tiny_path(family))
+    arguments = {"label": "dog barking", "start_s": 1}
+    text = processor.reply_text("", [("submit_answer", arguments)], tools=[SUBMIT])
+    parser = get_tool_parser(processor.adapter.tool_format)
+
+    [call] = parser.parse(text, [SUBMIT]).tool_calls
+    assert call.function.name == "submit_answer"
+    assert json.loads(call.function.arguments) == arguments
+    assert processor.adapter.stop_tokens[0] not in text

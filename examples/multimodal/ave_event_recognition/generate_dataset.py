@@ -147,6 +147,18 @@ def write_mp4(path: Path, frames: list[np.ndarray], audio: np.ndarray, fps: floa
     return path
 
 
+def warmup_call(rng: np.random.Generator, num_segments: int) -> dict:
+    """A well-formed submit_answer reply with a label and segment drawn independently of the
+    clip: `areno sft --target-key warmup_call` teaches the call format, not the answers."""
+    first = int(rng.integers(0, num_segments))
+    arguments = {
+        "label": EVENTS[int(rng.integers(len(EVENTS)))].name,
+        "start_s": first * SEGMENT_S,
+        "end_s": (first + 1) * SEGMENT_S,
+    }
+    return {"tool_calls": [{"name": "submit_answer", "arguments": arguments}]}
+
+
 def make_split(
     out: Path,
     split: str,
@@ -163,6 +175,7 @@ def make_split(
     media = out / "media"
     media.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng([seed, SPLIT_SEEDS.get(split, 9)])
+    warmup_rng = np.random.default_rng([seed, SPLIT_SEEDS.get(split, 9), 1])
     order: list[int] = []
     while len(order) < num_samples:  # class-balanced blocks
         order += list(rng.permutation(len(EVENTS)))
@@ -184,7 +197,13 @@ def make_split(
             {"type": "video_url", "video_url": {"url": url}},
             {"type": "text", "text": question(seconds)},
         ]
-        private = {"label": event.name, "start_s": start_s, "end_s": end_s, "duration_s": seconds}
+        private = {
+            "label": event.name,
+            "start_s": start_s,
+            "end_s": end_s,
+            "duration_s": seconds,
+            "warmup_call": warmup_call(warmup_rng, num_segments),
+        }
         sample = Sample([{"role": "user", "content": content}], private=private, id=path.stem)
         lines.append(sample.to_json())
     file = out / f"{split}.jsonl"
