@@ -224,7 +224,9 @@ def _resample_mono(mono: np.ndarray, rate: int, target: int) -> np.ndarray:
         frame.sample_rate = rate
         out.extend(o.to_ndarray()[0] for o in resampler.resample(frame))
     out.extend(o.to_ndarray()[0] for o in resampler.resample(None))  # flush the filter delay
-    return np.concatenate(out).astype(np.float32, copy=False)
+    # NOTE: a clip shorter than one output sample (a few frames at an absurd declared rate)
+    # resamples to nothing; decode_audio reports it as zero-length audio.
+    return np.concatenate(out).astype(np.float32, copy=False) if out else np.zeros(0, np.float32)
 
 
 def decode_av_audio(

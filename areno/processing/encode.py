@@ -7,6 +7,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from areno.errors import ArenoError, PromptTooLongError
 from areno.media.types import DecodedAudio, DecodedImage, DecodedMedia, DecodedVideo
 from areno.models.registry import FamilyAdapter
@@ -20,6 +22,13 @@ class MediaMismatchError(ArenoError):
     """The decoded media do not match the placeholders the messages render."""
 
     code = "media_mismatch"
+
+
+class UnprocessableMediaError(ArenoError):
+    """The checkpoint's own processor refused a decoded media item (e.g. an image whose aspect
+    ratio its family cannot patch)."""
+
+    code = "unprocessable_media"
 
 
 @dataclass(frozen=True)
@@ -75,7 +84,20 @@ def _expand_video_audio(
     return expanded
 
 
-def _processor_call_kwargs(adapter: FamilyAdapter, media: list[DecodedMedia]) -> dict:
+def _with_min_frames(video: DecodedVideo, min_frames: int) -> tuple[np.ndarray, list[int]]:
+    """The sampled frames and their indices, the last one repeated up to `min_frames`, as
+    qwen-vl-utils samples a short clip: a video processor with a temporal patch of 2 frames
+    (Qwen's) refuses a clip sampled down to one."""
+    pad = min_frames - len(video.frame_indices)
+    if pad <= 0:
+        return video.frames, list(video.frame_indices)
+    frames = np.concatenate([video.frames, np.repeat(video.frames[-1:], pad, axis=0)])
+    return frames, [*video.frame_indices, *[video.frame_indices[-1]] * pad]
+
+
+def _processor_call_kwargs(
+    adapter: FamilyAdapter, media: list[DecodedMedia], min_video_frames: int = 1
+) -> dict:
     images = [m.image for m in media if isinstance(m, DecodedImage)]
     audios = [m.waveform for m in media if isinstance(m, DecodedAudio)]
     videos = [m for m in media if isinstance(m, DecodedVideo)]
@@ -92,18 +114,19 @@ def _processor_call_kwargs(adapter: FamilyAdapter, media: list[DecodedMedia]) ->
     if videos:
         from transformers.video_utils import VideoMetadata
 
-        kwargs["videos"] = [v.frames for v in videos]
+        sampled = [_with_min_frames(v, min_video_frames) for v in videos]
+        kwargs["videos"] = [frames for frames, _ in sampled]
         metadata = [
             VideoMetadata(
                 total_num_frames=v.total_num_frames,
                 fps=v.fps,
                 duration=v.duration_s,
-                frames_indices=list(v.frame_indices),
+                frames_indices=indices,
                 height=int(v.frames.shape[1]),
                 width=int(v.frames.shape[2]),
                 video_backend="pyav",
             )
-            for v in videos
+            for v, (_, indices) in zip(videos, sampled, strict=True)
         ]
         # NOTE: frames were already sampled by the decoder (target fps / max frames); the real
         # fps and frame indices give the processor correct timestamps.
@@ -223,14 +246,23 @@ def run_processor(
     `media` holds the items in placeholder order (after `prepare_messages`); spans are relative
     to `text`'s tokens. Special tokens are never added: the template writes them.
     """
-    out = hf_processor(
-        text=[text],
-        return_tensors="pt",
-        return_offsets_mapping=True,
-        return_text_replacement_offsets=True,
-        add_special_tokens=False,
-        **_processor_call_kwargs(adapter, media),
-    )
+    video_processor = getattr(hf_processor, "video_processor", None)
+    min_video_frames = getattr(video_processor, "temporal_patch_size", None) or 1
+    try:
+        out = hf_processor(
+            text=[text],
+            return_tensors="pt",
+            return_offsets_mapping=True,
+            return_text_replacement_offsets=True,
+            add_special_tokens=False,
+            **_processor_call_kwargs(adapter, media, min_video_frames),
+        )
+    except ValueError as exc:  # the family's own checks on media sizes and shapes
+        sources = ", ".join(item.source for item in media[:4]) + (", ..." if media[4:] else "")
+        raise UnprocessableMediaError(
+            f"the {adapter.display_name} processor cannot take the media of this request "
+            f"({sources}): {exc}"
+        ) from None
     input_ids = out["input_ids"][0].tolist()
     spans = _spans(out, media, placeholder_token_ids(hf_processor)) if media else []
     mm_inputs = {k: v for k, v in out.items() if k not in _TEXT_KEYS}

@@ -35,6 +35,77 @@ MAX_TOP_LOGPROBS = 20
 
 _TOOL_NAME_PATTERN = r"^[A-Za-z0-9_.\-]{1,64}$"
 
+# Names the server's own chat-template call already passes (to transformers' apply_chat_template
+# or to the template itself). From chat_template_kwargs they would crash that call, change what
+# it returns, or, for chat_template, run the client's own Jinja on the server.
+RESERVED_TEMPLATE_KWARGS = frozenset(
+    [
+        "add_generation_prompt",
+        "chat_template",
+        "continue_final_message",
+        "conversation",
+        "conversations",
+        "documents",
+        "load_audio_from_video",
+        "max_length",
+        "messages",
+        "padding",
+        "processor_kwargs",
+        "return_assistant_tokens_mask",
+        "return_dict",
+        "return_tensors",
+        "sanitize_control_tokens",
+        "tokenize",
+        "tokenizer_kwargs",
+        "tools",
+        "truncation",
+    ]
+)
+_SCHEMA_TYPES = ("object", "array", "string", "number", "integer", "boolean", "null")
+_SUBSCHEMA = ("items", "additionalProperties", "not", "if", "then", "else", "contains")
+_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+_SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")
+
+
+def schema_problem(schema: Any) -> str | None:
+    """The first keyword of a JSON Schema holding the wrong kind of value, or None.
+
+    Not a full validator: it checks the shapes chat templates walk (`properties` is an object of
+    schemas, `required` a list of names, `type` a JSON type...), so a schema that is not one is
+    refused here instead of failing inside a template.
+    """
+    stack: list[tuple[Any, str]] = [(schema, "parameters")]
+    while stack:
+        node, where = stack.pop()
+        if isinstance(node, bool):  # true / false are schemas too
+            continue
+        if not isinstance(node, dict):
+            return f"{where} must be a JSON Schema (an object)"
+        types = node.get("type", [])
+        for kind in types if isinstance(types, list) else [types]:
+            if kind not in _SCHEMA_TYPES:
+                return f"{where}.type {kind!r} is not one of {', '.join(_SCHEMA_TYPES)}"
+        required = node.get("required", [])
+        if not isinstance(required, list) or not all(isinstance(r, str) for r in required):
+            return f"{where}.required must be a list of property names"
+        if not isinstance(node.get("enum", []), list):
+            return f"{where}.enum must be a list"
+        for key in _SUBSCHEMA_MAPS:
+            children = node.get(key, {})
+            if not isinstance(children, dict):
+                return f"{where}.{key} must be an object mapping names to schemas"
+            stack.extend((child, f"{where}.{key}.{name}") for name, child in children.items())
+        for key in _SUBSCHEMA_LISTS:
+            children = node.get(key, [])
+            if not isinstance(children, list):
+                return f"{where}.{key} must be a list of schemas"
+            stack.extend((child, f"{where}.{key}[{i}]") for i, child in enumerate(children))
+        for key in _SUBSCHEMA:
+            if key in node:  # `items` may also be a list of schemas (draft 4's tuple form)
+                children = node[key] if isinstance(node[key], list) else [node[key]]
+                stack.extend((child, f"{where}.{key}") for child in children)
+    return None
+
 
 class FunctionDefinition(BaseModel):
     """A function the model may call; `parameters` is a JSON Schema of type "object"."""
@@ -52,6 +123,8 @@ class FunctionDefinition(BaseModel):
                 'must be a JSON Schema with "type": "object" (use {"type": "object", '
                 f'"properties": {{}}}} for no arguments); got type {schema.get("type")!r}'
             )
+        if schema is not None and (problem := schema_problem(schema)):
+            raise ValueError(f"is not a valid JSON Schema: {problem}")
         return schema
 
 
@@ -218,6 +291,17 @@ class ChatCompletionRequest(BaseModel):
                 f"names tool {choice.function.name!r}, which is not in 'tools' ({available})"
             )
         return choice
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _no_reserved_template_kwargs(cls, kwargs: dict[str, Any] | None) -> Any:
+        reserved = sorted(set(kwargs or ()) & RESERVED_TEMPLATE_KWARGS)
+        if reserved:
+            raise ValueError(
+                f"{', '.join(map(repr, reserved))} cannot be set here: the server's chat-template "
+                "call sets it; pass only the template's own variables (e.g. enable_thinking)"
+            )
+        return kwargs
 
     @field_validator("top_k")
     @classmethod

@@ -22,6 +22,9 @@ from areno.protocol.content import CONTENT_PART_TYPES, MESSAGE_ROLES
 # NOTE: read at call time, so a deployment (or a test) may change them.
 MAX_REQUEST_BYTES = 128 * 1024 * 1024  # room for inline base64 video
 MAX_JSON_DEPTH = 64
+# Far above what MAX_MESSAGES, MAX_PARTS_PER_REQUEST and MAX_TOOLS allow (~10^5), and far below
+# what a body of MAX_REQUEST_BYTES can hold: 60 MB of `[],` parses into 20 M lists (~5 GB).
+MAX_JSON_VALUES = 1_000_000
 MAX_ERRORS_IN_MESSAGE = 10
 
 # Location entries pydantic adds for tagged unions, which the user's JSON does not have.
@@ -30,6 +33,9 @@ _UNION_TAGS = frozenset(
 )
 _ACCEPTED_TAGS = {"type": CONTENT_PART_TYPES, "role": MESSAGE_ROLES}
 _IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_JSON_STRING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"')
+# Each value or key of a JSON document follows one of these, outside strings.
+_JSON_VALUE_MARKS = ("[", "{", ",", ":")
 _JSON_OBJECT = "Input should be a JSON object"
 _MESSAGE_REWRITES = {
     "model_type": _JSON_OBJECT,
@@ -107,6 +113,21 @@ class RequestValidationError(ArenoError):
         return cls(list(dict.fromkeys(errors)))
 
 
+class RequestTooLargeError(RequestValidationError):
+    """The body is over MAX_REQUEST_BYTES, or would parse into over MAX_JSON_VALUES (HTTP 413)."""
+
+    status_code = 413
+    code = "request_too_large"
+
+
+def check_body_size(num_bytes: int) -> None:
+    """Refuse a body of `num_bytes` (declared or read so far) over MAX_REQUEST_BYTES."""
+    if num_bytes > MAX_REQUEST_BYTES:
+        raise RequestTooLargeError.from_message(
+            f"the request body has {num_bytes} bytes, over the limit of {MAX_REQUEST_BYTES}"
+        )
+
+
 def parse_chat_request(data: bytes | bytearray | str | dict[str, Any]) -> ChatCompletionRequest:
     """Parse an untrusted body; every problem with it raises `RequestValidationError`."""
     body = _load_json(data) if isinstance(data, (bytes, bytearray, str)) else data
@@ -122,10 +143,7 @@ def parse_chat_request(data: bytes | bytearray | str | dict[str, Any]) -> ChatCo
 
 
 def _load_json(data: bytes | bytearray | str) -> Any:
-    if len(data) > MAX_REQUEST_BYTES:
-        raise RequestValidationError.from_message(
-            f"the request body has {len(data)} bytes, over the limit of {MAX_REQUEST_BYTES}"
-        )
+    check_body_size(len(data))
     if isinstance(data, (bytes, bytearray)):
         try:
             data = bytes(data).decode("utf-8-sig")
@@ -133,6 +151,7 @@ def _load_json(data: bytes | bytearray | str) -> Any:
             raise RequestValidationError.from_message(
                 f"the request body is not valid UTF-8 (byte {exc.start})"
             ) from None
+    _check_num_values(data)
     try:
         return json.loads(data, parse_constant=_reject_constant)
     except json.JSONDecodeError as exc:
@@ -147,6 +166,25 @@ def _load_json(data: bytes | bytearray | str) -> Any:
         raise RequestValidationError.from_message(
             f"the request body nests deeper than the limit of {MAX_JSON_DEPTH}"
         ) from None
+
+
+def _check_num_values(text: str) -> None:
+    """Refuse, before parsing, a body that would become more than MAX_JSON_VALUES objects.
+
+    Small bodies can expand a lot: each `[],` is 3 bytes of JSON and a 56-byte list, plus the
+    time to walk it. Counting the marks that precede values is an upper bound that costs one fast
+    scan; only when that bound is over the limit are strings (which may hold any mark) removed
+    for the exact count.
+    """
+    if sum(text.count(mark) for mark in _JSON_VALUE_MARKS) <= MAX_JSON_VALUES:
+        return
+    structure = _JSON_STRING.sub("", text)
+    num_values = sum(structure.count(mark) for mark in _JSON_VALUE_MARKS)
+    if num_values > MAX_JSON_VALUES:
+        raise RequestTooLargeError.from_message(
+            f"the request body holds about {num_values} JSON values, over the limit of "
+            f"{MAX_JSON_VALUES}; send fewer messages, content parts or tools per request"
+        )
 
 
 def _reject_constant(name: str) -> Any:

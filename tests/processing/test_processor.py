@@ -12,6 +12,7 @@ from areno.media.decoder import MediaDecoder
 from areno.media.samples import write_audio, write_image, write_video
 from areno.media.sources import MediaPolicy
 from areno.processing import Processor, PromptLimits, process_messages
+from areno.processing.encode import UnprocessableMediaError
 from areno.protocol import RequestValidationError
 
 
@@ -143,6 +144,24 @@ def test_context_limit_counts_requested_completion(tiny_path, media):
     tight = worker(tiny_path, "qwen3_5", PromptLimits(max_context_len=n))
     with pytest.raises(PromptTooLongError, match="no room to generate"):
         process_messages(*tight, messages)
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_vl", "gemma4", "minicpmv4_6"])
+def test_clip_sampled_to_one_frame_still_encodes(tiny_path, tmp_path, family):
+    # 2 frames at 4 fps, sampled at 2 fps: one frame, fewer than Qwen's temporal patch of 2.
+    processor, decoder = worker(tiny_path, family)
+    short = write_video(tmp_path / "short.mp4", seconds=0.5, fps=4.0)
+    inputs = process_messages(processor, decoder, user(video(short)))
+    assert inputs.num_tokens("video") > 0
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_vl"])
+def test_image_the_processor_refuses_is_a_4xx(tiny_path, tmp_path, family):
+    processor, decoder = worker(tiny_path, family)
+    strip = write_image(tmp_path / "strip.png", 4000, 1)
+    with pytest.raises(UnprocessableMediaError, match=r"strip\.png.*aspect ratio") as info:
+        process_messages(processor, decoder, user(image(strip)))
+    assert info.value.status_code == 400
 
 
 def test_unsupported_modality_is_refused_before_decoding(tiny_path, tmp_path):

@@ -323,15 +323,45 @@ def test_remote_media_fetched_when_allowed(server, http_media):
     assert response.usage.prompt_tokens_details.image_tokens > 0
 
 
+def _routes(routes):
+    """The app's routes, through the routers Serve's ingress includes them with."""
+    for route in routes:
+        if hasattr(route, "original_router"):
+            yield from _routes(route.original_router.routes)
+        elif hasattr(route, "methods"):
+            yield route
+
+
 def test_api_key_is_required_on_every_route_but_health(server):
     import httpx2
+
+    from areno.serve.deployments import api
 
     base = str(guarded_client(server).base_url).rstrip("/")
     with pytest.raises(openai.AuthenticationError):
         guarded_client(server, key="wrong").models.list()
     with pytest.raises(openai.AuthenticationError):
         ask(guarded_client(server, key="wrong"), "hi")
-    assert httpx2.get(base.removesuffix("/v1") + "/health").status_code == 200
+    # Every route the app defines (so a new one is covered too): no key, a wrong one, the key
+    # without "Bearer" or in another scheme.
+    app_base = base.removesuffix("/v1")
+    routes = [(m, r.path) for r in _routes(api.routes) for m in r.methods if m != "HEAD"]
+    assert {("GET", "/health"), ("GET", "/v1/models"), ("POST", "/v1/chat/completions")} <= set(
+        routes
+    )
+    for method, path in routes:
+        for auth in (None, "Bearer wrong", API_KEY, f"Basic {API_KEY}", f"Bearer {API_KEY}x"):
+            headers = {"Authorization": auth} if auth else {}
+            response = httpx2.request(method, app_base + path, headers=headers, json={}, timeout=60)
+            if path == "/health":
+                assert response.status_code == 200
+                continue
+            assert response.status_code == 401, (method, path, auth)
+            assert response.json()["error"]["code"] == "invalid_api_key"
+    # FastAPI's schema and docs pages are not served: they would answer without the key.
+    for path in ("/openapi.json", "/docs", "/redoc"):
+        response = httpx2.get(app_base + path, timeout=60)
+        assert response.status_code == 404 and response.json()["error"]["code"] == "not_found"
     assert [m.id for m in guarded_client(server).models.list().data] == ["tiny-gemma4"]
 
 
