@@ -68,8 +68,20 @@ def _serve(args: argparse.Namespace) -> None:
         allow_remote_media=args.allow_remote_media,
         allow_private_network_media=args.allow_private_network_media,
         max_queued_requests=args.max_queued_requests,
+        deployment_resources=_json_flag("--deployment-resources", args.deployment_resources),
     )
     run_server(config)
+
+
+def _json_flag(flag: str, text: str | None):
+    import json
+
+    if text is None:
+        return {}
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as error:
+        raise ArenoError(f"{flag} takes JSON ({error}); got {text!r}") from None
 
 
 def _add_serve_parser(sub) -> None:
@@ -111,6 +123,13 @@ def _add_serve_parser(sub) -> None:
         "--allow-private-network-media",
         action="store_true",
         help="let remote media URLs reach loopback / private / link-local addresses",
+    )
+    serve.add_argument(
+        "--deployment-resources",
+        metavar="JSON",
+        help="custom Ray resources per replica of each deployment (decoder, processor, "
+        'generator, ingress), e.g. \'{"decoder": {"media": 1}}\': place them on the nodes '
+        "started with those resources",
     )
     serve.set_defaults(func=_serve)
 

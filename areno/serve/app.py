@@ -37,19 +37,30 @@ def build_app(config: ServeConfig):
     )
 
     check_config(config)
-    cpus = {"num_cpus": config.num_cpus_per_deployment}
     decoder = MediaDecoderServer.options(
-        num_replicas=config.num_decoder_replicas, ray_actor_options=cpus
+        num_replicas=config.num_decoder_replicas,
+        ray_actor_options=_cpu_actor_options(config, "decoder"),
     ).bind(config)
     processor = ProcessorServer.options(
-        num_replicas=config.num_processor_replicas, ray_actor_options=cpus
+        num_replicas=config.num_processor_replicas,
+        ray_actor_options=_cpu_actor_options(config, "processor"),
     ).bind(config)
     generator = GeneratorServer.options(
         num_replicas=config.num_generator_replicas,
         max_ongoing_requests=_generator_max_ongoing(config),
         **_generator_resources(config),
     ).bind(config)
-    return Ingress.options(ray_actor_options=cpus).bind(decoder, processor, generator, config)
+    return Ingress.options(ray_actor_options=_cpu_actor_options(config, "ingress")).bind(
+        decoder, processor, generator, config
+    )
+
+
+def _cpu_actor_options(config: ServeConfig, deployment: str) -> dict[str, Any]:
+    options: dict[str, Any] = {"num_cpus": config.num_cpus_per_deployment}
+    custom = config.resources_for(deployment)
+    if custom:
+        options["resources"] = custom
+    return options
 
 
 def _generator_max_ongoing(config: ServeConfig) -> int:
@@ -65,12 +76,16 @@ def _generator_resources(config: ServeConfig) -> dict[str, Any]:
     per_rank = {"CPU": engine.num_cpus_per_rank}
     if _wants_gpu(engine.device):
         per_rank["GPU"] = 1
-    options: dict[str, Any] = {
-        "ray_actor_options": {"num_cpus": per_rank["CPU"], "num_gpus": per_rank.get("GPU", 0)}
-    }
+    custom = config.resources_for("generator")
+    actor = {"num_cpus": per_rank["CPU"], "num_gpus": per_rank.get("GPU", 0)}
+    if custom:
+        actor["resources"] = custom
+    options: dict[str, Any] = {"ray_actor_options": actor}
     if engine.tp_size > 1:
-        # Rank 0 (the replica) takes bundle 0; its follower actors take the others.
-        options["placement_group_bundles"] = [per_rank] * engine.tp_size
+        # Rank 0 (the replica) takes bundle 0, which must hold everything the replica asks
+        # for; its follower actors take the others, on the same node (STRICT_PACK).
+        rank0 = {**per_rank, **custom}
+        options["placement_group_bundles"] = [rank0] + [per_rank] * (engine.tp_size - 1)
         options["placement_group_strategy"] = "STRICT_PACK"
     return options
 

@@ -7,8 +7,10 @@ from dataclasses import dataclass, field
 
 from areno.engine.config import EngineConfig
 from areno.errors import ConfigError
+from areno.resources import check_custom_resources
 
 QUEUE_FACTOR = 8  # default waiting requests per running slot of a Generator replica
+DEPLOYMENTS = ("decoder", "processor", "generator", "ingress")
 
 
 @dataclass(frozen=True)
@@ -22,6 +24,10 @@ class ServeConfig:
     `engine.max_running_prompts` running sequences (`--max-queued-requests`); one more is
     refused with 429. None: QUEUE_FACTOR x max_running_prompts, deep enough that a burst of a few
     batches waits instead of failing, bounded so that a flood is refused at once.
+    deployment_resources: custom Ray resources each replica of a deployment reserves, keyed by
+    "decoder" / "processor" / "generator" / "ingress" (`--deployment-resources`), e.g.
+    {"decoder": {"media": 1}}: its replicas run only on nodes started with that resource. A
+    tensor-parallel Generator reserves them once, in rank 0's bundle (its group shares a node).
     """
 
     model_path: str
@@ -39,8 +45,10 @@ class ServeConfig:
     num_processor_replicas: int = 1
     num_cpus_per_deployment: float = 0.25
     max_queued_requests: int | None = None
+    deployment_resources: dict[str, dict[str, float]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        self._check_deployment_resources()
         if self.world_size < self.engine.tp_size or self.world_size % self.engine.tp_size:
             raise ConfigError(
                 f"--world-size {self.world_size} must be a multiple of --tp-size "
@@ -57,6 +65,24 @@ class ServeConfig:
                 f"--max-queued-requests must be an integer >= 0; got {queued!r}",
                 param="max_queued_requests",
             )
+
+    def _check_deployment_resources(self) -> None:
+        value = self.deployment_resources or {}
+        if not isinstance(value, dict) or set(value) - set(DEPLOYMENTS):
+            raise ConfigError(
+                f"--deployment-resources maps deployments ({', '.join(DEPLOYMENTS)}) to "
+                f'custom resources, e.g. {{"decoder": {{"media": 1}}}}; got {value!r}',
+                param="deployment_resources",
+            )
+        checked = {
+            name: check_custom_resources(resources, f"deployment_resources.{name}")
+            for name, resources in value.items()
+        }
+        object.__setattr__(self, "deployment_resources", checked)
+
+    def resources_for(self, deployment: str) -> dict[str, float]:
+        """The custom resources each replica of `deployment` reserves (often none)."""
+        return dict(self.deployment_resources.get(deployment) or {})
 
     @property
     def model_name(self) -> str:

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from areno.errors import ConfigError
+from areno.resources import check_custom_resources
 from areno.train.grpo import GRPOLossConfig
 
 
@@ -52,10 +53,16 @@ class RolloutConfig:
     device: str = "auto"
     num_cpus_per_worker: float = 1.0
     num_gpus_per_worker: float = 0.0  # fractional values share a GPU with the trainer
+    # custom Ray resources per worker ({"rollout": 1}): only nodes that have them host one;
+    # its tensor-parallel followers follow rank 0 onto that node
+    resources_per_worker: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         for name in ("num_workers", "tp_size", "max_running_prompts", "max_tokens_per_turn"):
             _positive("rollout", name, getattr(self, name))
+        self.resources_per_worker = check_custom_resources(
+            self.resources_per_worker, "rollout.resources_per_worker"
+        )
 
 
 @dataclass
@@ -100,11 +107,15 @@ class TrainerConfig:
     use_gpu: bool = False
     num_cpus_per_worker: float = 1.0
     num_gpus_per_worker: float = 1.0
+    resources_per_worker: dict = field(default_factory=dict)  # custom Ray resources, as rollout's
     freeze_media_towers: bool = True
     freeze_projectors: bool = True
 
     def __post_init__(self) -> None:
         _positive("trainer", "num_workers", self.num_workers)
+        self.resources_per_worker = check_custom_resources(
+            self.resources_per_worker, "trainer.resources_per_worker"
+        )
         if self.zero_stage not in (0, 1, 2, 3):
             raise ConfigError(f"trainer.zero_stage must be 0, 1, 2 or 3; got {self.zero_stage!r}")
 

@@ -42,6 +42,7 @@ def start_rollout_workers(config: GRPOConfig, model_path: str) -> list:
     cls = ray.remote(RolloutWorker).options(
         num_cpus=config.rollout.num_cpus_per_worker,
         num_gpus=config.rollout.num_gpus_per_worker,
+        resources=config.rollout.resources_per_worker,
         max_concurrency=64,
     )
     workers = [cls.remote(spec) for _ in range(config.rollout.num_workers)]
@@ -64,7 +65,7 @@ def run(config: GRPOConfig) -> Path:
         ray.init(address=os.environ.get("RAY_ADDRESS"), log_to_driver=True)
     workers = start_rollout_workers(config, model_path)
     t = config.trainer
-    resources = {"CPU": t.num_cpus_per_worker}
+    resources = {"CPU": t.num_cpus_per_worker, **t.resources_per_worker}
     if t.use_gpu:
         resources["GPU"] = t.num_gpus_per_worker
     trainer = TorchTrainer(

@@ -7,7 +7,6 @@ MediaDecoder actor ran (its Ray node id), not the driver's or the head's.
 
 from __future__ import annotations
 
-import os
 import socket
 
 import pytest
@@ -15,47 +14,21 @@ import pytest
 from areno.media import MediaDecoder, MediaNotFoundError, MediaPolicy
 from areno.media.samples import write_image
 from areno.media.types import DecodedImage, MediaRef
+from tests.cluster.multinode import loopback_cluster
 
 ray = pytest.importorskip("ray")
-cluster_utils = pytest.importorskip("ray.cluster_utils")
-
-NODE_RESOURCES = {"head": "other_node", "decoder": "decoder_node"}
 
 
 @pytest.fixture(scope="module")
 def cluster():
-    """Head (custom resource other_node) + one more node (decoder_node), on loopback only."""
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    patch = pytest.MonkeyPatch()
-    # NOTE: keep every node on 127.0.0.1. Ray reads this switch from the environment at import
-    # (the child processes get it from the env var); this process imported Ray already, so its
-    # constant is set too. Restored when the module ends.
-    patch.setenv("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-    patch.setattr("ray._private.ray_constants.ENABLE_RAY_CLUSTER", False)
-    if ray.is_initialized():
-        ray.shutdown()
-    made = cluster_utils.Cluster(
-        initialize_head=True,
-        head_node_args={
-            "num_cpus": 1,
-            "resources": {NODE_RESOURCES["head"]: 1},
-            "include_dashboard": False,
-        },
-    )
-    try:
-        decoder_node = made.add_node(num_cpus=1, resources={NODE_RESOURCES["decoder"]: 1})
-        ray.init(address=made.address, log_to_driver=False)
-        made.wait_for_nodes()
-        yield {"cluster": made, "head": made.head_node.node_id, "decoder": decoder_node.node_id}
-    finally:
-        ray.shutdown()
-        made.shutdown()
-        patch.undo()
+    """Ray node id by name: the head and one more node ("decoder"), on loopback only."""
+    with loopback_cluster({"head": 1, "decoder": 1}) as made:
+        yield made.node_ids
 
 
 def decoder_on(node: str):
     """A MediaDecoder actor pinned to `node` ("head" / "decoder") by its custom resource."""
-    actor_cls = ray.remote(MediaDecoder).options(num_cpus=0, resources={NODE_RESOURCES[node]: 1})
+    actor_cls = ray.remote(MediaDecoder).options(num_cpus=0, resources={node: 1})
     return actor_cls.remote(MediaPolicy.for_training())
 
 

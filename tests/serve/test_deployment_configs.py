@@ -66,3 +66,46 @@ def test_serve_build_writes_a_config_that_validates(tmp_path):
     assert app.import_path == "areno.serve.default_app:app"
     names = {d.name for d in app.deployments}
     assert names == {"MediaDecoderServer", "ProcessorServer", "GeneratorServer", "Ingress"}
+
+
+def test_deployment_resources_reach_each_deployments_actor_options():
+    from areno.engine.config import EngineConfig
+    from areno.errors import ConfigError
+    from areno.serve.app import _cpu_actor_options, _generator_resources
+    from areno.serve.config import ServeConfig
+
+    config = ServeConfig(
+        model_path="m",
+        engine=EngineConfig(tp_size=2, device="cpu", num_cpus_per_rank=0.5),
+        world_size=2,
+        deployment_resources={"decoder": {"media": 1}, "generator": {"gen": 2}},
+    )
+    assert _cpu_actor_options(config, "decoder") == {"num_cpus": 0.25, "resources": {"media": 1}}
+    assert _cpu_actor_options(config, "ingress") == {"num_cpus": 0.25}
+    generator = _generator_resources(config)
+    assert generator["ray_actor_options"]["resources"] == {"gen": 2}
+    # the replica (rank 0) asks for it once, in its own bundle; the group shares its node
+    assert generator["placement_group_bundles"] == [{"CPU": 0.5, "gen": 2}, {"CPU": 0.5}]
+    with pytest.raises(ConfigError, match="maps deployments"):
+        ServeConfig(model_path="m", deployment_resources={"decoders": {"media": 1}})
+    with pytest.raises(ConfigError, match="CPU is not a custom resource"):
+        ServeConfig(model_path="m", deployment_resources={"ingress": {"CPU": 1}})
+
+
+def test_a_serve_config_file_places_deployments_by_resource(tiny_path):
+    args = {"model_path": str(tiny_path("gemma4")), "engine": {"max_context_len": 1024}}
+    args["deployment_resources"] = {"decoder": {"media": 1}, "generator": {"gen": 1}}
+    app = app_builder(args)
+    options = {d.name: d.ray_actor_options for d in _deployments(app)}
+    assert options["MediaDecoderServer"]["resources"] == {"media": 1}
+    assert options["GeneratorServer"]["resources"] == {"gen": 1}
+    assert "resources" not in options["Ingress"]
+
+
+def _deployments(app) -> list:
+    """The deployments of an Application: its own and those bound into its arguments."""
+    from ray.serve.deployment import Application
+
+    deployment = app._bound_deployment
+    bound = [arg for arg in deployment.init_args if isinstance(arg, Application)]
+    return [deployment, *(d for arg in bound for d in _deployments(arg))]

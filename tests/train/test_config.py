@@ -47,3 +47,23 @@ def test_overrides_do_not_touch_the_original() -> None:
     merged = merge_overrides(raw, {"run.max_steps": 5, "optim.lr": 0.1})
     assert raw == {"run": {"max_steps": 3}}
     assert merged == {"run": {"max_steps": 5}, "optim": {"lr": 0.1}}
+
+
+def test_custom_resources_place_workers_and_are_checked() -> None:
+    args = build_parser().parse_args(
+        [
+            "train", "--set", "rollout.resources_per_worker={rollout: 1}",
+            "--set", "trainer.resources_per_worker={trainer: 0.5}",
+        ]
+    )  # fmt: skip
+    config = _train_config(args)
+    assert config.rollout.resources_per_worker == {"rollout": 1}
+    assert config.trainer.resources_per_worker == {"trainer": 0.5}
+    assert GRPOConfig.from_dict(config.to_dict()) == config
+    assert GRPOConfig().rollout.resources_per_worker == {}
+    with pytest.raises(ConfigError, match="GPU is not a custom resource"):
+        GRPOConfig.from_dict({"trainer": {"resources_per_worker": {"GPU": 1}}})
+    with pytest.raises(ConfigError, match=r"rollout.resources_per_worker.rollout must be a number"):
+        GRPOConfig.from_dict({"rollout": {"resources_per_worker": {"rollout": -1}}})
+    with pytest.raises(ConfigError, match="must map resource names to amounts"):
+        GRPOConfig.from_dict({"rollout": {"resources_per_worker": ["rollout"]}})
