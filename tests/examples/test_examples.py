@@ -117,7 +117,10 @@ def test_ave_dataset_is_deterministic_and_keeps_answers_private(tmp_path):
     rows_b = [json.loads(line) for line in (b / "train.jsonl").read_text().splitlines()]
     assert [r["private"] for r in rows_a] == [r["private"] for r in rows_b]
     for row in rows_a:
-        assert set(row["private"]) == {"label", "start_s", "end_s", "duration_s"}
+        assert set(row["private"]) == {"label", "start_s", "end_s", "duration_s", "warmup_call"}
+        [call] = row["private"]["warmup_call"]["tool_calls"]  # the sft format target
+        assert call["name"] == "submit_answer"
+        assert set(call["arguments"]) == {"label", "start_s", "end_s"}
         assert row["private"]["label"] not in json.dumps(row["messages"]).split("Classes:")[0]
 
 
