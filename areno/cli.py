@@ -52,6 +52,7 @@ def _serve(args: argparse.Namespace) -> None:
         max_context_len=args.max_context_len,
         dtype=args.dtype,
         device=args.device,
+        decode_compile=args.decode_compile,
     )
     config = ServeConfig(
         model_path=model_path,
@@ -112,6 +113,12 @@ def _add_serve_parser(sub) -> None:
         "--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"]
     )
     serve.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    serve.add_argument(
+        "--decode-compile",
+        default="auto",
+        choices=["auto", "off", "inductor"],
+        help="torch.compile the decode step (auto: on CUDA; costs about a minute at start-up)",
+    )
     serve.add_argument(
         "--allowed-local-media-path",
         action="append",

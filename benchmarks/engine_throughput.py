@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from areno.engine.config import EngineConfig
+from areno.engine.config import COMPILE_MODES, EngineConfig
 from areno.engine.generator import Generator
 from areno.engine.sampling import SamplingParams
 from areno.media import MediaDecoder, MediaPolicy
@@ -301,14 +301,22 @@ def run_hf_generate(
 
 
 def run_engine(
-    model: torch.nn.Module, tokenizer: Any, requests: list[dict], concurrency: int
+    model: torch.nn.Module,
+    tokenizer: Any,
+    requests: list[dict],
+    concurrency: int,
+    decode_compile: str = "auto",
 ) -> dict:
     """AReno's engine on the same requests: all submitted at once in arrival order, at most
     `concurrency` decoding (the engine's cache slots), greedy, token ids only (no detokenizing,
     as `generate` does none). Useful tokens are counted like `run_hf_generate`: the engine stops
-    a request at its first EOS (unless `ignore_eos`) or at max_tokens."""
+    a request at its first EOS (unless `ignore_eos`) or at max_tokens. The warm-up (where a
+    compiled decode step compiles) is timed separately."""
     max_len = max(r["prompt_inputs"].num_prompt_tokens + r["max_tokens"] for r in requests)
-    config = EngineConfig(max_running_prompts=concurrency, max_context_len=max_len + 1)
+    config = EngineConfig(
+        max_running_prompts=concurrency, max_context_len=max_len + 1, decode_compile=decode_compile
+    )
+    start = time.perf_counter()  # construction included: a compiled decode compiles there
     generator = Generator.from_model(model, tokenizer, config)
 
     def params(r: dict) -> SamplingParams:
@@ -324,6 +332,7 @@ def run_engine(
     try:
         asyncio.run(run_all([dict(r, max_tokens=2) for r in requests[:concurrency]]))  # warm-up
         _synchronize(model.device)
+        warmup_s = time.perf_counter() - start
         start = time.perf_counter()
         outputs = asyncio.run(run_all(requests))
         _synchronize(model.device)
@@ -331,7 +340,12 @@ def run_engine(
     finally:
         generator.shutdown()
     num_tokens = sum(len(out.samples[0].token_ids) for out in outputs)
-    return {"output_tokens": num_tokens, "wall_s": wall_s, "tok_s": num_tokens / wall_s}
+    return {
+        "output_tokens": num_tokens,
+        "wall_s": wall_s,
+        "tok_s": num_tokens / wall_s,
+        "warmup_s": warmup_s,
+    }
 
 
 # --- roofline and report --------------------------------------------------------------------------
@@ -390,11 +404,14 @@ def run_model(name: str, args: argparse.Namespace, bandwidth_gb_s: float) -> dic
         )
     # NOTE: the engine runs last: its runner routes the model's linear-attention layers through
     # the engine's own kernels inside its forwards, and the baseline must be transformers' code.
-    systems["engine"] = lambda: run_engine(model, tokenizer, requests, args.concurrency)
+    for mode in args.decode_compile:
+        name = "engine" if len(args.decode_compile) == 1 else f"engine-{mode}"
+        systems[name] = lambda m=mode: run_engine(model, tokenizer, requests, args.concurrency, m)
     rows = []
     for system, run in systems.items():
         result = run()
-        print(f"{system}: {result['tok_s']:.1f} tok/s", flush=True)
+        warmup = f" (warm-up {result['warmup_s']:.1f} s)" if "warmup_s" in result else ""
+        print(f"{system}: {result['tok_s']:.1f} tok/s{warmup}", flush=True)
         rows.append({"system": system, "requests": len(requests), **result})
     _add_ratios(rows, roofline)
     prompt_tokens = [r["prompt_inputs"].num_prompt_tokens for r in requests]
@@ -424,7 +441,7 @@ def print_report(report: dict, bandwidth_gb_s: float) -> None:
         f"{report['mean_prompt_tokens']:.0f} tokens, {report['num_image_requests']} with an image"
     )
     header = (
-        f"{'system':<11} {'requests':>8} {'output tok':>10} {'wall s':>8} {'tok/s':>9} "
+        f"{'system':<16} {'requests':>8} {'output tok':>10} {'wall s':>8} {'tok/s':>9} "
         f"{'vs HF static':>12} {'% roofline':>10}"
     )
     print(header)
@@ -432,7 +449,7 @@ def print_report(report: dict, bandwidth_gb_s: float) -> None:
     for r in report["rows"]:
         ratio = f"{r['vs_hf_static']:.2f}" if r["vs_hf_static"] else "-"
         print(
-            f"{r['system']:<11} {r['requests']:>8} {r['output_tokens']:>10} {r['wall_s']:>8.1f} "
+            f"{r['system']:<16} {r['requests']:>8} {r['output_tokens']:>10} {r['wall_s']:>8.1f} "
             f"{r['tok_s']:>9.1f} {ratio:>12} {r['pct_roofline']:>10.1f}"
         )
 
@@ -451,6 +468,13 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--concurrency", type=int)
     parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's)")
     parser.add_argument("--skip-hf-dynamic", action="store_true")
+    parser.add_argument(
+        "--decode-compile",
+        nargs="+",
+        choices=COMPILE_MODES,
+        default=["auto"],
+        help="the engine's decode_compile; several give one engine row each",
+    )
     parser.add_argument(
         "--out", help="default: benchmarks/results/engine_throughput_<workload>.json"
     )

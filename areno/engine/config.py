@@ -9,6 +9,7 @@ from areno.errors import ConfigError
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 GRAPH_MODES = ("auto", "off", "static", "capture")
+COMPILE_MODES = ("auto", "off", "inductor", "aot_eager", "eager")
 
 
 @dataclass(frozen=True)
@@ -27,6 +28,11 @@ class EngineConfig:
     num_cpus_per_rank: CPUs Ray reserves for each tensor-parallel follower actor.
     decode_graphs: "auto" (CUDA graphs on GPU), "off", "capture", or "static" (the graphs' padded
         step run eagerly; for tests on CPU). See areno/engine/cuda_graphs.py.
+    decode_compile: the torch.compile backend of the decode step's model forward: "auto" is
+        "inductor" where decode graphs are captured (CUDA) and "off" elsewhere; "aot_eager"
+        traces without generating kernels (fast; for tests). Compiling costs minutes at the
+        first decode of each new row bucket's shape family; a compile error logs a warning and
+        the step runs uncompiled.
     """
 
     tp_size: int = 1
@@ -37,6 +43,7 @@ class EngineConfig:
     device: str = "auto"
     num_cpus_per_rank: float = 1.0
     decode_graphs: str = "auto"
+    decode_compile: str = "auto"
 
     def __post_init__(self) -> None:
         for name in ("tp_size", "max_running_prompts", "max_prefill_tokens_per_step"):
@@ -59,6 +66,11 @@ class EngineConfig:
             raise ConfigError(
                 f"decode_graphs must be one of {GRAPH_MODES}; got {self.decode_graphs!r}",
                 param="decode_graphs",
+            )
+        if self.decode_compile not in COMPILE_MODES:
+            raise ConfigError(
+                f"decode_compile must be one of {COMPILE_MODES}; got {self.decode_compile!r}",
+                param="decode_compile",
             )
         if self.dtype not in DTYPES:
             raise ConfigError(f"dtype must be one of {DTYPES}; got {self.dtype!r}", param="dtype")

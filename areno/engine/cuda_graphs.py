@@ -14,25 +14,34 @@ being prefilled in the same step, and the worker runs the prefill after the deco
 
 The same padded, static-buffer step also runs eagerly (`capture=False`), which is how CPU tests
 check it against the plain decode path.
+
+Captured, the step still ran ~1,500 small elementwise kernels (norms, rotary, activations,
+residual adds: ~3 ms of a 7.8 ms step of a 1.7B model at 64 rows on an H200). torch.compile
+(`compile_backend`) fuses them. One compile with dynamic shapes serves every (rows, key length)
+bucket; each bucket is then captured as before, compiled kernels included.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING
 
 import torch
+from torch._dynamo.exc import TorchDynamoException
 
 from areno.engine.cache import BatchBinding, restore_rows, save_rows
 
 if TYPE_CHECKING:
     from areno.engine.runner import ModelRunner
 
-KV_BUCKET = 256
+KV_BUCKET = 128
+
+log = logging.getLogger(__name__)
 
 
-def row_buckets(max_rows: int) -> list[int]:
-    """1, 2, 4, 8, 16, then every 16 up to max_rows (and max_rows itself)."""
-    buckets = [b for b in (1, 2, 4, 8) if b < max_rows]
+def row_buckets(max_rows: int, min_rows: int = 1) -> list[int]:
+    """1 (or `min_rows`), 2, 4, 8, 16, then every 16 up to max_rows (and max_rows itself)."""
+    buckets = [b for b in (1, 2, 4, 8) if min(min_rows, max_rows) <= b < max_rows]
     buckets += list(range(16, max_rows, 16)) + [max_rows]
     return sorted(set(buckets))
 
@@ -40,10 +49,14 @@ def row_buckets(max_rows: int) -> list[int]:
 class DecodeGraphs:
     """Padded, static-shape decode for one runner; see the module docstring."""
 
-    def __init__(self, runner: ModelRunner, *, max_rows: int, capture: bool):
+    def __init__(
+        self, runner: ModelRunner, *, max_rows: int, capture: bool, compile_backend: str | None
+    ):
         self.runner = runner
         self.capture = capture
-        self.buckets = row_buckets(max_rows)
+        # A compiled step never runs 1 row: torch.compile specializes a size-1 dimension, which
+        # would cost a second compile of the whole model for that bucket alone.
+        self.buckets = row_buckets(max_rows, min_rows=1 if compile_backend is None else 2)
         device = runner.device
         self.slots_B = torch.arange(max_rows, device=device)
         self.positions_B = torch.zeros(max_rows, dtype=torch.long, device=device)
@@ -51,6 +64,14 @@ class DecodeGraphs:
         self.rope_delta_B = torch.zeros(max_rows, dtype=torch.long, device=device)
         self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._pool = torch.cuda.graph_pool_handle() if capture else None
+        self._compiled = None
+        if compile_backend is not None:
+            self._compiled = torch.compile(runner.model, backend=compile_backend, dynamic=True)
+
+    @property
+    def compiled(self) -> bool:
+        """Whether the step runs compiled (False after a compile error fell back)."""
+        return self._compiled is not None
 
     def decode(self, slots: list[int], positions: list[int], token_ids: list[int]) -> torch.Tensor:
         """Like `ModelRunner.decode`; returns logits (B, V)."""
@@ -78,15 +99,29 @@ class DecodeGraphs:
         slots_B, pos_B = self.slots_B[:rows], self.positions_B[:rows]
         binding = BatchBinding(slots_B, pos_B[:, None], kv_len, slot_range=(0, rows))
         runner.cache.bind(binding, is_prefill=False)
-        out = runner.model(
-            input_ids=self.token_ids_B[:rows, None],
-            position_ids=runner.position_ids(pos_B, self.rope_delta_B[:rows]),
-            attention_mask=runner.masks(pos_B, kv_len),
-            past_key_values=runner.cache,
-            use_cache=True,
-        )
+        inputs = {
+            "input_ids": self.token_ids_B[:rows, None],
+            "position_ids": runner.position_ids(pos_B, self.rope_delta_B[:rows]),
+            "attention_mask": runner.masks(pos_B, kv_len),
+            "past_key_values": runner.cache,
+            "use_cache": True,
+        }
+        out = self._run_model(inputs)
         runner.cache.commit()
         return out.logits[:, -1].float()
+
+    def _run_model(self, inputs: dict):
+        if self._compiled is not None:
+            try:
+                return self._compiled(**inputs)
+            except TorchDynamoException as error:
+                # Compiling happens before the graph runs, so nothing was written yet.
+                log.warning(
+                    "compiling the decode step failed, decoding uncompiled: %s",
+                    str(error).splitlines()[0] if str(error) else type(error).__name__,
+                )
+                self._compiled = None
+        return self.runner.model(**inputs)
 
     def _capture(self, rows: int, kv_len: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         # The warm-up forward really runs (capture only records) and would advance the decoding

@@ -30,7 +30,7 @@ from areno.engine.outputs import RequestOutput, merge_outputs
 from areno.engine.parallel import load_model_for_rank
 from areno.engine.sampling import SamplingParams
 from areno.engine.scheduler import DuplicateRequestError, SchedulerConfig
-from areno.engine.worker import Worker
+from areno.engine.worker import PrefillItem, RowSampling, StepInput, Worker
 from areno.errors import ConfigError
 from areno.models.registry import adapter_for_checkpoint
 from areno.processing.types import PromptInputs
@@ -69,8 +69,23 @@ class Generator:
         self._paused = False
         self._stopped = False
         self._idle_waiters: list[concurrent.futures.Future] = []
+        self._warm_up_compiled_decode()
         self._thread = threading.Thread(target=self._run, name="areno-engine", daemon=True)
         self._thread.start()
+
+    def _warm_up_compiled_decode(self) -> None:
+        """Compile the decode step now rather than in the first request's time (a minute or
+        more): a one-token prefill into slot 0 and one decode step, outputs dropped. Slot 0 is
+        free again after, and its next prefill overwrites what these wrote."""
+        graphs = self.core.executor.worker.runner.graphs
+        if graphs is None or not graphs.compiled:
+            return
+        greedy = [RowSampling(seq_id=-1, params=SamplingParams(temperature=0, max_tokens=1))]
+        prompt = PromptInputs([0], {})
+        self.core.executor.execute(StepInput(prefill=[PrefillItem(prompt, [0])], rows=greedy))
+        self.core.executor.execute(
+            StepInput(decode_slots=[0], decode_positions=[1], decode_token_ids=[0], rows=greedy)
+        )
 
     # ---- construction -------------------------------------------------------------------
 
@@ -91,6 +106,7 @@ class Generator:
             max_len=max_len,
             sample=True,
             graphs=config.decode_graphs,
+            compile=config.decode_compile,
         )
         eos = set(eos_token_ids) | set(model_eos_token_ids(model))
         return cls(
@@ -117,6 +133,7 @@ class Generator:
                 max_len=max_len,
                 sample=True,
                 graphs=config.decode_graphs,
+                compile=config.decode_compile,
             )
             executor = LocalExecutor(worker)
         else:
@@ -130,6 +147,7 @@ class Generator:
                 "num_slots": num_slots,
                 "max_len": max_len,
                 "graphs": config.decode_graphs,
+                "compile": config.decode_compile,
             }
             executor = TPExecutor.create(spec, num_cpus_per_rank=config.num_cpus_per_rank)
             model = executor.worker.model

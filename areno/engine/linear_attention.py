@@ -177,18 +177,35 @@ def decode_step(
     a_BN = module.in_proj_a(hidden_BH).float()
     decay_BN = torch.exp(-module.A_log.float().exp() * F.softplus(a_BN + module.dt_bias))
 
-    # S <- decay * S;  delta = beta * (v - k^T S);  S <- S + k delta^T;  out = q^T S
+    out_BNV = _recurrent_update(state_BNKV, decay_BN, query_BNK, key_BNK, value_BNV, beta_BN)
+
+    gate = module.in_proj_z(hidden_BH).reshape(-1, dv)
+    out = module.norm(out_BNV.to(hidden_B1H.dtype).reshape(-1, dv), gate)
+    return module.out_proj(out.reshape(batch, 1, -1))
+
+
+# NOTE: kept out of torch.compile (the engine's compiled decode step). Compiled, the in-place
+# updates of the cache's state become an out-of-place update plus a copy back, two more passes
+# over the largest tensor of the step; the graph break costs nothing inside a CUDA graph.
+@torch.compiler.disable
+def _recurrent_update(
+    state_BNKV: torch.Tensor,
+    decay_BN: torch.Tensor,
+    query_BNK: torch.Tensor,
+    key_BNK: torch.Tensor,
+    value_BNV: torch.Tensor,
+    beta_BN: torch.Tensor,
+) -> torch.Tensor:
+    """S <- decay * S;  delta = beta * (v - k^T S);  S <- S + k delta^T;  out = q^T S. Updates
+    the state in place in four passes over it; returns out (B, N, d_v)."""
+    batch, num_v, dk, dv = state_BNKV.shape
     state = state_BNKV.view(batch * num_v, dk, dv)
     state.mul_(decay_BN.reshape(-1, 1, 1))
     key_col = key_BNK.reshape(-1, dk, 1)
     recalled = torch.bmm(key_col.transpose(1, 2), state)  # (BN, 1, dv)
     delta = (value_BNV.reshape(-1, 1, dv) - recalled) * beta_BN.reshape(-1, 1, 1)
     state.baddbmm_(key_col, delta)
-    out_BNV = torch.bmm(query_BNK.reshape(-1, 1, dk), state).reshape(batch, num_v, dv)
-
-    gate = module.in_proj_z(hidden_BH).reshape(-1, dv)
-    out = module.norm(out_BNV.to(hidden_B1H.dtype).reshape(-1, dv), gate)
-    return module.out_proj(out.reshape(batch, 1, -1))
+    return torch.bmm(query_BNK.reshape(-1, 1, dk), state).reshape(batch, num_v, dv)
 
 
 def _expand_heads(x_BHD: torch.Tensor, num_heads: int) -> torch.Tensor:

@@ -12,8 +12,9 @@ import contextlib
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from areno.engine.attention import EngineAttention
 from areno.engine.cache import BatchBinding, SlotCache, copy_slot
-from areno.engine.config import GRAPH_MODES
+from areno.engine.config import COMPILE_MODES, GRAPH_MODES
 from areno.engine.cuda_graphs import DecodeGraphs
 from areno.engine.linear_attention import EngineKernels
 from areno.processing.types import PromptInputs
@@ -27,15 +28,25 @@ class ModelRunner:
     """Runs one model over a fixed set of cache slots. Never decides policy."""
 
     def __init__(
-        self, model: torch.nn.Module, *, num_slots: int, max_len: int, graphs: str = "auto"
+        self,
+        model: torch.nn.Module,
+        *,
+        num_slots: int,
+        max_len: int,
+        graphs: str = "auto",
+        compile: str = "auto",
     ):
         """`graphs`: decode through CUDA graphs ("capture"), through the same padded static-shape
         step without capturing ("static", for tests), or plainly ("off"); "auto" captures on
-        CUDA only."""
+        CUDA only. `compile`: the torch.compile backend of that padded step's forward ("off",
+        "inductor", "aot_eager"); "auto" compiles with inductor where graphs are captured."""
         if graphs not in GRAPH_MODES:
             raise ValueError(f"graphs must be one of {GRAPH_MODES}; got {graphs!r}")
+        if compile not in COMPILE_MODES:
+            raise ValueError(f"compile must be one of {COMPILE_MODES}; got {compile!r}")
         self.model = model.eval()
         self.kernels = EngineKernels(model)
+        self.attention = EngineAttention(model)
         self.max_len = max_len
         self.device = next(model.parameters()).device
         self.text_config = model.config.get_text_config()
@@ -50,15 +61,29 @@ class ModelRunner:
         self.rope_delta = [0] * num_slots
         if graphs == "auto":
             graphs = "capture" if self.device.type == "cuda" else "off"
+            if graphs == "off" and compile not in ("auto", "off"):
+                graphs = "static"  # an explicit compile on CPU runs the padded step uncaptured
+        if compile == "auto":
+            compile = "inductor" if graphs == "capture" else "off"
+        if compile != "off" and graphs == "off":
+            raise ValueError(
+                "a compiled decode needs the padded step: graphs 'static' or 'capture'"
+            )
         self.graphs = None
         if graphs != "off":
-            self.graphs = DecodeGraphs(self, max_rows=num_slots, capture=graphs == "capture")
+            self.graphs = DecodeGraphs(
+                self,
+                max_rows=num_slots,
+                capture=graphs == "capture",
+                compile_backend=None if compile == "off" else compile,
+            )
 
     def _engine_context(self) -> contextlib.ExitStack:
-        """Around every forward of the runner: the engine's kernels, and on CUDA its attention
-        backends."""
+        """Around every forward of the runner: the engine's kernels and attention function, and
+        on CUDA its attention backends."""
         stack = contextlib.ExitStack()
         stack.enter_context(self.kernels)
+        stack.enter_context(self.attention)
         if self.device.type == "cuda":
             stack.enter_context(sdpa_kernel(_CUDA_ATTENTION))
         return stack

@@ -36,6 +36,7 @@ class RankSpec:
     num_slots: int
     max_len: int
     graphs: str
+    compile: str
     master_port: int
 
 
@@ -52,6 +53,7 @@ def _load_worker(rank: int, spec: RankSpec) -> Worker:
         sample=rank == 0,
         tensor_parallel=True,
         graphs=spec.graphs,
+        compile=spec.compile,
     )
 
 

@@ -87,8 +87,11 @@ class Worker:
         sample: bool,
         tensor_parallel: bool = False,
         graphs: str = "auto",
+        compile: str = "auto",
     ):
-        self.runner = ModelRunner(model, num_slots=num_slots, max_len=max_len, graphs=graphs)
+        self.runner = ModelRunner(
+            model, num_slots=num_slots, max_len=max_len, graphs=graphs, compile=compile
+        )
         self.samples = sample
         self.tensor_parallel = tensor_parallel
         self._generators: dict[int, torch.Generator] = {}

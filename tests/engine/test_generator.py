@@ -107,15 +107,17 @@ def mixed_requests(setup: Setup, media) -> list:
 
 
 @pytest.mark.parametrize(
-    "family, graphs",
-    [(f, "off") for f in FAMILIES] + [("qwen3_5", "static"), ("gemma4", "static")],
+    "family, graphs, compile",
+    [(f, "off", "off") for f in FAMILIES]
+    + [("qwen3_5", "static", "off"), ("gemma4", "static", "off"), ("qwen3_5", "static", "eager")],
 )
-def test_staggered_greedy_equals_generate(setups, media, family, graphs):
+def test_staggered_greedy_equals_generate(setups, media, family, graphs, compile):
     setup = setups(family)
     inputs = mixed_requests(setup, media)
     expected = [setup.reference(x, GREEDY.max_tokens) for x in inputs]
-    # Fewer slots than requests: some queue. "static" runs the CUDA-graph step eagerly.
-    gen = setup.generator(max_running_prompts=3, decode_graphs=graphs)
+    # Fewer slots than requests: some queue. "static" runs the CUDA-graph step eagerly; compile
+    # "eager" traces that step with torch.compile (dynamo only, no kernel generation, on CPU).
+    gen = setup.generator(max_running_prompts=3, decode_graphs=graphs, decode_compile=compile)
 
     async def main():
         started = [asyncio.Event() for _ in inputs]
@@ -139,6 +141,8 @@ def test_staggered_greedy_equals_generate(setups, media, family, graphs):
         gen.shutdown()
     for i, (want, have) in enumerate(zip(expected, got, strict=True)):
         assert have == want, (i, have, want)
+    if compile != "off":  # the compiled step ran: it never fell back to the uncompiled one
+        assert gen.core.executor.worker.runner.graphs.compiled
 
 
 def test_logprobs_match_a_full_forward_and_score(setups, media):

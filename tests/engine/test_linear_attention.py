@@ -49,7 +49,9 @@ def counted(monkeypatch, name: str) -> list:
 def test_prefill_and_decode_match_transformers_with_left_padding(model, monkeypatch):
     kernels = EngineKernels(model)
     prefills, decodes = counted(monkeypatch, "prefill_step"), counted(monkeypatch, "decode_step")
-    assert kernels.num_layers == sum(t == "linear_attention" for t in model.config.get_text_config().layer_types)
+    assert kernels.num_layers == sum(
+        t == "linear_attention" for t in model.config.get_text_config().layer_types
+    )
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(0, VOCAB, (3, 37), generator=gen)
     mask = torch.ones_like(ids)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from areno.engine.cuda_graphs import row_buckets
 from areno.engine.runner import ModelRunner, can_batch_prefill
 from areno.media import MediaDecoder, MediaPolicy
 from areno.media.samples import write_audio, write_image, write_video
@@ -172,3 +173,20 @@ def test_batched_prefill_equals_one_at_a_time(tiny_path, family):
     forked = together.decode([0, 2, 3, 4], [n] * 4, [5, 6, 6, 7])
     assert torch.allclose(forked[[0, 1, 3]], step, atol=1e-4)
     assert torch.allclose(forked[2], forked[1], atol=1e-5)
+
+
+def test_row_buckets():
+    assert row_buckets(64) == [1, 2, 4, 8, 16, 32, 48, 64]
+    # A compiled step skips the one-row bucket (torch.compile would specialize it), unless one
+    # row is all there is.
+    assert row_buckets(64, min_rows=2) == [2, 4, 8, 16, 32, 48, 64]
+    assert row_buckets(1, min_rows=2) == [1]
+
+
+def test_a_compiled_decode_needs_the_padded_step(tiny_path):
+    _, _, model = load(tiny_path, "qwen3_5")
+    with pytest.raises(ValueError, match="padded step"):
+        ModelRunner(model, num_slots=2, max_len=64, graphs="off", compile="inductor")
+    # On CPU an explicit compile with graphs "auto" runs the padded step uncaptured.
+    runner = ModelRunner(model, num_slots=2, max_len=64, compile="eager")
+    assert runner.graphs is not None and not runner.graphs.capture

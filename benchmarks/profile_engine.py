@@ -1,0 +1,171 @@
+"""Where the engine's wall time goes: the engine benchmark's GPU workload with each part of a step
+timed (scheduling, decode forward, prefill, sampling, output bookkeeping), then a torch profile
+of a few steady decode steps (GPU kernel time per step, top kernels).
+
+The parts are timed by wrapping the engine's own methods in this process; on CUDA each wrapped
+device part ends with a synchronize so its time includes the GPU work it launched (the engine
+waits for it anyway when it copies the sampled tokens to the host).
+
+    python benchmarks/profile_engine.py --model qwen3-1.7b --decode-compile off inductor
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from engine_throughput import MODELS, make_random_id_workload, random_model  # noqa: E402
+
+from areno.engine.config import COMPILE_MODES, EngineConfig  # noqa: E402
+from areno.engine.generator import Generator  # noqa: E402
+from areno.engine.sampling import SamplingParams  # noqa: E402
+
+
+class PartTimer:
+    """Accumulates wall time per named part of the engine step."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.seconds: dict[str, float] = collections.defaultdict(float)
+        self.calls: dict[str, int] = collections.defaultdict(int)
+
+    def wrap(self, owner: object, method: str, part: str, sync: bool) -> None:
+        inner = getattr(owner, method)
+
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            result = inner(*args, **kwargs)
+            if sync and self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            self.seconds[part] += time.perf_counter() - start
+            self.calls[part] += 1
+            return result
+
+        setattr(owner, method, timed)
+
+
+def profile_one(model, requests, concurrency: int, compile_mode: str, device) -> dict:
+    max_len = max(r["prompt_inputs"].num_prompt_tokens + r["max_tokens"] for r in requests)
+    config = EngineConfig(
+        max_running_prompts=concurrency, max_context_len=max_len + 1, decode_compile=compile_mode
+    )
+    start = time.perf_counter()
+    generator = Generator.from_model(model, None, config)
+    core, worker = generator.core, generator.core.executor.worker
+    timer = PartTimer(device)
+    timer.wrap(core, "step", "step (all)", sync=False)
+    timer.wrap(core.scheduler, "schedule", "schedule", sync=False)
+    timer.wrap(core, "_step_input", "step input", sync=False)
+    timer.wrap(worker.runner, "decode", "decode forward", sync=True)
+    timer.wrap(worker, "_prefill", "prefill forward", sync=True)
+    timer.wrap(worker, "_sample", "sample + copy", sync=True)
+    timer.wrap(core, "_update", "update outputs", sync=False)
+
+    def params(r: dict) -> SamplingParams:
+        return SamplingParams(
+            temperature=0, max_tokens=r["max_tokens"], ignore_eos=r["ignore_eos"], detokenize=False
+        )
+
+    async def run_all(batch: list[dict]) -> list:
+        return await asyncio.gather(
+            *(generator.generate_all(r["prompt_inputs"], params(r)) for r in batch)
+        )
+
+    try:
+        asyncio.run(run_all([dict(r, max_tokens=2) for r in requests[:concurrency]]))
+        warmup_s = time.perf_counter() - start
+        timer.seconds.clear()
+        timer.calls.clear()
+        start = time.perf_counter()
+        outputs = asyncio.run(run_all(requests))
+        wall_s = time.perf_counter() - start
+        kernels = kernel_profile(generator, requests[:concurrency], params, device)
+    finally:
+        generator.shutdown()
+    tokens = sum(len(out.samples[0].token_ids) for out in outputs)
+    steps = timer.calls["step (all)"]
+    return {
+        "decode_compile": compile_mode,
+        "warmup_s": warmup_s,
+        "wall_s": wall_s,
+        "tok_s": tokens / wall_s,
+        "steps": steps,
+        "ms_per_step": {k: 1000 * v / steps for k, v in timer.seconds.items()},
+        "outside_steps_ms_per_step": 1000 * (wall_s - timer.seconds["step (all)"]) / steps,
+        **kernels,
+    }
+
+
+def kernel_profile(generator, requests, params, device) -> dict:
+    """GPU kernel time of steady decode steps: profile a batch of long requests mid-decode."""
+    if device.type != "cuda":
+        return {}
+    long = [dict(r, max_tokens=40) for r in requests]
+
+    async def run() -> None:
+        await asyncio.gather(*(generator.generate_all(r["prompt_inputs"], params(r)) for r in long))
+
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=activities) as prof:
+        asyncio.run(run())
+    events = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+    total_us = sum(e.self_device_time_total for e in events)
+    top = sorted(events, key=lambda e: e.self_device_time_total, reverse=True)[:12]
+    return {
+        "profiled_steps": 40,
+        "gpu_kernel_ms_per_step": total_us / 1000 / 40,
+        "kernel_launches_per_step": sum(e.count for e in events) / 40,
+        "top_kernels_ms_per_step": [
+            (e.key[:70], e.self_device_time_total / 1000 / 40, e.count // 40) for e in top
+        ],
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", choices=MODELS[1:], default="qwen3-1.7b")
+    parser.add_argument("--decode-compile", nargs="+", choices=COMPILE_MODES, default=["off"])
+    parser.add_argument("--num-requests", type=int, default=256)
+    parser.add_argument("--concurrency", type=int, default=64)
+    parser.add_argument("--out", default="benchmarks/results/profile_engine.json")
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    model = random_model(args.model, str(device), dtype)
+    vocab = model.config.get_text_config().vocab_size
+    requests = make_random_id_workload(0, args.num_requests, 256, 128, vocab)
+    results = []
+    for mode in args.decode_compile:
+        result = profile_one(model, requests, args.concurrency, mode, device)
+        results.append(result)
+        print(
+            f"\n{args.model} decode_compile={mode}: {result['tok_s']:.0f} tok/s, "
+            f"{result['steps']} steps, warm-up {result['warmup_s']:.1f} s"
+        )
+        for part, ms in result["ms_per_step"].items():
+            print(f"  {part:<18} {ms:8.2f} ms/step")
+        print(f"  {'outside steps':<18} {result['outside_steps_ms_per_step']:8.2f} ms/step")
+        if "gpu_kernel_ms_per_step" in result:
+            print(
+                f"  GPU kernels {result['gpu_kernel_ms_per_step']:.2f} ms/step, "
+                f"{result['kernel_launches_per_step']:.0f} launches/step"
+            )
+            for name, ms, count in result["top_kernels_ms_per_step"]:
+                print(f"    {ms:7.3f} ms x{count:<4} {name}")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"model": args.model, "results": results}, indent=2))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

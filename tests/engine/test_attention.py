@@ -1,0 +1,50 @@
+"""The engine's attention function equals transformers' SDPA, in the shapes decode and prefill use."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+from areno.engine.attention import ENGINE_SDPA, EngineAttention, engine_sdpa_forward
+
+
+class Layer(torch.nn.Module):
+    """What the attention functions read from a layer."""
+
+    def __init__(self, groups: int):
+        super().__init__()
+        self.num_key_value_groups = groups
+        self.is_causal = True
+
+
+@pytest.mark.parametrize("groups", [1, 2, 4])
+@pytest.mark.parametrize("q_len", [1, 5])
+def test_engine_sdpa_equals_transformers_sdpa(groups, q_len):
+    torch.manual_seed(0)
+    batch, kv_heads, keys, dim = 3, 2, 12, 16
+    query = torch.randn(batch, kv_heads * groups, q_len, dim)
+    key, value = torch.randn(2, batch, kv_heads, keys, dim)
+    # Per-row key lengths, as the engine's decode masks have them.
+    lengths = torch.tensor([12, 7, 3])
+    visible = torch.arange(keys)[None, :] < lengths[:, None]
+    mask = visible[:, None, None, :].expand(batch, 1, q_len, keys)
+    module = Layer(groups)
+    want, _ = sdpa_attention_forward(module, query, key, value, mask, scaling=0.25)
+    got, _ = engine_sdpa_forward(module, query, key, value, mask, scaling=0.25)
+    assert got.shape == want.shape == (batch, q_len, kv_heads * groups, dim)
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
+
+
+def test_only_the_text_stack_of_an_sdpa_model_switches(tiny_path):
+    from areno.models import get_adapter
+    from areno.models.registry import read_model_type
+
+    path = tiny_path("qwen3_vl")
+    model = get_adapter(read_model_type(path)).load_model(path)
+    text, vision = model.config.get_text_config(), model.config.vision_config
+    towers_before = vision._attn_implementation
+    with EngineAttention(model):
+        assert text._attn_implementation == ENGINE_SDPA
+        assert vision._attn_implementation == towers_before
+    assert text._attn_implementation == "sdpa"
