@@ -45,15 +45,16 @@ def _show(title: str, response, started: float) -> None:
     choice = response.choices[0]
     calls = [f"{c.function.name}({c.function.arguments})" for c in choice.message.tool_calls or []]
     print(f"\n== {title} ({(time.perf_counter() - started) * 1000:.0f} ms)")
+    reasoning = getattr(choice.message, "reasoning_content", None)  # thinking templates only
+    if reasoning:
+        print(f"   reasoning: {reasoning!r}")
     print(f"   answer: {choice.message.content!r}  finish: {choice.finish_reason}")
     if calls:
         print(f"   tool calls: {calls}")
     usage = response.usage
-    details = usage.prompt_tokens_details
-    print(
-        f"   usage: prompt {usage.prompt_tokens} (image {details.image_tokens}, audio "
-        f"{details.audio_tokens}), completion {usage.completion_tokens}"
-    )
+    details = usage.prompt_tokens_details  # None when there are no media tokens to report
+    media = f" (image {details.image_tokens}, audio {details.audio_tokens})" if details else ""
+    print(f"   usage: prompt {usage.prompt_tokens}{media}, completion {usage.completion_tokens}")
 
 
 def _ask_all(client, model: str, media: dict[str, str], modalities: frozenset[str]) -> None:

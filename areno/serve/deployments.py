@@ -45,6 +45,8 @@ from areno.serve.openai_routes import (
     error_line,
     forced_prompt_text,
     forced_reply_prefix,
+    parse_reply,
+    reasoning_in_play,
     tools_in_play,
 )
 from areno.tools import get_tool_parser
@@ -323,21 +325,26 @@ class Ingress:
                 )
             params = SamplingParams.from_request(chat)
             parser = self.tool_parser if tools_in_play(chat) else None
-            if parser is not None:  # tool-call tags are special tokens: keep them in the text
-                params = dataclasses.replace(params, skip_special_tokens=False)
             prefix = forced_reply_prefix(chat, parser)
-            inputs = self._force_prefix(await self._encode(chat), prefix)
+            encoded = await self._encode(chat)
+            thinking = reasoning_in_play(encoded.prompt_text, prefix)
+            if parser is not None or thinking:
+                # Tool-call and reasoning tags may be special tokens: keep them in the text.
+                params = dataclasses.replace(params, skip_special_tokens=False)
+            inputs = self._force_prefix(encoded, prefix)
             request_id = uuid.uuid4().hex
             if not chat.stream:
                 merged = await self.generator_unary.generate_all.remote(inputs, params, request_id)
-                return self._respond(chat, inputs, merged, parser, prefix, arrival)
+                return self._respond(chat, inputs, merged, parser, prefix, thinking, arrival)
             stream = self.generator.generate.remote(inputs, params, request_id)
             first = await stream.__anext__()  # request-level errors surface before any byte
         except Exception as e:  # noqa: BLE001 - every failure becomes an OpenAI error response
             return self._error(e)
         first_token_at = time.perf_counter()
         self.metrics.time_to_first_token.observe(first_token_at - arrival)
-        writer = ChunkWriter(chat, self.config.model_name, inputs, self.tokenizer, parser, prefix)
+        writer = ChunkWriter(
+            chat, self.config.model_name, inputs, self.tokenizer, parser, prefix, thinking
+        )
         return StreamingResponse(
             self._sse(writer, first, stream, first_token_at), media_type="text/event-stream"
         )
@@ -351,15 +358,19 @@ class Ingress:
         ids = self.tokenizer.encode(text, add_special_tokens=False)
         return inputs.with_tokens(inputs.input_ids + ids)
 
-    def _respond(self, chat, inputs, merged, parser, prefix: str, arrival: float) -> JSONResponse:
+    def _respond(
+        self, chat, inputs, merged, parser, prefix: str, thinking: bool, arrival: float
+    ) -> JSONResponse:
         """The JSON answer of a non-streaming request (its tokens/s include the prefill: the
         first token's time is not known here)."""
         model = self.config.model_name
-        response = build_response(chat, model, inputs, merged, self.tokenizer, parser, prefix)
-        malformed = 0
-        if parser is not None:
-            texts = (prefix + d.text for d in merged.samples)
-            malformed = sum(parser.parse(text, chat.tools).num_malformed for text in texts)
+        response = build_response(
+            chat, model, inputs, merged, self.tokenizer, parser, prefix, thinking
+        )
+        malformed = sum(
+            parse_reply(chat, d.text, parser, prefix, thinking)[1].num_malformed
+            for d in merged.samples
+        )
         self._record(chat, inputs, response.model_dump(), arrival, malformed)
         return JSONResponse(response.model_dump(exclude_none=True))
 
@@ -379,6 +390,7 @@ class Ingress:
             choices = [
                 {
                     "index": c["index"],
+                    "reasoning_content": c["message"].get("reasoning_content"),
                     "content": c["message"].get("content"),
                     "tool_calls": [
                         {"name": t["function"]["name"], "arguments": t["function"]["arguments"]}
@@ -440,6 +452,7 @@ class Ingress:
             self.tokenizer,
             writer.parser,
             writer.prefix,
+            writer.thinking,
         ).model_dump()
         malformed = writer.num_malformed_tool_calls
         self._record(writer.request, writer.inputs, body, first_token_at, malformed)

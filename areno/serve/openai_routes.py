@@ -1,5 +1,8 @@
 """Chat Completions on top of the engine's deltas: responses, stream chunks, logprobs, usage.
 
+Each choice's text is read in two steps: a reasoning block the prompt opened is split off into
+`reasoning_content` (areno.tools.reasoning), then the rest is parsed for tool calls.
+
 Pure functions of the request, the encoded prompt and the Generator's `RequestOutput`s, so the
 HTTP layer (deployments.py) stays thin and these are unit-testable without Ray.
 """
@@ -28,7 +31,8 @@ from areno.protocol.responses import (
     TopLogprob,
     Usage,
 )
-from areno.tools import ContentDelta, ToolParser
+from areno.tools import ContentDelta, ParsedToolCalls, ToolParser
+from areno.tools.reasoning import THINK_END, ReasoningStream, opens_reasoning, split_reasoning
 
 
 def tools_in_play(request: ChatCompletionRequest) -> bool:
@@ -50,25 +54,35 @@ def forced_reply_prefix(request: ChatCompletionRequest, parser: ToolParser | Non
     return ""
 
 
-_OPEN_THINK = "<think>\n"
-
-
 def forced_prompt_text(prompt_text: str, reply_prefix: str) -> str:
     """The text appended to the rendered prompt to force `reply_prefix`. A generation prompt
     that opens a reasoning block (Qwen3.5 and thinking checkpoints end it with `<think>\n`) is
     closed first, as the template's enable_thinking=false form writes it: a forced call skips
     reasoning rather than starting inside it."""
-    if prompt_text.endswith(_OPEN_THINK):
-        return "\n</think>\n\n" + reply_prefix
+    if opens_reasoning(prompt_text):
+        return f"\n{THINK_END}\n\n" + reply_prefix
     return reply_prefix
 
 
+def reasoning_in_play(prompt_text: str, reply_prefix: str) -> bool:
+    """Whether each choice's text starts inside a reasoning block: the rendered prompt leaves
+    one open and no forced call opening closes it first (forced_prompt_text)."""
+    return not reply_prefix and opens_reasoning(prompt_text)
+
+
 def usage_for(inputs: PromptInputs, num_completion_tokens: int) -> Usage:
-    """Usage with the encoded prompt length and its media token counts."""
-    details = PromptTokensDetails(
-        image_tokens=inputs.num_tokens("image") + inputs.num_tokens("video") or None,
-        audio_tokens=inputs.num_tokens("audio") or None,
-    )
+    """Usage with the encoded prompt length. `prompt_tokens_details` carries the media token
+    counts (video frames count as image tokens) and is left out when there are none: AReno
+    keeps no prompt cache across requests, so OpenAI's `cached_tokens` would always be 0, and
+    vLLM likewise sends the details only for a non-zero cached count. The openai client reads
+    the missing field as None (an empty `{}` would parse as details with every count None)."""
+    num_image = inputs.num_tokens("image") + inputs.num_tokens("video")
+    num_audio = inputs.num_tokens("audio")
+    details = None
+    if num_image or num_audio:
+        details = PromptTokensDetails(
+            image_tokens=num_image or None, audio_tokens=num_audio or None
+        )
     return Usage.from_counts(inputs.num_prompt_tokens, num_completion_tokens, details)
 
 
@@ -97,6 +111,25 @@ def finish_reason_for(delta: SampleDelta) -> str | None:
     return "stop" if delta.finish_reason == "abort" else delta.finish_reason
 
 
+def parse_reply(
+    request: ChatCompletionRequest,
+    text: str,
+    parser: ToolParser | None = None,
+    prefix: str = "",
+    thinking: bool = False,
+) -> tuple[str, ParsedToolCalls]:
+    """One sample's whole text as (reasoning, content and tool calls): with `thinking` (see
+    reasoning_in_play) the reasoning block is split off first, so neither its text nor its end
+    tag reaches content or the tool-call parser; with a `parser`, calls are read from the rest
+    after the forced call opening `prefix` (see forced_reply_prefix)."""
+    reasoning = ""
+    if thinking:
+        reasoning, text = split_reasoning(text)
+    if parser is None:
+        return reasoning, ParsedToolCalls(text)
+    return reasoning, parser.parse(prefix + text, request.tools)
+
+
 def build_response(
     request: ChatCompletionRequest,
     model: str,
@@ -105,19 +138,22 @@ def build_response(
     tokenizer: Any,
     parser: ToolParser | None = None,
     prefix: str = "",
+    thinking: bool = False,
 ) -> ChatCompletionResponse:
-    """The non-streaming response from a request's merged output (one delta per sample);
-    with a `parser`, tool calls are split out of each sample's text, read after the forced
-    call opening `prefix` (see forced_reply_prefix)."""
+    """The non-streaming response from a request's merged output (one delta per sample), each
+    sample's text read by parse_reply."""
     choices = []
     for delta in output.samples:
-        message = ResponseMessage(content=delta.text)
+        reasoning, parsed = parse_reply(request, delta.text, parser, prefix, thinking)
+        content: str | None = parsed.content
+        if parser is not None or thinking:  # a reply of only calls / reasoning has null content
+            content = content or None
+        message = ResponseMessage(
+            content=content, reasoning_content=reasoning or None, tool_calls=parsed.tool_calls
+        )
         finish_reason = finish_reason_for(delta) or "stop"
-        if parser is not None:
-            parsed = parser.parse(prefix + delta.text, request.tools)
-            message = ResponseMessage(content=parsed.content or None, tool_calls=parsed.tool_calls)
-            if parsed.tool_calls and finish_reason == "stop":
-                finish_reason = "tool_calls"
+        if parsed.tool_calls and finish_reason == "stop":
+            finish_reason = "tool_calls"
         choices.append(
             Choice(
                 index=delta.index,
@@ -133,9 +169,10 @@ def build_response(
 
 
 class ChunkWriter:
-    """Turns one request's stream of deltas into SSE lines of `chat.completion.chunk`s; with a
-    `parser`, each choice's text goes through its own tool-call stream parser, fed the forced
-    call opening `prefix` first (so a forced call's deltas carry its name)."""
+    """Turns one request's stream of deltas into SSE lines of `chat.completion.chunk`s. With
+    `thinking`, each choice's reasoning block streams as `delta.reasoning_content` until its end
+    tag; with a `parser`, the rest goes through the choice's own tool-call stream parser, fed the
+    forced call opening `prefix` first (so a forced call's deltas carry its name)."""
 
     def __init__(
         self,
@@ -145,13 +182,15 @@ class ChunkWriter:
         tokenizer: Any,
         parser: ToolParser | None = None,
         prefix: str = "",
+        thinking: bool = False,
     ):
         self.request, self.model, self.inputs, self.tokenizer = request, model, inputs, tokenizer
-        self.parser, self.prefix = parser, prefix
+        self.parser, self.prefix, self.thinking = parser, prefix, thinking
         self.id = ChatCompletionResponse(model=model, choices=[]).id
         self.num_completion_tokens = 0
         self._started: set[int] = set()
         self._streams: dict[int, Any] = {}
+        self._reasoning: dict[int, ReasoningStream] = {}
 
     def chunks(self, output: RequestOutput) -> Iterator[str]:
         """SSE lines for one step's deltas."""
@@ -161,17 +200,18 @@ class ChunkWriter:
             if delta.index not in self._started:
                 self._started.add(delta.index)
                 role = "assistant"
-            content, calls = self._split(delta)
+            reasoning, content, calls = self._split(delta)
             finish = finish_reason_for(delta)
             if finish == "stop" and self._streams.get(delta.index) is not None:
                 finish = "tool_calls" if self._streams[delta.index].num_calls else finish
-            if not (role or content or calls or finish or delta.logprobs):
+            if not (role or reasoning or content or calls or finish or delta.logprobs):
                 continue
             choice = ChunkChoice(
                 index=delta.index,
                 delta=DeltaMessage(
                     role=role,
-                    content=content or ("" if role and not calls else None),
+                    content=content or ("" if role and not (calls or reasoning) else None),
+                    reasoning_content=reasoning or None,
                     tool_calls=calls or None,
                 ),
                 finish_reason=finish,
@@ -183,11 +223,17 @@ class ChunkWriter:
     def num_malformed_tool_calls(self) -> int:
         return sum(stream.num_malformed for stream in self._streams.values())
 
-    def _split(self, delta: SampleDelta) -> tuple[str, list[ToolCallDelta]]:
+    def _split(self, delta: SampleDelta) -> tuple[str, str, list[ToolCallDelta]]:
+        """(reasoning, content, tool-call deltas) decided by one choice's delta."""
+        reasoning, text = "", delta.text
+        if self.thinking:
+            thoughts = self._reasoning.setdefault(delta.index, ReasoningStream())
+            reasoning, text = thoughts.feed(text)
+            if delta.finish_reason is not None:
+                reasoning += thoughts.finish()
         if self.parser is None:
-            return delta.text, []
+            return reasoning, text, []
         stream = self._streams.get(delta.index)
-        text = delta.text
         if stream is None:
             stream = self._streams[delta.index] = self.parser.stream(self.request.tools)
             text = self.prefix + text
@@ -195,7 +241,7 @@ class ChunkWriter:
         if delta.finish_reason is not None:
             events += stream.finish()
         content = "".join(e.text for e in events if isinstance(e, ContentDelta))
-        return content, [e for e in events if not isinstance(e, ContentDelta)]
+        return reasoning, content, [e for e in events if not isinstance(e, ContentDelta)]
 
     def end(self) -> Iterator[str]:
         """The usage chunk (when asked for) and `[DONE]`."""

@@ -178,7 +178,7 @@ class ToolParser(ABC):
         return ToolStreamParser(self, tools)
 
 
-def _partial_tag_len(text: str, tag: str) -> int:
+def partial_tag_len(text: str, tag: str) -> int:
     """Length of the longest suffix of `text` that is a proper prefix of `tag`."""
     for n in range(min(len(text), len(tag) - 1), 0, -1):
         if text.endswith(tag[:n]):
@@ -233,7 +233,7 @@ class ToolStreamParser:
             self._buffer = self._buffer[i + len(start) :]
             self._in_call = True
             return True
-        keep = 0 if final else _partial_tag_len(self._buffer, start)
+        keep = 0 if final else partial_tag_len(self._buffer, start)
         self._emit_text(self._buffer[: len(self._buffer) - keep], events)
         self._buffer = self._buffer[len(self._buffer) - keep :]
         return False
@@ -265,7 +265,7 @@ class ToolStreamParser:
         else:
             # NOTE: the buffer less a partial end tag is a prefix of the final body, so this
             # decides the same way however the text was split into deltas.
-            held = _partial_tag_len(self._buffer, self._parser.end_tag)
+            held = partial_tag_len(self._buffer, self._parser.end_tag)
             seen = self._buffer[: len(self._buffer) - held]
         return self._parser.could_open_call(seen) and self._parser.start_tag not in seen
 

@@ -1,12 +1,15 @@
 """A live AReno server for each family other than Gemma 4 (tiny Qwen3.5, MiniCPM-V 4.6 and
 Qwen3-VL checkpoints), driven by the official `openai` client over loopback HTTP: image and
 video from a local path and a data URL, audio refused with 400, streaming, n with logprobs,
-usage, and real parsed tool calls under every tool_choice, whole and streamed.
+usage, real parsed tool calls under every tool_choice, whole and streamed, and Qwen3.5's
+reasoning split into `reasoning_content`.
 
 One Ray instance for the module; each family's app is deployed, tested and deleted in turn.
 The tiny checkpoints have random weights and never write a well-formed call, so each family's
 app serves a copy warm-started with `areno sft` on one conversation whose reply is a call in
 the family's own format, as its chat template renders it: greedy decoding then reproduces it.
+A family whose generation prompt opens a reasoning block also learns a text reply that reasons
+first (REASONING_PROMPT), so its reasoning split has a known answer.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from areno.media.samples import write_audio, write_image, write_video
 from areno.serve.app import build_app
 from areno.serve.config import ServeConfig
 from areno.serve.openai_routes import forced_prompt_text
+from areno.tools import opens_reasoning
 from areno.train.sft import SFTConfig, sft
 from tests.tools.test_round_trip import render_assistant_turn
 
@@ -50,6 +54,9 @@ TOOL_CHOICES = {
     "required": "required",
     "named": {"type": "function", "function": {"name": "zoom"}},
 }
+REASONING_PROMPT = "Think first."
+REASONING, ANSWER = "Worth a thought.", "Done."
+THINKING_FAMILIES = ("qwen3_5",)  # their templates end the generation prompt with `<think>\n`
 
 
 @dataclass(frozen=True)
@@ -93,7 +100,9 @@ def tool_messages(media: dict[str, str]) -> list[dict]:
 def warm_start(family: str, source: Path, media: dict[str, str], root: Path) -> Path:
     """`areno sft` on one conversation whose reply is a call of ZOOM as the family's chat
     template writes it, after what the server writes before a forced call (Qwen3.5 closes its
-    open `<think>` first), so that auto, required and named choices all continue the same text."""
+    open `<think>` first), so that auto, required and named choices all continue the same text.
+    Where the generation prompt opens a reasoning block, a second conversation's reply reasons
+    and then answers (REASONING, then ANSWER)."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(source)
@@ -105,16 +114,20 @@ def warm_start(family: str, source: Path, media: dict[str, str], root: Path) -> 
     )
     call = render_assistant_turn(tokenizer, family, "", [("zoom", CALL_ARGUMENTS)])
     reply = forced_prompt_text(generation_prompt, "") + call
-    sample = {"messages": tool_messages(media), "tools": [ZOOM], "private": {"answer": reply}}
-    data = root / "tool_call.jsonl"
-    data.write_text(json.dumps(sample) + "\n")
+    samples = [{"messages": tool_messages(media), "tools": [ZOOM], "private": {"answer": reply}}]
+    if opens_reasoning(generation_prompt):
+        thought = f"{REASONING}\n</think>\n\n{ANSWER}"
+        messages = [{"role": "user", "content": REASONING_PROMPT}]
+        samples.append({"messages": messages, "private": {"answer": thought}})
+    data = root / "warm_start.jsonl"
+    data.write_text("".join(json.dumps(sample) + "\n" for sample in samples))
     config = SFTConfig(
         model_path=str(source),
         out_dir=str(root / "ckpt"),
         loader="jsonl",
         loader_kwargs={"path": str(data)},
         steps=60,
-        batch_size=1,
+        batch_size=len(samples),
         lr=1e-2,
     )
     return sft(config, log=lambda _: None)
@@ -125,7 +138,7 @@ def http_port():
     """One Ray instance and Serve HTTP proxy on loopback for the whole module."""
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     port = _free_port()
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         yield port
@@ -170,6 +183,14 @@ def ask(server: Served, content, **kwargs):
     )
 
 
+def reasoning_of(message) -> str | None:
+    """`reasoning_content` (vLLM's field) as the openai client keeps it: an extra field, read as
+    an attribute or from `model_extra`."""
+    reasoning = (message.model_extra or {}).get("reasoning_content")
+    assert getattr(message, "reasoning_content", None) == reasoning
+    return reasoning
+
+
 def test_models_lists_the_served_model(server):
     assert [m.id for m in server.client.models.list().data] == [server.model]
 
@@ -180,8 +201,7 @@ def test_media_from_a_local_path_and_a_data_url(server, media, modality):
     count whether the bytes come from a worker-side path or a data URL."""
     text = {"type": "text", "text": "Describe it."}
     text_only = ask(server, [text])
-    details = text_only.usage.prompt_tokens_details
-    assert details is None or details.image_tokens is None
+    assert text_only.usage.prompt_tokens_details is None  # nothing to report: left out
     path = media[modality]
     by_source = {}
     for source, url in {"path": path, "data_url": _data_url(path, modality)}.items():
@@ -216,14 +236,17 @@ def test_streaming_matches_the_greedy_response(server, media):
     stream = ask(
         server, content, max_tokens=12, stream=True, stream_options={"include_usage": True}
     )
-    text, finish, usage = "", None, None
+    reasoning, text, finish, usage = "", "", None, None
     for chunk in stream:
         usage = chunk.usage or usage
         for choice in chunk.choices:
+            reasoning += reasoning_of(choice.delta) or ""
             text += choice.delta.content or ""
             finish = choice.finish_reason or finish
     assert full.usage.completion_tokens >= 1
-    assert (text, finish) == (full.choices[0].message.content, full.choices[0].finish_reason)
+    [answer] = full.choices
+    expected = (reasoning_of(answer.message) or "", answer.message.content or "")
+    assert (reasoning, text, finish) == (*expected, answer.finish_reason)
     assert usage.model_dump() == full.usage.model_dump()
 
 
@@ -263,13 +286,10 @@ def test_the_warm_started_model_makes_a_parsed_tool_call(server, media, choice):
     assert call.type == "function" and call.id
     assert call.function.name == "zoom"
     assert json.loads(call.function.arguments) == CALL_ARGUMENTS
-    if server.family == "qwen3_5" and choice == "auto":
-        # NOTE: Qwen3.5's own reply first closes the <think> its generation prompt opened (a
-        # forced call has that in the prompt instead); with no reasoning parser, that closing
-        # tag stays in content.
-        assert answer.message.content == "\n</think>"
-    else:
-        assert answer.message.content is None
+    # Qwen3.5's own reply first closes the <think> its generation prompt opened (an empty
+    # block: no reasoning_content); a forced call has that in the prompt instead.
+    assert answer.message.content is None
+    assert reasoning_of(answer.message) is None
 
 
 @pytest.mark.parametrize("choice", sorted(TOOL_CHOICES))
@@ -291,3 +311,38 @@ def test_streamed_tool_call_deltas_assemble_into_the_same_call(server, media, ch
     assert all(c["id"] for c in calls.values())
     assert content == (full.message.content or "")
     assert finish == full.finish_reason == "tool_calls"
+
+
+def test_reasoning_comes_back_apart_from_the_content(server):
+    """Where the generation prompt opens `<think>` (Qwen3.5), what the model writes before
+    `</think>` is `reasoning_content` and the rest `content`, with neither tag in it; streamed as
+    reasoning deltas, then content deltas. Cut off inside the block, it is all reasoning (and
+    its tokens are counted). With enable_thinking=false the prompt closes the block: nothing is
+    reasoning. Other families never get reasoning_content."""
+    full = ask(server, REASONING_PROMPT, max_tokens=24)
+    message = full.choices[0].message
+    thinks = server.family in THINKING_FAMILIES
+    if thinks:
+        assert (reasoning_of(message), message.content) == (REASONING, ANSWER)
+    else:
+        assert reasoning_of(message) is None
+    assert not any(tag in (message.content or "") for tag in ("<think>", "</think>"))
+
+    reasoning, content = "", ""
+    for chunk in ask(server, REASONING_PROMPT, max_tokens=24, stream=True):
+        for choice in chunk.choices:
+            reasoning += reasoning_of(choice.delta) or ""
+            content += choice.delta.content or ""
+    assert (reasoning, content) == (reasoning_of(message) or "", message.content or "")
+
+    if thinks:
+        cut = ask(server, REASONING_PROMPT, max_tokens=3)
+        assert cut.usage.completion_tokens == 3
+        [choice] = cut.choices
+        assert choice.finish_reason == "length" and choice.message.content is None
+        assert REASONING.startswith(reasoning_of(choice.message))
+
+    closed = ask(
+        server, REASONING_PROMPT, extra_body={"chat_template_kwargs": {"enable_thinking": False}}
+    )
+    assert reasoning_of(closed.choices[0].message) is None

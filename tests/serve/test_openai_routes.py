@@ -1,24 +1,28 @@
-"""Responses and stream chunks built from engine outputs, tool calls included, read back by the
-official `openai` types (no server needed: these are pure functions)."""
+"""Responses and stream chunks built from engine outputs, tool calls, reasoning and usage
+included, read back by the official `openai` types (no server needed: these are pure
+functions)."""
 
 from __future__ import annotations
 
 import json
 
 import pytest
+from openai.types import CompletionUsage
 from openai.types.chat import ChatCompletion
 from openai.types.chat import ChatCompletionChunk as OpenAIChunk
 from transformers import AutoTokenizer
 
 from areno.engine.outputs import RequestOutput, SampleDelta
-from areno.processing.types import PromptInputs
+from areno.processing.types import MediaSpan, PromptInputs
 from areno.protocol import parse_chat_request
 from areno.serve.openai_routes import (
     ChunkWriter,
     build_response,
     forced_prompt_text,
     forced_reply_prefix,
+    reasoning_in_play,
     tools_in_play,
+    usage_for,
 )
 from areno.tools import get_tool_parser
 
@@ -196,3 +200,131 @@ def test_unfinished_forced_call_is_content_with_its_prefix(tokenizer):
     assert body.choices[0].message.content == prefix + "{zq"
     assert not body.choices[0].message.tool_calls
     assert body.choices[0].finish_reason == "length"
+
+
+THINKING_PROMPT = "<|im_start|>user\nWeather?<|im_end|>\n<|im_start|>assistant\n<think>\n"
+
+
+def test_reasoning_is_in_play_only_inside_an_open_block_and_without_a_forced_call():
+    assert reasoning_in_play(THINKING_PROMPT, "")
+    assert not reasoning_in_play(THINKING_PROMPT, "<tool_call>")  # the forced call closes it
+    assert not reasoning_in_play(THINKING_PROMPT + "\n</think>\n\n", "")  # enable_thinking=false
+    assert not reasoning_in_play("<|im_start|>assistant\n", "")
+
+
+def reasoning_of(message) -> str | None:
+    """`reasoning_content` as the openai client exposes a field it does not declare."""
+    extra = message.model_extra or {}
+    assert getattr(message, "reasoning_content", None) == extra.get("reasoning_content")
+    return extra.get("reasoning_content")
+
+
+@pytest.mark.parametrize("with_tools", [False, True])
+def test_response_splits_reasoning_from_content_and_calls(tokenizer, with_tools):
+    parser = get_tool_parser("qwen3_xml") if with_tools else None
+    chat = request() if with_tools else request(tools=None)
+    reply = "Paris is asked.\n</think>\n\n" + ("Checking. " + CALL_TEXT["qwen3_xml"])
+    inputs = PromptInputs([1] * 5, {})
+    body = build_response(chat, "m", inputs, output(reply), tokenizer, parser, thinking=True)
+    choice = ChatCompletion.model_validate(body.model_dump(exclude_none=True)).choices[0]
+    assert reasoning_of(choice.message) == "Paris is asked."
+    assert "think>" not in choice.message.content
+    if with_tools:
+        assert choice.message.content == "Checking."
+        assert [c.function.name for c in choice.message.tool_calls] == ["get_weather"]
+        assert choice.finish_reason == "tool_calls"
+    else:
+        assert choice.message.content == "Checking. " + CALL_TEXT["qwen3_xml"]
+
+
+def test_a_reasoning_block_never_closed_is_all_reasoning(tokenizer):
+    body = build_response(
+        request(),
+        "m",
+        PromptInputs([1] * 5, {}),
+        output("Still weighing <tool_call> or not", "length"),
+        tokenizer,
+        get_tool_parser("qwen3_xml"),
+        thinking=True,
+    )
+    choice = ChatCompletion.model_validate(body.model_dump(exclude_none=True)).choices[0]
+    assert reasoning_of(choice.message) == "Still weighing <tool_call> or not"
+    assert choice.message.content is None and not choice.message.tool_calls
+    assert choice.finish_reason == "length"
+
+
+def test_without_reasoning_in_play_nothing_is_reasoning(tokenizer):
+    """enable_thinking=false, or a template without blocks: the text is all content."""
+    text = "Plain </think> answer"
+    body = build_response(
+        request(tools=None), "m", PromptInputs([1] * 5, {}), output(text), tokenizer
+    )
+    dumped = body.model_dump(exclude_none=True)
+    assert "reasoning_content" not in dumped["choices"][0]["message"]
+    assert dumped["choices"][0]["message"]["content"] == text
+
+
+def stream_reply(writer: ChunkWriter, pieces: list[str], finish: str = "stop") -> list[OpenAIChunk]:
+    lines = []
+    for i, piece in enumerate(pieces):
+        last = i == len(pieces) - 1
+        delta = SampleDelta(0, [7], text=piece, finish_reason=finish if last else None)
+        lines += writer.chunks(RequestOutput("r", [delta], finished=last))
+    lines += writer.end()
+    assert lines[-1] == "data: [DONE]\n\n"
+    return [OpenAIChunk.model_validate_json(line[6:]) for line in lines[:-1]]
+
+
+def test_stream_sends_reasoning_deltas_until_the_end_tag_then_content_and_calls(tokenizer):
+    """Token by token, with `</think>` split across deltas: reasoning deltas first, then content
+    and tool-call deltas, as the non-streaming response holds them."""
+    parser = get_tool_parser("qwen3_xml")
+    reply = "Paris is asked.\n</think>\n\nChecking. " + CALL_TEXT["qwen3_xml"]
+    cut = reply.index("</think>") + 3
+    pieces = [reply[:cut], *reply[cut:]]  # "...</th" then one character at a time
+    writer = ChunkWriter(
+        request(stream=True), "m", PromptInputs([1] * 5, {}), tokenizer, parser, thinking=True
+    )
+    chunks = stream_reply(writer, pieces)
+    deltas = [c.choices[0].delta for c in chunks]
+    reasoning = "".join(reasoning_of(d) or "" for d in deltas)
+    content = "".join(d.content or "" for d in deltas)
+    calls = [tc for d in deltas for tc in d.tool_calls or []]
+    assert (reasoning, content) == ("Paris is asked.", "Checking.")
+    assert calls[0].function.name == "get_weather"
+    first_content = next(i for i, d in enumerate(deltas) if d.content)
+    assert all(reasoning_of(d) is None for d in deltas[first_content:])
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+def test_stream_of_a_block_never_closed_has_no_content(tokenizer):
+    writer = ChunkWriter(
+        request(stream=True, tools=None), "m", PromptInputs([1] * 5, {}), tokenizer, thinking=True
+    )
+    chunks = stream_reply(writer, list("Still thinking\n</thi"), finish="length")
+    deltas = [c.choices[0].delta for c in chunks]
+    assert "".join(reasoning_of(d) or "" for d in deltas) == "Still thinking\n</thi"
+    assert not any(d.content for d in deltas)
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_usage_leaves_prompt_tokens_details_out_without_media():
+    """As vLLM does (details only for a non-zero cached count; AReno has no prompt cache): no
+    `{}` the client would read as details with every count None."""
+    usage = usage_for(PromptInputs([1] * 5, {}), 3)
+    dumped = usage.model_dump(exclude_none=True)
+    assert dumped == {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8}
+    assert CompletionUsage.model_validate(dumped).prompt_tokens_details is None
+
+
+def test_usage_reports_media_tokens_per_modality():
+    spans = [
+        MediaSpan("image", 0, 1, 6, 4, "a"),
+        MediaSpan("video", 1, 6, 14, 6, "b"),
+        MediaSpan("audio", 2, 14, 19, 3, "c"),
+    ]
+    usage = usage_for(PromptInputs([1] * 20, {}, spans), 2)
+    details = CompletionUsage.model_validate(usage.model_dump(exclude_none=True))
+    details = details.prompt_tokens_details
+    assert (details.image_tokens, details.audio_tokens) == (10, 3)  # video frames are images
+    assert details.cached_tokens is None

@@ -57,7 +57,7 @@ def server(tiny_path, media_root):
         allow_remote_media=True,
         allow_private_network_media=True,  # the test's HTTP server is on loopback
     )
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         serve.run(build_app(config), name=APP_NAME, route_prefix="/")
@@ -114,6 +114,8 @@ def test_text_request_with_usage(server):
     assert response.usage.total_tokens == (
         response.usage.prompt_tokens + response.usage.completion_tokens
     )
+    # No media tokens to report and no prompt cache (cached_tokens): the field is left out.
+    assert response.usage.prompt_tokens_details is None
 
 
 def test_every_media_source(server, media):
