@@ -20,6 +20,10 @@ from areno.processing.types import PromptInputs
 from areno.rollout.agent import Agent, ToolContext
 from areno.rollout.trajectory import ToolCallRecord, Trajectory
 from areno.tools.base import ToolParser
+from areno.tools.reasoning import THINK_END, opens_reasoning, split_reasoning
+
+# Enough prompt tokens to see whether the generation prompt ends inside `<think>\n`.
+_PROMPT_TAIL_TOKENS = 4
 
 
 @dataclass(frozen=True)
@@ -79,7 +83,8 @@ async def run_episode(
         traj.loss_mask += [1] * len(generated)
         traj.rollout_logprobs += list(sample.logprobs or [0.0] * len(generated))
         traj.turn_texts.append(sample.text)
-        parsed = env.parser.parse(sample.text, agent.tool_schemas or None)
+        reply = reply_text(env.processor.tokenizer, inputs.input_ids, sample.text)
+        parsed = env.parser.parse(reply, agent.tool_schemas or None)
         traj.num_malformed_tool_calls += parsed.num_malformed
         traj.final_text = parsed.content
         if sample.finish_reason == "length" and len(generated) >= room:
@@ -117,6 +122,17 @@ async def run_episode(
     traj.inputs = inputs
     traj.check()
     return traj
+
+
+def reply_text(tokenizer: Any, prompt_ids: list[int], text: str) -> str:
+    """A turn's text less the reasoning block its prompt opened (a thinking template's
+    `<think>`), as serving splits it: only the reply is parsed for calls and is the final text
+    the reward reads. Unlike serving, a block the model never closed is not all reasoning here:
+    the whole text is parsed, so a policy that skips straight to its call still acts."""
+    tail = tokenizer.decode(prompt_ids[-_PROMPT_TAIL_TOKENS:])
+    if THINK_END in text and opens_reasoning(tail):
+        return split_reasoning(text)[1]
+    return text
 
 
 def _turn_params(

@@ -175,3 +175,16 @@ def test_trainer_scores_the_exact_episode_the_generator_sampled(worker, caller):
     diff = (train_lp - rollout_lp)[mask].abs()
     assert diff.numel() == traj.num_generated_tokens
     assert diff.max().item() < 1e-4, diff.max().item()
+
+
+@pytest.mark.parametrize("family, thinks", [("qwen3_5", True), ("qwen3_vl", False)])
+def test_only_the_reply_after_the_reasoning_block_is_parsed(tiny_path, family, thinks):
+    from areno.processing import Processor
+    from areno.rollout.episode import reply_text
+
+    processor = Processor(tiny_path(family))
+    prompt = processor.encode([{"role": "user", "content": "Hi"}], [])
+    text = "Let me look.\n</think>\n\n" + CALL
+    assert reply_text(processor.tokenizer, prompt.input_ids, text) == (CALL if thinks else text)
+    # A block never closed leaves the whole text to parse.
+    assert reply_text(processor.tokenizer, prompt.input_ids, CALL) == CALL
