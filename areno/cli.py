@@ -298,7 +298,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--size",
         default="tiny",
         choices=TINY_SIZES,
-        help="text model size: tiny (~0.3 M parameters) or small (~30 M, for CPU benchmarks)",
+        help="text model size: tiny (~0.3 M parameters), small (~30 M, for CPU benchmarks) or "
+        "2b (Qwen3.5-2B / Gemma 4 E2B-like text stacks in bf16, for GPU runs)",
     )
     tiny.set_defaults(func=_make_tiny)
 

@@ -57,7 +57,7 @@ def test_small_keeps_tokenizer_and_template(small_path, tiny_path, family):
 
 
 def test_unknown_size_is_a_config_error(tmp_path):
-    with pytest.raises(ConfigError, match=r"'huge'.*'tiny', 'small'"):
+    with pytest.raises(ConfigError, match=r"'huge'.*'tiny', 'small', '2b'"):
         build_tiny("qwen3_5", tmp_path, size="huge")
     with pytest.raises(ConfigError, match="huge"):
         tiny_checkpoint("qwen3_5", size="huge")
@@ -78,3 +78,16 @@ def test_cli_prints_size_and_parameter_count(tmp_path, capsys):
     assert "qwen3_vl (tiny, 0.27 M parameters)" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         main(["make-tiny", str(tmp_path / "other"), "--size", "huge"])
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "gemma4", "minicpmv4_6", "qwen3_vl"])
+def test_2b_has_the_real_text_stack(family):
+    # Built on the meta device: shapes only, no 5 GB of random weights.
+    from areno.models.tiny import BUILDERS
+
+    with torch.device("meta"):
+        model = BUILDERS[family]("2b").model
+    num_params = sum(p.numel() for p in model.parameters())
+    assert 0.9e9 <= num_params <= 1.5e9, num_params
+    text = model.config.get_text_config()
+    assert text.hidden_size in (1536, 2048) and text.num_hidden_layers in (24, 35)

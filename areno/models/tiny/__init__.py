@@ -5,7 +5,9 @@ tokenizer trained locally with the family's special tokens, a chat template writ
 (with tool support), the family's real processor configs and random weights (~0.3 M parameters).
 Real checkpoints go through exactly the same code paths. `size="small"` scales the text model to
 ~30 M parameters (same tokenizer, processor and template) for CPU benchmarks, where compute rather
-than Python overhead must dominate.
+than Python overhead must dominate; `size="2b"` builds the text stacks of the ~2B checkpoints
+(Qwen3.5-2B, a Gemma 4 E2B-like one; ~1.0-1.4 B parameters with the tiny vocabulary) in bf16, for
+GPU runs.
 """
 
 from __future__ import annotations
@@ -30,7 +32,9 @@ BUILDERS: dict[str, Callable[[str], TinyParts]] = {
     "qwen3_vl": build_qwen3_vl,
 }
 TINY_FAMILIES = tuple(BUILDERS)
-TINY_SIZES = ("tiny", "small")  # every builder knows each of these text-model shapes
+TINY_SIZES = ("tiny", "small", "2b")  # every builder knows each of these text-model shapes
+# Sizes saved in bfloat16 (GPU runs; half the disk and load time), the others in float32.
+_BF16_SIZES = ("2b",)
 DEFAULT_FAMILY = "gemma4"  # the one family that takes all three modalities
 # Bump when a builder changes, so cached checkpoints are rebuilt.
 TINY_VERSION = 1
@@ -46,7 +50,10 @@ def build_tiny(
         )
     check_size(size)
     torch.manual_seed(seed)
-    return save_tiny(BUILDERS[family](size), Path(out_dir))
+    parts = BUILDERS[family](size)
+    if size in _BF16_SIZES:
+        parts.model.to(torch.bfloat16)
+    return save_tiny(parts, Path(out_dir))
 
 
 def check_size(size: str) -> None:
@@ -54,7 +61,7 @@ def check_size(size: str) -> None:
     if size not in TINY_SIZES:
         raise ConfigError(
             f"unknown tiny checkpoint size {size!r}; choose one of {list(TINY_SIZES)} "
-            f"(tiny: ~0.3 M parameters, small: ~30 M in the text model)"
+            f"(tiny: ~0.3 M parameters, small: ~30 M, 2b: ~1.4 B in the text model)"
         )
 
 

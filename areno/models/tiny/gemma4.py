@@ -86,6 +86,19 @@ TEXT_SHAPES = {
         "sliding_window": 256,
         "layer_types": (["sliding_attention"] * 3 + ["full_attention"]) * 2,
     },
+    # A Gemma 4 E2B-like text stack, for GPU runs.
+    "2b": {
+        "hidden_size": 1536,
+        "intermediate_size": 6144,
+        "num_hidden_layers": 35,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 1,
+        "head_dim": 256,
+        "global_head_dim": 512,
+        "hidden_size_per_layer_input": 256,
+        "sliding_window": 512,
+        "layer_types": (["sliding_attention"] * 4 + ["full_attention"]) * 7,
+    },
 }
 
 

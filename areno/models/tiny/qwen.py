@@ -57,7 +57,8 @@ def _token_ids(tok: tf.PreTrainedTokenizerBase) -> dict[str, int]:
 
 
 # Text-model shapes per size. "small" (~30 M parameters) is for CPU benchmarks, where compute rather
-# than Python overhead must dominate; media towers stay tiny at every size.
+# than Python overhead must dominate; "2b" has Qwen3.5-2B's text stack (for GPU runs; the tiny
+# tokenizer's vocabulary keeps its embeddings small); media towers stay tiny at every size.
 TEXT_SHAPES = {
     "tiny": {
         "hidden_size": 64,
@@ -70,6 +71,13 @@ TEXT_SHAPES = {
         "hidden_size": 512,
         "intermediate_size": 2048,
         "num_hidden_layers": 8,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 2,
+    },
+    "2b": {
+        "hidden_size": 2048,
+        "intermediate_size": 6144,
+        "num_hidden_layers": 24,
         "num_attention_heads": 8,
         "num_key_value_heads": 2,
     },
@@ -95,13 +103,22 @@ HYBRID_LAYERS = {
         "linear_key_head_dim": 64,
         "linear_value_head_dim": 64,
     },
+    "2b": {
+        "head_dim": 256,
+        "layer_types": (["linear_attention"] * 3 + ["full_attention"]) * 6,
+        "linear_num_key_heads": 16,
+        "linear_num_value_heads": 16,
+        "linear_key_head_dim": 128,
+        "linear_value_head_dim": 128,
+    },
 }
 # NOTE: each mrope section sums to half the rotary dims: head_dim * partial_rotary_factor / 2 for
 # Qwen3.5 (factor 0.25), head_dim / 2 for Qwen3-VL.
-_QWEN3_5_MROPE = {"tiny": [2, 1, 1], "small": [4, 2, 2]}
+_QWEN3_5_MROPE = {"tiny": [2, 1, 1], "small": [4, 2, 2], "2b": [11, 11, 10]}
 _QWEN3_VL_HEAD = {
     "tiny": {"head_dim": 16, "mrope_section": [4, 2, 2]},
     "small": {"head_dim": 64, "mrope_section": [12, 10, 10]},
+    "2b": {"head_dim": 128, "mrope_section": [24, 20, 20]},
 }
 
 
