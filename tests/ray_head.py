@@ -4,7 +4,9 @@ loopback only. Test folders import the `ray_head` fixture into their conftest.py
 
 from __future__ import annotations
 
+import contextlib
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -90,10 +92,38 @@ def ray_head():
     try:
         yield RayHead(f"127.0.0.1:{port}", dashboard, temp_dir, env)
     finally:
-        # `ray start --block` stops the processes of its session when it is terminated.
-        os.killpg(process.pid, signal.SIGTERM)
+        stop_head(process)
+        shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+def stop_head(process: subprocess.Popen, grace_s: float = 5.0) -> None:
+    """Stop a `ray start --block` head and every process of its session, by id.
+
+    Terminated, `ray start --block` stops its session gracefully, which took 34 s here (most of
+    it waiting on its own timeouts); whatever is still up after `grace_s` is killed. Its workers
+    run in process groups of their own, so the whole tree under the head is found first."""
+    tree = _descendants(process.pid)
+    os.killpg(process.pid, signal.SIGTERM)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        process.wait(timeout=grace_s)
+    for pid in [process.pid, *tree]:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    process.wait()
+
+
+def _descendants(root: int) -> list[int]:
+    """Process ids of every descendant of `root` (from /proc's parent links)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
-            process.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
+            parent = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue  # the process ended while being read
+        children.setdefault(parent, []).append(int(stat.parent.name))
+    found, todo = [], [root]
+    while todo:
+        kids = children.get(todo.pop(), [])
+        found += kids
+        todo += kids
+    return found

@@ -10,6 +10,10 @@ from areno.engine.config import EngineConfig
 from areno.serve.config import ServeConfig
 
 APP_NAME = "areno"
+# Seconds between Serve's health checks of each replica. A replica that died is noticed at its
+# next check and only then replaced: Serve's default of 10 s added up to 10 s to every recovery
+# (tests/serve/test_faults.py measures it); a check is one cheap RPC.
+HEALTH_CHECK_PERIOD_S = 2.0
 
 
 def check_config(config: ServeConfig) -> None:
@@ -40,19 +44,23 @@ def build_app(config: ServeConfig):
     decoder = MediaDecoderServer.options(
         num_replicas=config.num_decoder_replicas,
         ray_actor_options=_cpu_actor_options(config, "decoder"),
+        health_check_period_s=HEALTH_CHECK_PERIOD_S,
     ).bind(config)
     processor = ProcessorServer.options(
         num_replicas=config.num_processor_replicas,
         ray_actor_options=_cpu_actor_options(config, "processor"),
+        health_check_period_s=HEALTH_CHECK_PERIOD_S,
     ).bind(config)
     generator = GeneratorServer.options(
         num_replicas=config.num_generator_replicas,
         max_ongoing_requests=_generator_max_ongoing(config),
+        health_check_period_s=HEALTH_CHECK_PERIOD_S,
         **_generator_resources(config),
     ).bind(config)
-    return Ingress.options(ray_actor_options=_cpu_actor_options(config, "ingress")).bind(
-        decoder, processor, generator, config
-    )
+    return Ingress.options(
+        ray_actor_options=_cpu_actor_options(config, "ingress"),
+        health_check_period_s=HEALTH_CHECK_PERIOD_S,
+    ).bind(decoder, processor, generator, config)
 
 
 def _cpu_actor_options(config: ServeConfig, deployment: str) -> dict[str, Any]:

@@ -22,6 +22,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from ray import serve
+from ray.exceptions import RayActorError
 from ray.serve.config import BackpressureConfig
 from ray.serve.exceptions import BackPressureError
 from starlette.exceptions import HTTPException
@@ -103,6 +104,16 @@ class AuthenticationError(ArenoError):
     code = "invalid_api_key"
 
 
+class ReplicaLostError(ArenoError):
+    """A replica died while it held the request (a crash, a kill, a lost node). Serve starts a
+    replacement, so this is 503 with Retry-After, not an internal error: retrying succeeds."""
+
+    status_code = 503
+    error_type = "server_error"
+    code = "replica_unavailable"
+    retry_after_s = RETRY_AFTER_S
+
+
 async def _read_body(request: Request) -> bytes:
     """The body, refused (413) as soon as its declared or received size is over the limit, so
     an oversized or lying upload is never buffered whole."""
@@ -129,6 +140,12 @@ def _user_error(error: Exception) -> ArenoError:
         return EngineUnavailableError("the generation engine is restarting; retry shortly")
     if isinstance(cause, BackPressureError) or isinstance(error, BackPressureError):
         return EngineUnavailableError("the server is overloaded; retry shortly")
+    if isinstance(cause, RayActorError) or isinstance(error, RayActorError):
+        logger.warning("a replica died while serving a request: %s", error)
+        return ReplicaLostError(
+            "a server replica stopped while handling this request; its replacement is "
+            "starting, retry shortly"
+        )
     logger.exception("internal error", exc_info=error)
     internal = ArenoError("internal server error; see the server log")
     internal.status_code, internal.error_type, internal.code = 500, "server_error", "internal"

@@ -3,7 +3,7 @@
 Layout under the run directory:
   checkpoints/step_N/...    DeepSpeed's model / optimizer shards (every rank writes its own)
   checkpoints/latest        the newest tag (DeepSpeed writes it)
-  trainer_state.json        step, data position, policy version of the newest checkpoint
+  trainer_state.json        step, data position, tag and launch id of the newest checkpoint
   hf/                       a Hugging Face checkpoint directory `areno serve` loads
 """
 
@@ -42,16 +42,36 @@ def has_checkpoint(run_dir: str | os.PathLike) -> bool:
     return (checkpoint_dir(run_dir) / "latest").is_file()
 
 
-def save(engine: Any, run_dir: str | os.PathLike, state: TrainState, *, rank: int) -> Path:
-    """Every rank saves its shards; rank 0 records the state next to them."""
+def save(
+    engine: Any,
+    run_dir: str | os.PathLike,
+    state: TrainState,
+    *,
+    rank: int,
+    launch_id: str | None = None,
+) -> Path:
+    """Every rank saves its shards; rank 0 then records the state next to them, with the id of
+    the `areno train` launch that saved it (see `saved_by`)."""
     tag = f"step_{state.step}"
     engine.save_checkpoint(str(checkpoint_dir(run_dir)), tag=tag, client_state=state.to_dict())
     if rank == 0:
         path = Path(run_dir) / "trainer_state.json"
         tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({**state.to_dict(), "tag": tag}, indent=2))
+        record = {**state.to_dict(), "tag": tag, "launch_id": launch_id}
+        tmp.write_text(json.dumps(record, indent=2))
         tmp.replace(path)
     return checkpoint_dir(run_dir) / tag
+
+
+def saved_by(run_dir: str | os.PathLike, launch_id: str) -> bool:
+    """Whether the newest checkpoint was saved by launch `launch_id`. A worker group that Ray
+    Train restarted within one launch resumes from such a checkpoint even without --resume
+    (the launch's own progress); an older launch's checkpoint is used only with --resume."""
+    path = Path(run_dir) / "trainer_state.json"
+    try:
+        return json.loads(path.read_text()).get("launch_id") == launch_id
+    except FileNotFoundError:
+        return False
 
 
 def load(engine: Any, run_dir: str | os.PathLike) -> TrainState:

@@ -56,10 +56,14 @@ class RolloutConfig:
     # custom Ray resources per worker ({"rollout": 1}): only nodes that have them host one;
     # its tensor-parallel followers follow rank 0 onto that node
     resources_per_worker: dict = field(default_factory=dict)
+    # times Ray restarts a lost rollout worker (its process crashed, its node went away); the
+    # step whose rollout it was running is retried on the current policy, with the same samples
+    max_restarts: int = 3
 
     def __post_init__(self) -> None:
         for name in ("num_workers", "tp_size", "max_running_prompts", "max_tokens_per_turn"):
             _positive("rollout", name, getattr(self, name))
+        _positive("rollout", "max_restarts", self.max_restarts, allow_zero=True)
         self.resources_per_worker = check_custom_resources(
             self.resources_per_worker, "rollout.resources_per_worker"
         )
@@ -110,9 +114,14 @@ class TrainerConfig:
     resources_per_worker: dict = field(default_factory=dict)  # custom Ray resources, as rollout's
     freeze_media_towers: bool = True
     freeze_projectors: bool = True
+    # times Ray Train restarts the worker group after a worker fails (Ray's FailureConfig); each
+    # restart resumes from this launch's newest checkpoint (set run.save_every), or from where
+    # the launch began when it has saved none yet
+    max_failures: int = 0
 
     def __post_init__(self) -> None:
         _positive("trainer", "num_workers", self.num_workers)
+        _positive("trainer", "max_failures", self.max_failures, allow_zero=True)
         self.resources_per_worker = check_custom_resources(
             self.resources_per_worker, "trainer.resources_per_worker"
         )

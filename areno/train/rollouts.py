@@ -1,7 +1,8 @@
 """Trainer rank 0's side of a step: dispatch groups to the rollout workers, score them.
 
 Private metadata never leaves this process: workers get `Sample.public()`, the reward reads the
-private part here.
+private part here. A worker that dies mid-call surfaces as `RolloutWorkerLostError` once every
+other call of the batch has finished, so the caller can retry the batch on a clean slate.
 """
 
 from __future__ import annotations
@@ -21,6 +22,9 @@ from areno.rewards import combine
 from areno.rollout.trajectory import Trajectory
 from areno.train.grpo import group_advantages
 
+# How long a restarting rollout worker may take to come back (it loads its model again).
+RESTART_TIMEOUT_S = 900.0
+
 
 def load_callable(spec: str, what: str) -> Callable[..., Any]:
     module_name, sep, attr = spec.partition(":")
@@ -34,6 +38,80 @@ def load_callable(spec: str, what: str) -> Callable[..., Any]:
     if not callable(fn):
         raise ConfigError(f"{what} {spec!r}: {module_name} has no callable {attr!r}")
     return fn
+
+
+class RolloutWorkerLostError(RuntimeError):
+    """Rollout worker actors died during a batch of calls (a crashed process, a lost node).
+    `indices` are their positions in the worker list; Ray restarts them (rollout.max_restarts)
+    with the checkpoint they were built from, so they need the current weights again."""
+
+    def __init__(self, message: str, indices: Sequence[int]) -> None:
+        super().__init__(message)
+        self.indices = list(indices)
+
+    def __reduce__(self) -> tuple:
+        # Raised in a Ray Train worker and re-raised in the driver: pickled with both fields.
+        return (type(self), (str(self), self.indices))
+
+    @classmethod
+    def from_errors(cls, lost: dict[int, Exception]) -> RolloutWorkerLostError:
+        indices = sorted(lost)
+        first = str(lost[indices[0]]).strip().splitlines()[0]
+        return cls(f"rollout worker(s) {indices} died during the call ({first})", indices)
+
+
+def wait_all(refs: Sequence[Any], worker_indices: Sequence[int]) -> list[Any]:
+    """The results of calls `refs` (`worker_indices[i]`: the worker of call i), once ALL have
+    finished, so that a retry never overlaps the calls still running on healthy workers.
+    Raises RolloutWorkerLostError naming the workers whose calls died with them."""
+    import ray
+    from ray.exceptions import RayActorError
+
+    if refs:
+        ray.wait(list(refs), num_returns=len(refs))
+    results, lost = [], {}
+    for ref, index in zip(refs, worker_indices, strict=True):
+        try:
+            results.append(ray.get(ref))
+        except RayActorError as error:
+            lost.setdefault(index, error)
+            results.append(None)
+    if lost:
+        raise RolloutWorkerLostError.from_errors(lost)
+    return results
+
+
+def wait_for_workers(
+    workers: Sequence[Any], indices: Sequence[int], timeout_s: float = RESTART_TIMEOUT_S
+) -> dict[int, int]:
+    """The policy version of each worker `indices`, once it answers. Ray refuses calls to a
+    worker while it restarts (ActorUnavailableError), so it is asked again until it is back.
+    Raises RolloutWorkerLostError for a worker dead for good (out of restarts) or not back
+    within `timeout_s`."""
+    import ray
+    from ray.exceptions import ActorDiedError, ActorUnavailableError
+
+    deadline = time.monotonic() + timeout_s
+    versions: dict[int, int] = {}
+    pending = list(indices)
+    while pending:
+        refs = [workers[i].policy_version.remote() for i in pending]
+        restarting = []
+        for index, ref in zip(pending, refs, strict=True):
+            try:
+                versions[index] = ray.get(ref)
+            except ActorUnavailableError:
+                restarting.append(index)
+            except ActorDiedError as error:
+                raise RolloutWorkerLostError.from_errors({index: error}) from error
+        if restarting and time.monotonic() > deadline:
+            raise RolloutWorkerLostError(
+                f"rollout worker(s) {restarting} not back within {timeout_s:.0f} s", restarting
+            )
+        if restarting:
+            time.sleep(0.2)
+        pending = restarting
+    return versions
 
 
 @dataclass
@@ -51,13 +129,13 @@ def collect(
     *,
     seed: int | None = None,
 ) -> tuple[list[list[Trajectory]], float]:
-    """Run one group per sample, spread round-robin over the workers; groups in sample order."""
+    """Run one group per sample, spread round-robin over the workers; groups in sample order.
+    The seeds depend only on `seed` and the sample's index, so a retried batch samples again
+    exactly what the lost one would have."""
     import dataclasses
 
-    import ray
-
     start = time.perf_counter()
-    refs = []
+    refs, indices = [], []
     for index, sample in enumerate(samples):
         public = sample.public()
         params = sampling
@@ -65,7 +143,8 @@ def collect(
             params = dataclasses.replace(sampling, seed=seed + 100_003 * index)
         worker = workers[index % len(workers)]
         refs.append(worker.run_group.remote(public.id, public.messages, group_size, params))
-    groups = [trajectories for trajectories, _ in ray.get(refs)]
+        indices.append(index % len(workers))
+    groups = [trajectories for trajectories, _ in wait_all(refs, indices)]
     return groups, time.perf_counter() - start
 
 

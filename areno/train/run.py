@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import uuid
 from pathlib import Path
 
 from areno.engine.config import EngineConfig
@@ -35,7 +36,11 @@ def rollout_spec(config: GRPOConfig, model_path: str) -> RolloutSpec:
 
 
 def start_rollout_workers(config: GRPOConfig, model_path: str) -> list:
-    """One RolloutWorker actor per generator replica (tensor-parallel followers are its own)."""
+    """One RolloutWorker actor per generator replica (tensor-parallel followers are its own).
+
+    Ray restarts a lost worker up to rollout.max_restarts times. Its calls are never retried by
+    Ray (max_task_retries=0): the restarted process holds the initial weights, so the trainer
+    first sends it the current ones and then retries the whole step (trainer.Coordinator)."""
     import ray
 
     spec = rollout_spec(config, model_path)
@@ -44,6 +49,8 @@ def start_rollout_workers(config: GRPOConfig, model_path: str) -> list:
         num_gpus=config.rollout.num_gpus_per_worker,
         resources=config.rollout.resources_per_worker,
         max_concurrency=64,
+        max_restarts=config.rollout.max_restarts,
+        max_task_retries=0,
     )
     workers = [cls.remote(spec) for _ in range(config.rollout.num_workers)]
     ray.get([w.policy_version.remote() for w in workers])  # surface construction errors here
@@ -53,7 +60,7 @@ def start_rollout_workers(config: GRPOConfig, model_path: str) -> list:
 def run(config: GRPOConfig) -> Path:
     """Train; returns the run directory (metrics.jsonl, checkpoints/, hf/)."""
     import ray
-    from ray.train import RunConfig, ScalingConfig
+    from ray.train import FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
     model_path = config.model_path or _embedded_default()
@@ -74,12 +81,18 @@ def run(config: GRPOConfig) -> Path:
             "config": config.to_dict(),
             "rollout_workers": workers,
             "model_path": model_path,
+            # tells a restarted worker group its own checkpoints from older launches' ones
+            "launch_id": uuid.uuid4().hex,
         },
         scaling_config=ScalingConfig(
             num_workers=t.num_workers, use_gpu=t.use_gpu, resources_per_worker=resources
         ),
         torch_config=TorchConfig(backend="nccl" if t.use_gpu else "gloo"),
-        run_config=RunConfig(name="areno-grpo", storage_path=str(run_dir / "ray")),
+        run_config=RunConfig(
+            name="areno-grpo",
+            storage_path=str(run_dir / "ray"),
+            failure_config=FailureConfig(max_failures=t.max_failures),
+        ),
     )
     try:
         trainer.fit()

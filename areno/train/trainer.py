@@ -19,7 +19,7 @@ from areno.train.config import GRPOConfig
 from areno.train.grpo import logprob_mismatch, policy_loss
 from areno.train.metrics import MetricsWriter
 from areno.train.policy import count_parameters, load_policy, sequence_logprobs, set_train_mode
-from areno.train.weight_sync import push_weights, trainable_state
+from areno.train.weight_sync import WeightSync, trainable_state
 
 logger = logging.getLogger("areno.train")
 
@@ -167,9 +167,9 @@ def _broadcast(obj: Any, rank: int) -> Any:
 class Coordinator:
     """Rank 0's data stream, rollouts, rewards, evaluation and metrics."""
 
-    def __init__(self, config: GRPOConfig, workers: list, model_path: str, state: Any):
+    def __init__(self, config: GRPOConfig, sync: WeightSync, state: Any):
         data = config.data
-        self.config, self.workers = config, workers
+        self.config, self.sync, self.workers = config, sync, sync.workers
         train = list(load_samples(data.loader, **{"split": "train", **data.loader_kwargs}))
         eval_spec = data.eval_loader or data.loader
         eval_kwargs = data.eval_loader_kwargs or {"split": "validation", **data.loader_kwargs}
@@ -186,8 +186,8 @@ class Coordinator:
         cfg = self.config
         samples = self.stream.next_batch(cfg.grpo.prompts_per_step)
         seed = cfg.run.seed * 1_000_003 + step * 10_007
-        groups, rollout_s = rollouts.collect(
-            self.workers, samples, cfg.grpo.group_size, self.sampling, seed=seed
+        groups, rollout_s, retries = self._collect(
+            f"step {step + 1}'s rollout", samples, cfg.grpo.group_size, self.sampling, seed
         )
         reward_s = rollouts.score(self.reward_fn, groups, samples, cfg.reward_kwargs)
         adv = rollouts.advantages(groups, cfg.grpo.normalize_std)
@@ -199,15 +199,46 @@ class Coordinator:
             reward_s=reward_s,
             rollout_tokens_per_s=generated / max(rollout_s, 1e-9),
             policy_version=min(t.policy_version for t in trajectories),
+            rollout_retries=retries,
+            sample_ids=[sample.id for sample in samples],  # the data the step consumed
         )
         return trajectories, adv, metrics
+
+    def _collect(
+        self, what: str, samples: list, group_size: int, sampling: SamplingParams, seed: int
+    ) -> tuple[list[list[Trajectory]], float, int]:
+        """rollouts.collect, retried while lost rollout workers come back (Ray restarts them,
+        rollout.max_restarts): same samples, same seeds, on the current policy. Returns the
+        groups, the seconds of the attempt that succeeded and the number of retries."""
+        max_retries = self.config.rollout.max_restarts
+        retries = 0
+        while True:
+            try:
+                groups, seconds = rollouts.collect(
+                    self.workers, samples, group_size, sampling, seed=seed
+                )
+                return groups, seconds, retries
+            except rollouts.RolloutWorkerLostError as error:
+                if retries == max_retries:
+                    raise
+                retries += 1
+                logger.warning(
+                    "areno train: %s is retried (retry %d of at most %d) because %s; same "
+                    "samples and seeds, and the restarted workers get policy version %s first",
+                    what,
+                    retries,
+                    max_retries,
+                    error,
+                    self.sync.version,
+                )
+                self.sync.restore()
 
     def evaluate(self) -> dict[str, float]:
         if not self.eval_samples:
             return {}
         start = time.perf_counter()
         sampling = dataclasses.replace(self.sampling, temperature=self.config.run.eval_temperature)
-        groups, _ = rollouts.collect(self.workers, self.eval_samples, 1, sampling, seed=12345)
+        groups, _, _ = self._collect("evaluation", self.eval_samples, 1, sampling, 12345)
         rollouts.score(self.reward_fn, groups, self.eval_samples, self.config.reward_kwargs)
         metrics = rollouts.rollout_metrics([g[0] for g in groups], prefix="eval/")
         metrics["eval_s"] = time.perf_counter() - start
@@ -221,23 +252,34 @@ def train_loop(loop_config: dict) -> None:
     config = GRPOConfig.from_dict(loop_config["config"])
     workers = loop_config["rollout_workers"]
     model_path = loop_config["model_path"]
+    launch_id = loop_config["launch_id"]
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     learner = Learner(config, model_path, rank, world)
     state = checkpoint.TrainState()
-    if config.run.resume and checkpoint.has_checkpoint(config.run.run_dir):
+    # A worker group Ray Train restarted (trainer.max_failures) resumes from its own launch's
+    # newest checkpoint: the data position in it is where the lost group's progress was saved.
+    restarted = checkpoint.saved_by(config.run.run_dir, launch_id)
+    if (config.run.resume or restarted) and checkpoint.has_checkpoint(config.run.run_dir):
         state = checkpoint.load(learner.engine, config.run.run_dir)
-    coordinator = Coordinator(config, workers, model_path, state) if rank == 0 else None
+    sync = coordinator = None
     if rank == 0:
+        sync = WeightSync(
+            workers, learner.module, config.trainer.zero_stage, config.rollout.max_restarts
+        )
+        coordinator = Coordinator(config, sync, state)
         logger.warning(
-            "areno train: %d of %d parameters trainable (frozen: %s); starting at step %d",
+            "areno train: %d of %d parameters trainable (frozen: %s); starting at step %d%s",
             learner.num_trainable,
             learner.num_total,
             ", ".join(learner.frozen) or "nothing",
             state.step,
+            " (restarted after a trainer worker failed; resumed from its checkpoint)"
+            if restarted
+            else "",
         )
-    _sync(learner, workers, state.step, rank)
-    run_steps(config, learner, coordinator, workers, state, rank)
+    _sync(learner, sync, state.step, rank)
+    run_steps(config, learner, coordinator, sync, state, rank, launch_id)
     if config.run.export_hf:
         checkpoint.export_hf(
             learner.module,
@@ -251,18 +293,20 @@ def train_loop(loop_config: dict) -> None:
     learner.engine.destroy()
 
 
-def _sync(learner: Learner, workers: list, version: int, rank: int) -> float:
+def _sync(learner: Learner, sync: WeightSync | None, version: int, rank: int) -> float:
+    """Every rank gathers (a collective under ZeRO-3); rank 0 sends."""
     state = trainable_state(learner.module, learner.config.trainer.zero_stage, rank=rank)
-    return push_weights(workers, state, version) if rank == 0 else 0.0
+    return sync.push(state, version) if sync is not None else 0.0
 
 
 def run_steps(
     config: GRPOConfig,
     learner: Learner,
     coordinator: Coordinator | None,
-    workers: list,
+    sync: WeightSync | None,
     state: checkpoint.TrainState,
     rank: int,
+    launch_id: str | None = None,
 ) -> None:
     from tqdm import tqdm
 
@@ -294,13 +338,15 @@ def run_steps(
         train_metrics = _reduce(sums)
         train_s = time.perf_counter() - train_start
         state.step += 1
-        sync_s = _sync(learner, workers, state.step, rank)
+        sync_s = _sync(learner, sync, state.step, rank)
         if rank == 0:
             state.data_position = coordinator.stream.position
         state = _broadcast(state, rank)
         saved = config.run.save_every and state.step % config.run.save_every == 0
         if saved or state.step == config.run.max_steps:
-            checkpoint.save(learner.engine, config.run.run_dir, state, rank=rank)
+            checkpoint.save(
+                learner.engine, config.run.run_dir, state, rank=rank, launch_id=launch_id
+            )
         if rank == 0:
             metrics.update(train_metrics)
             metrics.update(train_s=train_s, weight_sync_s=sync_s)

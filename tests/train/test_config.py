@@ -40,6 +40,10 @@ def test_unknown_keys_and_bad_values_name_the_key() -> None:
         GRPOConfig.from_dict({"trainer": {"num_workers": 3}})
     with pytest.raises(ConfigError, match="does not exist"):
         GRPOConfig.from_yaml("/nonexistent/grpo.yaml")
+    with pytest.raises(ConfigError, match="rollout.max_restarts must be an integer >= 0"):
+        GRPOConfig.from_dict({"rollout": {"max_restarts": -1}})
+    with pytest.raises(ConfigError, match="trainer.max_failures must be an integer >= 0"):
+        GRPOConfig.from_dict({"trainer": {"max_failures": 1.5}})
 
 
 def test_overrides_do_not_touch_the_original() -> None:

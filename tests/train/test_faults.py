@@ -1,0 +1,128 @@
+"""Crashes during a GRPO run (`areno train` on a Ray head, like test_grpo_run.py): nothing is
+lost and nothing is repeated.
+
+One run of 4 steps (2 prompts x 2 samples each, a checkpoint every step) with two injected
+process crashes (tests/train/fault_task.py), each at an exact point:
+
+- step 2: the rollout worker dies at the start of its first group. Ray restarts the actor
+  (rollout.max_restarts); the trainer sends the restarted worker the current weights and retries
+  the step's rollout with the same samples and seeds.
+- step 3: trainer rank 0 dies in the reward, after the rollout. Ray Train restarts the worker
+  group (trainer.max_failures); the new group resumes from this launch's step-2 checkpoint.
+
+Every step's metrics record lists the sample ids it consumed: over the whole run they must be
+exactly the data stream's order, each step once.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from areno.data import SampleStream, load_samples
+from areno.train.metrics import read_metrics
+
+REPO = Path(__file__).resolve().parents[2]
+CONFIG = REPO / "configs" / "color_quiz.yaml"
+NUM_STEPS, PROMPTS, GROUP = 4, 2, 2
+NUM_SAMPLES = 16
+ROLLOUT_CRASH_STEP = 2  # its first group: call 2 * (step - 1) + 1 of the worker's agent
+TRAINER_CRASH_STEP = 3  # its first reward: call 4 * (step - 1) + 1 of rank 0's reward
+RUN_LIMIT_S = 600  # a generous bound that turns a hang into a failure
+
+
+@pytest.fixture(scope="module")
+def faulty_run(ray_head, tiny_path, tmp_path_factory):
+    """Runs the crashing training once; returns its run directory and all its log text."""
+    root = tmp_path_factory.mktemp("faulty-run")
+    run_dir = root / "run"
+    rollout_marker, trainer_marker = root / "crash-rollout", root / "crash-trainer"
+    rollout_marker.touch()
+    trainer_marker.touch()
+    settings = {
+        "data.loader_kwargs": {"num_samples": NUM_SAMPLES, "media_dir": str(root / "media")},
+        "rollout.agent": "tests.train.fault_task:agent",
+        "rollout.agent_kwargs": {
+            "marker": str(rollout_marker),
+            "kill_at_call": PROMPTS * (ROLLOUT_CRASH_STEP - 1) + 1,
+        },
+        "reward": "tests.train.fault_task:reward",
+        "reward_kwargs": {
+            "marker": str(trainer_marker),
+            "kill_at_call": PROMPTS * GROUP * (TRAINER_CRASH_STEP - 1) + 1,
+        },
+        "rollout.max_restarts": 1,
+        "trainer.max_failures": 1,
+        "run.export_hf": False,
+    }
+    args = [
+        *("--config", str(CONFIG), "--model-path", str(tiny_path("qwen3_5"))),
+        *("--run-dir", str(run_dir), "--max-steps", str(NUM_STEPS), "--save-every", "1"),
+        *("--group-size", str(GROUP), "--prompts-per-step", str(PROMPTS), "--eval-every", "0"),
+    ]
+    for key, value in settings.items():
+        args += ["--set", f"{key}={json.dumps(value)}"]
+    start = time.monotonic()
+    # cwd=REPO: Ray puts the driver's working directory on its workers' path, so they import
+    # tests.train.fault_task.
+    result = ray_head.run(
+        sys.executable, "-m", "areno.cli", "train", "--no-progress", *args,
+        cwd=REPO, timeout=RUN_LIMIT_S,
+    )  # fmt: skip
+    print(f"\nthe run with both crashes took {time.monotonic() - start:.1f} s")
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert not rollout_marker.exists() and not trainer_marker.exists(), "a crash never happened"
+    return run_dir, result.stdout + result.stderr + _session_logs(ray_head.temp_dir)
+
+
+def _session_logs(temp_dir: Path) -> str:
+    """The Ray session's log files (where the trainer's and the workers' log lines land)."""
+    texts = []
+    for path in Path(temp_dir).rglob("*"):
+        if path.is_file() and path.suffix in (".out", ".err", ".log"):
+            texts.append(path.read_text(errors="replace"))
+    return "\n".join(texts)
+
+
+def _step_records(run_dir: Path) -> list[dict]:
+    return [r for r in read_metrics(run_dir) if "sample_ids" in r]
+
+
+def test_a_lost_rollout_worker_is_replaced_and_its_step_retried(faulty_run):
+    run_dir, logs = faulty_run
+    records = {r["step"]: r for r in _step_records(run_dir)}
+    retried = f"step {ROLLOUT_CRASH_STEP}'s rollout is retried (retry 1 of at most 1)"
+    assert retried in logs and "died during the call" in logs
+    assert {s: r["rollout_retries"] for s, r in records.items()} == {
+        s: int(s == ROLLOUT_CRASH_STEP) for s in range(1, NUM_STEPS + 1)
+    }
+    retried_step = records[ROLLOUT_CRASH_STEP]
+    # The restarted worker sampled on step 1's weights, not the checkpoint it was built from:
+    # its policy version is 1 and its logprobs are the trainer's own.
+    assert retried_step["policy_version"] == ROLLOUT_CRASH_STEP - 1
+    assert retried_step["logprob_mismatch_mean_abs"] <= 1e-4
+
+
+def test_a_killed_trainer_worker_resumes_without_losing_or_repeating_data(faulty_run, tmp_path):
+    run_dir, logs = faulty_run
+    assert "restarted after a trainer worker failed" in logs
+    assert f"starting at step {TRAINER_CRASH_STEP - 1}" in logs
+    records = _step_records(run_dir)
+    # one record per step: the crashed step 3 had written none, the resumed run redid it once
+    assert [r["step"] for r in records] == list(range(1, NUM_STEPS + 1))
+    assert [r["data_position"] for r in records] == [PROMPTS * s for s in range(1, NUM_STEPS + 1)]
+    consumed = [sample_id for r in records for sample_id in r["sample_ids"]]
+    samples = load_samples(
+        "areno.tasks.color_quiz:load",
+        split="train",
+        num_samples=NUM_SAMPLES,
+        media_dir=str(tmp_path / "media"),
+    )
+    stream = SampleStream(list(samples), seed=0, shuffle=False)
+    assert consumed == [s.id for s in stream.next_batch(NUM_STEPS * PROMPTS)]
+    saved = json.loads((run_dir / "trainer_state.json").read_text())
+    assert (saved["step"], saved["data_position"]) == (NUM_STEPS, NUM_STEPS * PROMPTS)
