@@ -300,6 +300,22 @@ def run_hf_generate(
 # --- AReno engine ---------------------------------------------------------------------------------
 
 
+def run_requests(generator: Generator, requests: list[dict]) -> list:
+    """All `requests` submitted at once, greedy, token ids only; their merged outputs."""
+
+    def params(r: dict) -> SamplingParams:
+        return SamplingParams(
+            temperature=0, max_tokens=r["max_tokens"], ignore_eos=r["ignore_eos"], detokenize=False
+        )
+
+    async def run_all() -> list:
+        return await asyncio.gather(
+            *(generator.generate_all(r["prompt_inputs"], params(r)) for r in requests)
+        )
+
+    return asyncio.run(run_all())
+
+
 def run_engine(
     model: torch.nn.Module,
     tokenizer: Any,
@@ -318,23 +334,12 @@ def run_engine(
     )
     start = time.perf_counter()  # construction included: a compiled decode compiles there
     generator = Generator.from_model(model, tokenizer, config)
-
-    def params(r: dict) -> SamplingParams:
-        return SamplingParams(
-            temperature=0, max_tokens=r["max_tokens"], ignore_eos=r["ignore_eos"], detokenize=False
-        )
-
-    async def run_all(batch: list[dict]) -> list:
-        return await asyncio.gather(
-            *(generator.generate_all(r["prompt_inputs"], params(r)) for r in batch)
-        )
-
     try:
-        asyncio.run(run_all([dict(r, max_tokens=2) for r in requests[:concurrency]]))  # warm-up
+        run_requests(generator, [dict(r, max_tokens=2) for r in requests[:concurrency]])  # warm-up
         _synchronize(model.device)
         warmup_s = time.perf_counter() - start
         start = time.perf_counter()
-        outputs = asyncio.run(run_all(requests))
+        outputs = run_requests(generator, requests)
         _synchronize(model.device)
         wall_s = time.perf_counter() - start
     finally:

@@ -12,7 +12,6 @@ waits for it anyway when it copies the sampled tokens to the host).
 from __future__ import annotations
 
 import argparse
-import asyncio
 import collections
 import json
 import sys
@@ -22,11 +21,15 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from engine_throughput import MODELS, make_random_id_workload, random_model  # noqa: E402
+from engine_throughput import (  # noqa: E402
+    MODELS,
+    make_random_id_workload,
+    random_model,
+    run_requests,
+)
 
 from areno.engine.config import COMPILE_MODES, EngineConfig  # noqa: E402
 from areno.engine.generator import Generator  # noqa: E402
-from areno.engine.sampling import SamplingParams  # noqa: E402
 
 
 class PartTimer:
@@ -69,25 +72,15 @@ def profile_one(model, requests, concurrency: int, compile_mode: str, device) ->
     timer.wrap(worker, "_sample", "sample + copy", sync=True)
     timer.wrap(core, "_update", "update outputs", sync=False)
 
-    def params(r: dict) -> SamplingParams:
-        return SamplingParams(
-            temperature=0, max_tokens=r["max_tokens"], ignore_eos=r["ignore_eos"], detokenize=False
-        )
-
-    async def run_all(batch: list[dict]) -> list:
-        return await asyncio.gather(
-            *(generator.generate_all(r["prompt_inputs"], params(r)) for r in batch)
-        )
-
     try:
-        asyncio.run(run_all([dict(r, max_tokens=2) for r in requests[:concurrency]]))
+        run_requests(generator, [dict(r, max_tokens=2) for r in requests[:concurrency]])
         warmup_s = time.perf_counter() - start
         timer.seconds.clear()
         timer.calls.clear()
         start = time.perf_counter()
-        outputs = asyncio.run(run_all(requests))
+        outputs = run_requests(generator, requests)
         wall_s = time.perf_counter() - start
-        kernels = kernel_profile(generator, requests[:concurrency], params, device)
+        kernels = kernel_profile(generator, requests[:concurrency], device)
     finally:
         generator.shutdown()
     tokens = sum(len(out.samples[0].token_ids) for out in outputs)
@@ -104,18 +97,15 @@ def profile_one(model, requests, concurrency: int, compile_mode: str, device) ->
     }
 
 
-def kernel_profile(generator, requests, params, device) -> dict:
+def kernel_profile(generator, requests, device) -> dict:
     """GPU kernel time of steady decode steps: profile a batch of long requests mid-decode."""
     if device.type != "cuda":
         return {}
     long = [dict(r, max_tokens=40) for r in requests]
 
-    async def run() -> None:
-        await asyncio.gather(*(generator.generate_all(r["prompt_inputs"], params(r)) for r in long))
-
     activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
     with torch.profiler.profile(activities=activities) as prof:
-        asyncio.run(run())
+        run_requests(generator, long)
     events = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
     total_us = sum(e.self_device_time_total for e in events)
     top = sorted(events, key=lambda e: e.self_device_time_total, reverse=True)[:12]
