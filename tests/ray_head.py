@@ -22,7 +22,16 @@ import pytest
 VENV_BIN = Path(sys.executable).parent
 
 
-def _free_port() -> int:
+# The environment of every Ray process a test starts (and of drivers that join it).
+RAY_TEST_ENV = {
+    "RAY_AUTH_MODE": "disabled",  # a loopback-only cluster of a test; never on a real one
+    "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",  # keep every listener on 127.0.0.1
+    "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.1",
+    "RAY_DEDUP_LOGS": "0",
+}
+
+
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -42,21 +51,14 @@ class RayHead:
 
 
 def ray_env() -> dict:
-    return dict(
-        os.environ,
-        RAY_AUTH_MODE="disabled",
-        RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0",
-        RAY_TRAIN_HEALTH_CHECK_INTERVAL_S="0.1",
-        RAY_DEDUP_LOGS="0",
-        PATH=f"{VENV_BIN}:{os.environ.get('PATH', '')}",
-    )
+    return dict(os.environ, **RAY_TEST_ENV, PATH=f"{VENV_BIN}:{os.environ.get('PATH', '')}")
 
 
 @pytest.fixture(scope="module")
 def ray_head():
     env = ray_env()
     temp_dir = Path(tempfile.mkdtemp(prefix="areno-ray-", dir="/tmp"))
-    port, dashboard_port = _free_port(), _free_port()
+    port, dashboard_port = free_port(), free_port()
     process = subprocess.Popen(
         [
             str(VENV_BIN / "ray"),

@@ -8,25 +8,15 @@ node id of every named node.
 from __future__ import annotations
 
 import contextlib
-import socket
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 import pytest
 
-# The environment of every Ray process the cluster starts (and of drivers that join it).
-RAY_ENV = {
-    "RAY_AUTH_MODE": "disabled",  # a loopback-only cluster of this test; never on a real one
-    "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",  # keep every listener on 127.0.0.1
-    "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.1",
-    "RAY_DEDUP_LOGS": "0",
-}
+from tests.ray_head import RAY_TEST_ENV as RAY_ENV
+from tests.ray_head import free_port
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+__all__ = ["RAY_ENV", "LocalCluster", "free_port", "loopback_cluster"]
 
 
 @dataclass
