@@ -26,6 +26,7 @@ from areno.engine.config import (
 )
 from areno.engine.core import EngineCore
 from areno.engine.executor import Executor, LocalExecutor
+from areno.engine.ipc import CudaIpcWeights
 from areno.engine.outputs import RequestOutput, merge_outputs
 from areno.engine.parallel import load_model_for_rank
 from areno.engine.sampling import SamplingParams
@@ -217,11 +218,14 @@ class Generator:
     ) -> int:
         """Load new weights in place between two steps and set `policy_version`.
 
-        `weights` maps parameter names to full tensors (or is an iterable of pairs, or a Ray
-        object ref to either). Requests in flight continue on the new weights; pause first to
-        keep a rollout on one version. Returns the number of tensors loaded.
+        `weights` maps parameter names to full tensors (or is an iterable of pairs, a Ray object
+        ref to either, or `CudaIpcWeights` shared from a process on this GPU). Requests in flight
+        continue on the new weights; pause first to keep a rollout on one version. Returns the
+        number of tensors loaded.
         """
         weights = _resolve(weights)
+        if isinstance(weights, CudaIpcWeights):
+            weights = weights.open()
         pairs = list(weights.items()) if isinstance(weights, Mapping) else list(weights)
 
         def load() -> int:

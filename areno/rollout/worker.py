@@ -15,6 +15,7 @@ from typing import Any
 
 from areno.engine.config import EngineConfig
 from areno.engine.generator import Generator
+from areno.engine.ipc import visible_gpu_uuids
 from areno.engine.sampling import SamplingParams
 from areno.media.decoder import MediaDecoder
 from areno.media.sources import MediaPolicy
@@ -94,6 +95,11 @@ class RolloutWorker:
 
     def policy_version(self) -> int:
         return self.env.generator.policy_version
+
+    def gpu_uuids(self) -> list[str]:
+        """The GPUs this worker's generator sees (the trainer shares weights by CUDA IPC with
+        workers on its own GPU)."""
+        return visible_gpu_uuids()
 
     def stats(self) -> dict[str, Any]:
         return {**self.env.generator.stats(), **self.env.decoder.cache_info()}

@@ -101,6 +101,9 @@ class OptimConfig:
     grad_clip: float = 1.0
 
 
+WEIGHT_SYNC_TRANSPORTS = ("auto", "object_store", "cuda_ipc")
+
+
 @dataclass
 class TrainerConfig:
     """Ray Train workers holding the policy under DeepSpeed."""
@@ -118,9 +121,18 @@ class TrainerConfig:
     # restart resumes from this launch's newest checkpoint (set run.save_every), or from where
     # the launch began when it has saved none yet
     max_failures: int = 0
+    # how rank 0 sends the weights to the rollout workers after each step: "object_store" (host
+    # copies through Ray's object store, any placement), "cuda_ipc" (device-memory handles; every
+    # rollout worker must share rank 0's GPU, ZeRO-0/1/2), or "auto" (cuda_ipc where it can)
+    weight_sync: str = "auto"
 
     def __post_init__(self) -> None:
         _positive("trainer", "num_workers", self.num_workers)
+        if self.weight_sync not in WEIGHT_SYNC_TRANSPORTS:
+            raise ConfigError(
+                f"trainer.weight_sync must be one of {WEIGHT_SYNC_TRANSPORTS}; "
+                f"got {self.weight_sync!r}"
+            )
         _positive("trainer", "max_failures", self.max_failures, allow_zero=True)
         self.resources_per_worker = check_custom_resources(
             self.resources_per_worker, "trainer.resources_per_worker"

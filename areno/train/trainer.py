@@ -19,7 +19,7 @@ from areno.train.config import GRPOConfig
 from areno.train.grpo import logprob_mismatch, policy_loss
 from areno.train.metrics import MetricsWriter
 from areno.train.policy import count_parameters, load_policy, sequence_logprobs, set_train_mode
-from areno.train.weight_sync import WeightSync, trainable_state
+from areno.train.weight_sync import WeightSync, gathered, trainable_named
 
 logger = logging.getLogger("areno.train")
 
@@ -265,14 +265,20 @@ def train_loop(loop_config: dict) -> None:
     sync = coordinator = None
     if rank == 0:
         sync = WeightSync(
-            workers, learner.module, config.trainer.zero_stage, config.rollout.max_restarts
+            workers,
+            learner.module,
+            config.trainer.zero_stage,
+            config.rollout.max_restarts,
+            config.trainer.weight_sync,
         )
         coordinator = Coordinator(config, sync, state)
         logger.warning(
-            "areno train: %d of %d parameters trainable (frozen: %s); starting at step %d%s",
+            "areno train: %d of %d parameters trainable (frozen: %s), sent to the rollout "
+            "workers by %s; starting at step %d%s",
             learner.num_trainable,
             learner.num_total,
             ", ".join(learner.frozen) or "nothing",
+            sync.transport,
             state.step,
             " (restarted after a trainer worker failed; resumed from its checkpoint)"
             if restarted
@@ -295,8 +301,9 @@ def train_loop(loop_config: dict) -> None:
 
 def _sync(learner: Learner, sync: WeightSync | None, version: int, rank: int) -> float:
     """Every rank gathers (a collective under ZeRO-3); rank 0 sends."""
-    state = trainable_state(learner.module, learner.config.trainer.zero_stage, rank=rank)
-    return sync.push(state, version) if sync is not None else 0.0
+    named = trainable_named(learner.module)
+    with gathered([p for _, p in named], learner.config.trainer.zero_stage):
+        return sync.push(named, version) if sync is not None else 0.0
 
 
 def run_steps(

@@ -1,9 +1,15 @@
-"""Trainer -> generator weight sync through the Ray object store.
+"""Trainer -> generator weight sync.
 
 After each optimizer step the trainable parameters (the frozen towers never change, so they are
 not sent) go to every rollout worker, which loads them in place between two engine steps and
-takes the new policy version. `WeightSync` also brings a restarted rollout worker (which comes
-back with the checkpoint it was built from) to the current policy.
+takes the new policy version. Two transports:
+- "object_store": rank 0 copies the parameters to host memory and puts them in Ray's object
+  store once; every worker, on any node, reads them from there.
+- "cuda_ipc": when every rollout worker shares rank 0's GPU (colocated GRPO with fractional GPUs),
+  rank 0 sends CUDA IPC handles of its parameters and each worker copies device to device; no
+  host copy. Needs whole parameters on rank 0 (ZeRO-0/1/2).
+`WeightSync` also brings a restarted rollout worker (which comes back with the checkpoint it was
+built from) to the current policy.
 """
 
 from __future__ import annotations
@@ -16,9 +22,13 @@ from typing import Any
 
 import torch
 
+from areno.engine.ipc import CudaIpcWeights, device_uuid
+from areno.errors import ConfigError
 from areno.train.rollouts import RolloutWorkerLostError, wait_all, wait_for_workers
 
 logger = logging.getLogger("areno.train")
+
+Named = list[tuple[str, torch.nn.Parameter]]
 
 
 def gathered(params: list[torch.nn.Parameter], zero_stage: int):
@@ -30,18 +40,39 @@ def gathered(params: list[torch.nn.Parameter], zero_stage: int):
     return deepspeed.zero.GatheredParameters(params, modifier_rank=None)
 
 
-def trainable_state(
-    module: torch.nn.Module, zero_stage: int, *, rank: int, names: Sequence[str] | None = None
-) -> dict[str, torch.Tensor] | None:
-    """Full CPU copies of the trainable parameters on rank 0 (None elsewhere). Every rank must
-    call it: under ZeRO-3 gathering is a collective."""
-    named = [
-        (n, p) for n, p in module.named_parameters() if p.requires_grad or (names and n in names)
-    ]
-    with gathered([p for _, p in named], zero_stage):
-        if rank != 0:
-            return None
-        return {n: p.detach().to("cpu", copy=True) for n, p in named}
+def trainable_named(module: torch.nn.Module) -> Named:
+    return [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+
+
+def host_copies(named: Named) -> dict[str, torch.Tensor]:
+    return {n: p.detach().to("cpu", copy=True) for n, p in named}
+
+
+def choose_transport(
+    requested: str, module: torch.nn.Module, zero_stage: int, workers: Sequence[Any]
+) -> str:
+    """ "object_store" or "cuda_ipc" for `requested` ("auto" picks cuda_ipc where it works)."""
+    if requested == "object_store":
+        return requested
+    import ray
+
+    param = next(module.parameters())
+    reasons = []
+    if not param.is_cuda:
+        reasons.append(f"the trainer's parameters are on {param.device}")
+    elif zero_stage == 3:
+        reasons.append("ZeRO-3 partitions the parameters over the trainer ranks")
+    else:
+        sender = device_uuid(param.device.index)
+        seen = ray.get([w.gpu_uuids.remote() for w in workers])
+        away = [i for i, uuids in enumerate(seen) if sender not in uuids]
+        if away:
+            reasons.append(f"rollout workers {away} do not share the trainer's GPU {sender}")
+    if not reasons:
+        return "cuda_ipc"
+    if requested == "cuda_ipc":
+        raise ConfigError(f"trainer.weight_sync=cuda_ipc is impossible: {reasons[0]}")
+    return "object_store"
 
 
 class WeightSync:
@@ -55,22 +86,27 @@ class WeightSync:
     """
 
     def __init__(
-        self, workers: Sequence[Any], module: torch.nn.Module, zero_stage: int, max_retries: int
+        self,
+        workers: Sequence[Any],
+        module: torch.nn.Module,
+        zero_stage: int,
+        max_retries: int,
+        transport: str = "auto",
     ) -> None:
         self.workers = list(workers)
         self.module, self.zero_stage, self.max_retries = module, zero_stage, max_retries
+        self.transport = choose_transport(transport, module, zero_stage, self.workers)
         self.version: int | None = None
         self._kept: Any = None  # ObjectRef of the last push (ZeRO-3 only)
 
-    def push(self, state: dict[str, torch.Tensor], version: int) -> float:
-        """Send `state` as policy `version` to every worker; returns seconds taken."""
-        import ray
-
+    def push(self, named: Named, version: int) -> float:
+        """Send the parameters `named` (whole, on rank 0) as policy `version` to every worker;
+        returns seconds taken."""
         start = time.perf_counter()
-        ref = ray.put(state)
+        payload = self._payload(named)
         self.version = version
-        self._kept = ref if self.zero_stage == 3 else None
-        self._send(list(range(len(self.workers))), ref)
+        self._kept = payload if self.zero_stage == 3 else None
+        self._send(list(range(len(self.workers))), payload)
         return time.perf_counter() - start
 
     def restore(self) -> list[int]:
@@ -83,12 +119,17 @@ class WeightSync:
             self._send(behind, self._current())
         return behind
 
-    def _current(self) -> Any:
+    def _payload(self, named: Named) -> Any:
+        if self.transport == "cuda_ipc":
+            return CudaIpcWeights.share(named)
         import ray
 
+        return ray.put(host_copies(named))
+
+    def _current(self) -> Any:
         if self._kept is not None:
             return self._kept
-        return ray.put(trainable_state(self.module, self.zero_stage, rank=0))
+        return self._payload(trainable_named(self.module))
 
     def _send(self, indices: list[int], ref: Any) -> None:
         """update_weights on the workers `indices`; those lost during the call are waited for

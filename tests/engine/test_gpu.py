@@ -79,3 +79,40 @@ def test_generator_on_cuda_bf16(tiny_path):
     assert gen.core.executor.worker.device.type == "cuda"
     assert [len(s.token_ids) for s in out.samples] == [16, 16, 16]
     assert all(lp <= 0 for s in out.samples for lp in s.logprobs)
+
+
+def _share_weights(shapes, queue, done) -> None:
+    """Child process: random CUDA tensors of `shapes`, shared by IPC handle, kept alive until
+    the parent has loaded them."""
+    from areno.engine.ipc import CudaIpcWeights
+
+    torch.manual_seed(1)
+    tensors = {n: torch.randn(s, dtype=d, device="cuda") for n, (s, d) in shapes.items()}
+    queue.put((CudaIpcWeights.share(tensors.items()), {n: t.cpu() for n, t in tensors.items()}))
+    done.wait(timeout=120)
+
+
+def test_update_weights_by_cuda_ipc(tiny_path):
+    import multiprocessing
+
+    gen = Generator.from_config(
+        tiny_path("qwen3_5"), EngineConfig(max_running_prompts=2, max_context_len=128)
+    )
+    context = multiprocessing.get_context("spawn")
+    queue, done = context.Queue(), context.Event()
+    try:
+        params = dict(gen.core.executor.worker.model.named_parameters())
+        names = [n for n in params if "language_model" in n][:4]
+        shapes = {n: (tuple(params[n].shape), params[n].dtype) for n in names}
+        child = context.Process(target=_share_weights, args=(shapes, queue, done))
+        child.start()
+        shared, expected = queue.get(timeout=120)
+        assert asyncio.run(gen.update_weights(shared, version=3)) == len(names)
+        done.set()
+        child.join(timeout=60)
+        assert gen.policy_version == 3
+        for name in names:
+            assert torch.equal(params[name].cpu(), expected[name])
+    finally:
+        done.set()
+        gen.shutdown()
