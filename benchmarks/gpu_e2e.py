@@ -227,13 +227,28 @@ def run_serve(args: argparse.Namespace, work: Path) -> dict:
 
 
 def run_grpo(args: argparse.Namespace, work: Path) -> dict:
+    """One `areno train` run per `--weight-sync` transport, same seed and steps."""
+    runs = {}
+    for transport in args.weight_sync:
+        runs[transport] = _grpo_run(args, work, transport)
+    keys = ("rollout_s", "reward_s", "train_s", "weight_sync_s", "step_s")
+    print(f"\ngrpo (qwen3_5 {args.size}, color quiz, {args.steps} steps; step 1 includes warm-up)")
+    print(f"{'weight sync':<13} {'step':>4} " + " ".join(f"{k:>14}" for k in keys))
+    for transport, run in runs.items():
+        for r in run["steps"]:
+            values = " ".join(f"{r.get(k) or float('nan'):>14.2f}" for k in keys)
+            print(f"{transport:<13} {r.get('step', '?'):>4} {values}")
+    return runs
+
+
+def _grpo_run(args: argparse.Namespace, work: Path, transport: str) -> dict:
     from areno.train.metrics import read_metrics
 
     path = _checkpoint("qwen3_5", args.size, work)
-    run_dir = work / "grpo-run"
-    overrides = []
+    run_dir = work / f"grpo-run-{transport}"
+    overrides = [f"trainer.weight_sync={transport}"]
     if args.device == "cuda":
-        overrides = [
+        overrides += [
             "trainer.use_gpu=true",
             "trainer.num_gpus_per_worker=0.5",
             "rollout.num_gpus_per_worker=0.5",
@@ -258,19 +273,15 @@ def run_grpo(args: argparse.Namespace, work: Path) -> dict:
         "--save-every",
         "0",
         "--no-progress",
+        "--set",
+        "run.export_hf=false",
         *(arg for o in overrides for arg in ("--set", o)),
         env=env,
     )
     wall_s = time.perf_counter() - start
-    keys = ("rollout_s", "reward_s", "train_s", "weight_sync_s", "step_s")
+    keys = ("step", "rollout_s", "reward_s", "train_s", "weight_sync_s", "step_s")
     steps = [r for r in read_metrics(run_dir) if "step_s" in r]
-    print(f"\ngrpo (qwen3_5 {args.size}, color quiz, {args.steps} steps, wall {wall_s:.0f} s)")
-    print(f"{'step':>4} " + " ".join(f"{k:>14}" for k in keys))
-    for r in steps:
-        print(
-            f"{r.get('step', '?'):>4} " + " ".join(f"{r.get(k, float('nan')):>14.2f}" for k in keys)
-        )
-    return {"wall_s": wall_s, "steps": [{k: r.get(k) for k in ("step", *keys)} for r in steps]}
+    return {"wall_s": wall_s, "steps": [{k: r.get(k) for k in keys} for r in steps]}
 
 
 # --- tp --------------------------------------------------------------------------------------------
@@ -377,6 +388,13 @@ def main() -> None:
     parser.add_argument("--families", nargs="+", default=["qwen3_5", "gemma4"])
     parser.add_argument("--requests", type=int, default=8)
     parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument(
+        "--weight-sync",
+        nargs="+",
+        default=["auto"],
+        choices=["auto", "object_store", "cuda_ipc"],
+        help="grpo: one run per transport (trainer.weight_sync)",
+    )
     parser.add_argument("--work-dir", help="keeps checkpoints between runs (default: a temp dir)")
     parser.add_argument("--out", default="benchmarks/results/gpu_e2e.json")
     args = parser.parse_args()

@@ -9,6 +9,7 @@ the same node as rank 0: in the bundles of the caller's placement group when it 
 
 from __future__ import annotations
 
+import dataclasses
 import socket
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -18,7 +19,9 @@ import torch
 import torch.distributed as dist
 
 from areno.engine import parallel
+from areno.engine.ipc import visible_gpu_uuids
 from areno.engine.worker import StepInput, StepOutput, Worker
+from areno.errors import ConfigError
 from areno.models.registry import adapter_for_checkpoint
 from areno.processing.types import PromptInputs
 
@@ -67,9 +70,13 @@ class TPFollower:
     """Ranks 1..N-1: load a shard, then run whatever rank 0 broadcasts until told to stop."""
 
     def __init__(self, rank: int, spec: RankSpec):
-        self.worker = _load_worker(rank, spec)
+        self.rank, self.spec = rank, spec
 
-    def ready(self) -> bool:
+    def gpu_uuids(self) -> list[str]:
+        return visible_gpu_uuids()
+
+    def load(self) -> bool:
+        self.worker = _load_worker(self.rank, self.spec)
         return True
 
     def follow(self) -> int:
@@ -108,8 +115,12 @@ class TPExecutor:
             for rank in range(1, spec.tp_size)
         ]
         try:
+            if num_gpus:
+                taken = ray.get([f.gpu_uuids.remote() for f in self.followers])
+                spec = dataclasses.replace(spec, device=_rank0_device(spec.device, taken))
+            loads = [f.load.remote() for f in self.followers]
             self.worker = _load_worker(0, spec)
-            ray.get([f.ready.remote() for f in self.followers])
+            ray.get(loads)
         except BaseException:
             for actor in self.followers:
                 ray.kill(actor)
@@ -147,6 +158,24 @@ class TPExecutor:
         ray.get(self._loops, timeout=60)
         for actor in self.followers:
             ray.kill(actor)
+
+
+def _rank0_device(device: str, taken: list[list[str]]) -> str:
+    """Rank 0's GPU: `device` unless a follower holds it. Ray gives each follower a GPU of its
+    own, but it cannot know which one rank 0 uses when rank 0 is not an actor holding one (a
+    driver script that sees every GPU); rank 0 then takes one no follower has."""
+    uuids = visible_gpu_uuids()
+    used = {uuid for follower in taken for uuid in follower}
+    index = torch.device(device).index or 0
+    if uuids[index] not in used:
+        return device
+    free = [i for i, uuid in enumerate(uuids) if uuid not in used]
+    if not free:
+        raise ConfigError(
+            f"tensor parallelism over NCCL needs one GPU per rank; rank 0 sees {len(uuids)} "
+            "GPU(s), all held by the other ranks"
+        )
+    return f"cuda:{free[0]}"
 
 
 def _follower_strategy(rank: int, tp_size: int) -> Any:
