@@ -407,7 +407,7 @@ def main() -> None:
     runners = {"engine": run_engine, "serve": run_serve, "grpo": run_grpo, "tp": run_tp}
     report: dict[str, Any] = {"device": args.device, "num_gpus": num_gpus, "size": args.size}
     with tempfile.TemporaryDirectory() as tmp:
-        work = Path(args.work_dir or tmp)
+        work = Path(args.work_dir or tmp).resolve()  # Ray workers run elsewhere
         work.mkdir(parents=True, exist_ok=True)
         for part in parts:
             start = time.perf_counter()
