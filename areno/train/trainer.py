@@ -86,6 +86,10 @@ class Learner:
         cfg = self.config.grpo
         sums: dict[str, float] = {"tokens": 0.0, "abs_diff": 0.0, "max_abs": 0.0, "clip": 0.0}
         sums.update({"kl": 0.0, "loss": 0.0, "ratio_max": 0.0})
+        if not totals["learn"]:
+            # NOTE: every advantage is 0 and there is no KL term, so the loss has no gradient;
+            # an optimizer step would still move the weights along Adam's momentum.
+            return sums
         scale_all = (self.config.episodes_per_step // self.world_size) * self.world_size
         for traj, advantage in share:
             start = traj.num_prompt_tokens
@@ -333,10 +337,13 @@ def run_steps(
             pairs = list(zip(trajectories, adv.tolist(), strict=True))
             per_rank = len(pairs) // world
             shares = [pairs[r * per_rank : (r + 1) * per_rank] for r in range(world)]
+            learn = config.grpo.loss.kl_coef > 0 or bool(adv.ne(0).any())
             totals = {
                 "tokens": sum(t.num_generated_tokens for t in trajectories),
                 "episodes": len(trajectories),
+                "learn": learn,
             }
+            metrics["update_skipped"] = float(not learn)
         else:
             shares, totals = None, None
         share, totals = _scatter(shares, totals, rank)

@@ -1,0 +1,180 @@
+"""Multi-turn (agentic) episodes as training data, on the tiny Gemma 4 of the AVE example.
+
+The real generator samples every turn; tools return an image written with Pillow and an audio
+clip, which run_episode encodes and appends between turns; the parser is scripted
+(tests/rollout/scripted.py). Checked against what the generator actually produced:
+- the loss mask is 1 exactly on each turn's sampled tokens, 0 on the prompt, on the tool results
+  (media placeholders included) and on the end-of-turn token the episode appends itself;
+- the rollout logprobs sit on those same tokens, and the policy's one forward over the whole
+  episode (fp32, before any update) gives them back, with each tool result's media acting on the
+  turns after it and on none before;
+- an episode that ends on a truncated turn, a malformed call, bad call arguments, the context
+  limit or the turn limit ends as `Trajectory.finish` documents.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from areno.train.policy import load_policy, sequence_logprobs
+from tests.rollout.scripted import Turn, make_setup, run_scripted
+
+LOOK, HEAR, SUBMIT = Turn(("look",)), Turn(("hear",)), Turn(("submit",))
+
+
+@pytest.fixture(scope="module")
+def setup(tiny_path, tmp_path_factory):
+    setup = make_setup(tiny_path("gemma4"), tmp_path_factory.mktemp("scene"))
+    yield setup
+    setup.shutdown()
+
+
+@pytest.fixture(scope="module")
+def episode(setup):
+    """look (an image back) -> hear (an audio clip back) -> submit (final)."""
+    return run_scripted(setup, [LOOK, HEAR, SUBMIT], seed=3)[0]
+
+
+@pytest.fixture(scope="module")
+def policy(setup):
+    model, _, _ = load_policy(setup.checkpoint, dtype=torch.float32)
+    return model.eval()
+
+
+def expected_mask(traj, sampled) -> list[int]:
+    mask = [0] * traj.num_tokens
+    for turn in sampled:
+        mask[turn.start : turn.start + len(turn.token_ids)] = [1] * len(turn.token_ids)
+    return mask
+
+
+def turn_slices(traj, sampled) -> list[slice]:
+    """Each turn's sampled tokens, as positions of the scored part (tokens from the prompt on)."""
+    n = traj.num_prompt_tokens
+    return [slice(t.start - n, t.start - n + len(t.token_ids)) for t in sampled]
+
+
+def test_loss_mask_is_one_exactly_on_the_sampled_tokens_of_every_turn(setup, episode):
+    traj, sampled = episode
+    assert traj.finish == "final_tool" and traj.num_turns == len(sampled) == 3
+    assert [c.name for c in traj.tool_calls] == ["look", "hear", "submit"]
+    assert [c.num_media for c in traj.tool_calls] == [1, 1, 0]
+    assert sampled[0].start == traj.num_prompt_tokens
+    for turn, following in zip(sampled, [*sampled[1:], None], strict=True):
+        end = turn.start + len(turn.token_ids)
+        # the tokens and their logprobs are the generator's, at the positions it sampled them
+        assert traj.token_ids[turn.start : end] == turn.token_ids
+        assert traj.rollout_logprobs[turn.start : end] == turn.logprobs
+        # the turn was cut, not ended by the model: the episode closes it with end-of-turn
+        assert turn.token_ids[-1] != setup.eot and traj.token_ids[end] == setup.eot
+        # then the tool result, through the next generation prompt: all 0
+        if following is not None:
+            assert following.start > end + 1
+    assert traj.loss_mask == expected_mask(traj, sampled)
+    assert traj.num_generated_tokens == sum(len(t.token_ids) for t in sampled)
+    off = [lp for lp, bit in zip(traj.rollout_logprobs, traj.loss_mask, strict=True) if not bit]
+    assert set(off) == {0.0}
+    # every media item (prompt and tool results) sits on mask-0 tokens
+    assert [s.modality for s in traj.inputs.mm_spans] == ["image", "audio", "image", "audio"]
+    for span in traj.inputs.mm_spans:
+        assert not any(traj.loss_mask[span.start : span.end])
+    assert traj.policy_versions == [0, 0, 0]
+
+
+def test_policy_scores_every_turn_as_the_generator_did(episode, policy):
+    """One forward over the whole episode, with the prompt's and the tools' media, gives the
+    rollout logprobs of every turn's tokens (fp32, before any update)."""
+    traj, sampled = episode
+    start = traj.num_prompt_tokens
+    with torch.no_grad():
+        scored = sequence_logprobs(policy, traj.inputs, "cpu", start)
+    rollout = torch.tensor(traj.rollout_logprobs[start:])
+    mask = torch.tensor(traj.loss_mask[start:], dtype=torch.bool)
+    assert scored.shape == rollout.shape
+    diff = (scored - rollout)[mask].abs()
+    assert diff.numel() == traj.num_generated_tokens
+    assert diff.max().item() < 1e-4, diff.max().item()
+    for part in turn_slices(traj, sampled):
+        assert (scored[part] - rollout[part]).abs().max().item() < 1e-4
+
+
+@pytest.mark.parametrize("key, item", [("pixel_values", 1), ("input_features", 1)])
+def test_tool_media_act_on_the_later_turns_only(episode, policy, key, item):
+    """Replacing the features of the tool's image (look, after turn 1) or audio clip (hear,
+    after turn 2) changes the logprobs of the turns after it and of none before: the media of a
+    tool result sit where the generator put them."""
+    traj, sampled = episode
+    start = traj.num_prompt_tokens
+    values = traj.inputs.mm_inputs[key].clone()
+    generator = torch.Generator().manual_seed(0)
+    values[item] = torch.randn(values[item].shape, generator=generator) * values.std() + 1.0
+    inputs = dataclasses.replace(traj.inputs, mm_inputs={**traj.inputs.mm_inputs, key: values})
+    with torch.no_grad():
+        base = sequence_logprobs(policy, traj.inputs, "cpu", start)
+        changed = sequence_logprobs(policy, inputs, "cpu", start)
+    modality = "image" if key == "pixel_values" else "audio"
+    span = [s for s in traj.inputs.mm_spans if s.modality == modality][item]
+    slices = turn_slices(traj, sampled)
+    before = [p for p, t in zip(slices, sampled, strict=True) if t.start < span.start]
+    after = [p for p, t in zip(slices, sampled, strict=True) if t.start > span.end]
+    assert before and after
+    for part in before:
+        torch.testing.assert_close(changed[part], base[part], atol=1e-6, rtol=0)
+    assert max((changed[p] - base[p]).abs().max().item() for p in after) > 1e-3
+
+
+def test_a_call_cut_off_by_the_token_limit_is_not_run(setup):
+    """finish="length": the truncated turn is kept and trained on as sampled (mask 1), its call
+    is not run, nothing is appended after it (no end-of-turn, no tool result)."""
+    traj, sampled = run_scripted(setup, [Turn(("look",), stopped=False)], seed=5)[0]
+    (turn,) = sampled
+    assert turn.finish_reason == "length" and turn.token_ids[-1] != setup.eot
+    assert traj.finish == "length" and traj.tool_calls == [] and traj.num_turns == 1
+    n = traj.num_prompt_tokens
+    assert traj.token_ids[n:] == turn.token_ids
+    assert traj.loss_mask == [0] * n + [1] * len(turn.token_ids)
+    assert len(traj.inputs.mm_spans) == 2  # the prompt's image and audio only
+
+
+def test_a_malformed_call_is_a_final_answer(setup):
+    """A block the parser cannot read as a call is content: the turn is the final answer
+    (finish="answer"), counted as malformed, its tokens trained on as sampled."""
+    traj, sampled = run_scripted(setup, [Turn((), malformed=1)], seed=7)[0]
+    (turn,) = sampled
+    assert traj.finish == "answer" and traj.num_malformed_tool_calls == 1
+    assert traj.tool_calls == [] and traj.num_turns == 1
+    n = traj.num_prompt_tokens
+    assert traj.token_ids[n:] == turn.token_ids
+    assert traj.loss_mask == [0] * n + [1] * len(turn.token_ids)
+
+
+def test_arguments_that_are_not_an_object_come_back_as_an_error(setup):
+    """The call runs as an error text for the model to read, and the episode goes on."""
+    traj, sampled = run_scripted(setup, [Turn(("look",), arguments="[1, 2]"), SUBMIT], seed=9)[0]
+    assert traj.finish == "final_tool" and traj.num_turns == 2
+    first = traj.tool_calls[0]
+    assert first.name == "look" and first.num_media == 0
+    assert first.result_text == "error: the arguments must be a JSON object"
+    assert traj.loss_mask == expected_mask(traj, sampled)
+
+
+def test_the_context_limit_keeps_the_sampled_turn_and_drops_the_result(setup):
+    """A tool result that does not fit ends the episode (finish="context") without it: the
+    sampled turn stays (mask 1), closed by an end-of-turn token (mask 0)."""
+    prompt = run_scripted(setup, [Turn(())], seed=1)[0][0].num_prompt_tokens
+    traj, sampled = run_scripted(setup, [LOOK, SUBMIT], seed=11, max_context_len=prompt + 20)[0]
+    (turn,) = sampled
+    assert traj.finish == "context" and traj.num_turns == 1
+    n = traj.num_prompt_tokens
+    assert traj.token_ids[n:] == [*turn.token_ids, setup.eot]
+    assert traj.loss_mask == [0] * n + [1] * len(turn.token_ids) + [0]
+    assert len(traj.inputs.mm_spans) == 2
+
+
+def test_the_turn_limit_ends_after_the_last_turn(setup):
+    traj, sampled = run_scripted(setup, [LOOK, LOOK, LOOK], seed=13)[0]
+    assert traj.finish == "max_turns" and traj.num_turns == 3
+    assert traj.loss_mask == expected_mask(traj, sampled)
