@@ -1,0 +1,64 @@
+#!/usr/bin/env bash
+# Pack what an offline x86-64 GPU machine needs to run AReno's GPU paths (benchmarks/gpu_e2e.py,
+# `pytest -m gpu`) when it already has Python, torch, triton and the common scientific stack but
+# no package index: one site-packages tarball plus the DeepSpeed sdist (it builds there, against
+# that machine's torch). Versions are this checkout's .venv's.
+#
+#   bash scripts/offline_bundle.sh OUT_DIR            # OUT_DIR/site.tar.xz (~56 MiB), deepspeed-*.tar.gz
+#
+# Then on the GPU machine, from the repository root:
+#   mkdir -p site && tar -xJf OUT_DIR/site.tar.xz -C site
+#   python3 -m pip install --no-index --no-deps --no-build-isolation --target site OUT_DIR/deepspeed-*.tar.gz
+#   export PYTHONPATH=$PWD/site:$PWD
+#
+# TARGET_PYTHON (default 3.12) is the GPU machine's Python; TARGET_GRPCIO (default 1.84.0) its
+# grpcio version, which grpcio-reflection must not exceed. Ray's wheel is cut to fit one transfer:
+# without its Java jars, the dashboard's built web client and RLlib, its binaries stripped.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+out="$(realpath -m "${1:?usage: offline_bundle.sh OUT_DIR}")"
+py="${TARGET_PYTHON:-3.12}"
+grpcio="${TARGET_GRPCIO:-1.84.0}"
+pip=(.venv/bin/python -m pip)
+work="$(mktemp -d)"
+trap 'rm -rf "$work"' EXIT
+
+packages=(
+    ray transformers tokenizers pydantic pydantic-core annotated-types typing-inspection
+    fastapi starlette uvicorn jsonschema jsonschema-specifications referencing rpds-py
+    openai jiter sniffio hjson av soundfile cffi pycparser tensorboardX colorful
+    opentelemetry-api opentelemetry-sdk opentelemetry-proto opentelemetry-exporter-prometheus
+    opentelemetry-semantic-conventions google-api-core google-auth
+    googleapis-common-protos proto-plus pyasn1 httpcore2 httpx2 truststore watchfiles
+)
+pins=()
+for name in "${packages[@]}"; do
+    version="$("${pip[@]}" show "$name" 2>/dev/null | sed -n 's/^Version: //p' || true)"
+    if [ -z "$version" ]; then
+        echo "offline_bundle: $name is not in .venv (bash scripts/setup.sh first?)" >&2
+        exit 1
+    fi
+    pins+=("$name==$version")
+done
+# Not in a Python 3.11 .venv (the standard library has it) but imported by opentelemetry there.
+pins+=("grpcio-reflection==$grpcio" "importlib-metadata==10.2.0")
+
+platforms=()
+for p in manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_17_x86_64 manylinux2014_x86_64 any; do
+    platforms+=(--platform "$p")
+done
+"${pip[@]}" download -q --no-deps --only-binary=:all: --python-version "$py" \
+    --implementation cp "${platforms[@]}" -d "$work/wheels" "${pins[@]}"
+"${pip[@]}" install -q --no-deps --no-compile --target "$work/site" --python-version "$py" \
+    --implementation cp --only-binary=:all: "${platforms[@]}" "$work"/wheels/*.whl
+
+rm -rf "$work/site/ray/jars" "$work/site/ray/dashboard/client/build" "$work/site/ray/rllib"
+strip --strip-unneeded "$work/site/ray/_raylet.so" "$work/site/ray/core/src/ray/gcs/gcs_server" \
+    "$work/site/ray/core/src/ray/raylet/raylet"
+find "$work/site" -name __pycache__ -prune -exec rm -rf {} +
+
+mkdir -p "$out"
+tar -C "$work/site" -cf - . | xz -T0 -9 > "$out/site.tar.xz"
+"${pip[@]}" download -q --no-deps --no-binary=:all: -d "$out" \
+    "deepspeed==$("${pip[@]}" show deepspeed | sed -n 's/^Version: //p')"
+ls -la "$out"
