@@ -149,6 +149,9 @@ class RunConfig:
     eval_every: int = 5  # 0: never
     eval_size: int = 16
     eval_temperature: float = 0.0
+    # episodes per held-out prompt, averaged (as verl's val n): with eval_temperature > 0 the
+    # held-out reward is then that of the sampling policy, not of one draw
+    eval_samples_per_prompt: int = 1
     seed: int = 0
     resume: bool = False
     export_hf: bool = True
@@ -158,6 +161,7 @@ class RunConfig:
         _positive("run", "max_steps", self.max_steps)
         _positive("run", "save_every", self.save_every, allow_zero=True)
         _positive("run", "eval_every", self.eval_every, allow_zero=True)
+        _positive("run", "eval_samples_per_prompt", self.eval_samples_per_prompt)
 
 
 @dataclass

@@ -178,6 +178,7 @@ def rollout_metrics(trajectories: Sequence[Trajectory], prefix: str = "") -> dic
     n = max(len(trajectories), 1)
     rewards = torch.tensor([t.reward or 0.0 for t in trajectories], dtype=torch.float64)
     metrics = {
+        "episodes": float(len(trajectories)),
         "reward_mean": rewards.mean().item() if len(trajectories) else 0.0,
         "reward_std": rewards.std(unbiased=False).item() if len(trajectories) else 0.0,
         "accuracy": sum(_is_correct(t) for t in trajectories) / n,

@@ -242,9 +242,10 @@ class Coordinator:
             return {}
         start = time.perf_counter()
         sampling = dataclasses.replace(self.sampling, temperature=self.config.run.eval_temperature)
-        groups, _, _ = self._collect("evaluation", self.eval_samples, 1, sampling, 12345)
+        per_prompt = self.config.run.eval_samples_per_prompt
+        groups, _, _ = self._collect("evaluation", self.eval_samples, per_prompt, sampling, 12345)
         rollouts.score(self.reward_fn, groups, self.eval_samples, self.config.reward_kwargs)
-        metrics = rollouts.rollout_metrics([g[0] for g in groups], prefix="eval/")
+        metrics = rollouts.rollout_metrics([t for g in groups for t in g], prefix="eval/")
         metrics["eval_s"] = time.perf_counter() - start
         return metrics
 

@@ -86,9 +86,12 @@ def test_example_trains_two_steps(name, ray_head, tiny_path, tmp_path):
     script, config, family = EXAMPLES[name]
     data = generate(script, tmp_path / "data")
     run_dir = tmp_path / "run"
+    flags = list(SMOKE_FLAGS)
+    if name == "ave":  # held out: 2 clips x grpo.yaml's eval_samples_per_prompt (2), sampled
+        flags += ["--eval-every", "2"]
     result = ray_head.run(
         sys.executable, "-m", "areno.cli", "train", "--no-progress", "--config", str(config),
-        "--model-path", str(tiny_path(family)), "--run-dir", str(run_dir), *SMOKE_FLAGS,
+        "--model-path", str(tiny_path(family)), "--run-dir", str(run_dir), *flags,
         "--set", f"data.loader_kwargs.path={data}", "--set", f"data.eval_loader_kwargs.path={data}",
         cwd=REPO, timeout=600,
     )  # fmt: skip
@@ -97,6 +100,9 @@ def test_example_trains_two_steps(name, ray_head, tiny_path, tmp_path):
     steps = [r for r in records if "reward_mean" in r]
     assert [r["step"] for r in steps] == [1, 2]
     assert all("tool_calls_per_episode" in r for r in steps)
+    if name == "ave":
+        evals = [r for r in records if "eval/reward_mean" in r]
+        assert [(r["step"], r["eval/episodes"]) for r in evals] == [(0, 4.0), (2, 4.0)]
 
 
 # --- AVE: tools on a real clip, reward on hand-made trajectories ---------------------------------

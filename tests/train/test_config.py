@@ -44,6 +44,8 @@ def test_unknown_keys_and_bad_values_name_the_key() -> None:
         GRPOConfig.from_dict({"rollout": {"max_restarts": -1}})
     with pytest.raises(ConfigError, match="trainer.max_failures must be an integer >= 0"):
         GRPOConfig.from_dict({"trainer": {"max_failures": 1.5}})
+    with pytest.raises(ConfigError, match="run.eval_samples_per_prompt must be an integer >= 1"):
+        GRPOConfig.from_dict({"run": {"eval_samples_per_prompt": 0}})
 
 
 def test_overrides_do_not_touch_the_original() -> None:
