@@ -42,6 +42,15 @@ def deepspeed_config(config: GRPOConfig, world_size: int, dtype: torch.dtype) ->
     }
 
 
+def _keep_cpu_ranks_on_gloo() -> None:
+    """DeepSpeed's CPU accelerator replaces gloo's allreduce with a shared-memory C++ op that it
+    JIT-compiles on first use: 70-150 s on a 2-core machine, again whenever the build command
+    changes (measured here), for the few small allreduces of a GRPO step. gloo does them."""
+    import deepspeed.ops
+
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+
+
 class Learner:
     """One rank's policy under DeepSpeed."""
 
@@ -50,6 +59,8 @@ class Learner:
 
         self.config, self.rank, self.world_size = config, rank, world_size
         self.device = _device(config)
+        if self.device == "cpu":
+            _keep_cpu_ranks_on_gloo()
         dtype = _dtype(config, self.device)
         model, self.adapter, self.frozen = load_policy(
             model_path,
