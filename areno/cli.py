@@ -221,9 +221,10 @@ def _sft(args: argparse.Namespace) -> None:
 
 
 def _plot(args: argparse.Namespace) -> None:
-    from areno.train.plot import plot_run
+    from areno.train.plot import DEFAULT_KEYS, plot_run
 
-    print(f"areno plot: wrote {plot_run(args.run_dir, args.out)}")
+    keys = args.keys or DEFAULT_KEYS
+    print(f"areno plot: wrote {plot_run(args.run_dir, args.out, keys)}")
 
 
 def _add_train_parsers(sub) -> None:
@@ -279,6 +280,12 @@ def _add_train_parsers(sub) -> None:
     plot = sub.add_parser("plot", help="PNG curves of a training run's metrics")
     plot.add_argument("run_dir")
     plot.add_argument("--out", help="PNG path (default: RUN_DIR/curves.png)")
+    plot.add_argument(
+        "--keys",
+        nargs="+",
+        help="metrics.jsonl keys, one panel each (default: rewards, lengths, "
+        "logprob mismatch, clip fraction, kl, step time)",
+    )
     plot.set_defaults(func=_plot)
 
 
