@@ -14,6 +14,7 @@ from typing import Any
 
 from areno.engine.generator import Generator
 from areno.engine.sampling import SamplingParams
+from areno.logs import completions_logged, stderr_logger
 from areno.media.decoder import MediaDecoder
 from areno.processing.processor import Processor
 from areno.processing.types import PromptInputs
@@ -21,6 +22,9 @@ from areno.rollout.agent import Agent, ToolContext
 from areno.rollout.trajectory import ToolCallRecord, Trajectory
 from areno.tools.base import ToolParser
 from areno.tools.reasoning import THINK_END, opens_reasoning, split_reasoning
+
+COMPLETION_LOGGER = "areno.rollout.completions"
+RESULT_LOG_CHARS = 200  # of a tool's text result, in a completion log line
 
 # Enough prompt tokens to see whether the generation prompt ends inside `<think>\n`.
 _PROMPT_TAIL_TOKENS = 4
@@ -90,16 +94,19 @@ async def run_episode(
         if sample.finish_reason == "length" and len(generated) >= room:
             inputs = inputs.with_tokens(inputs.input_ids + generated)
             traj.finish = "context"
+            _log_turn(ctx, turn, output, parsed, traj)
             break
         if not parsed.tool_calls or sample.finish_reason == "length":
             inputs = inputs.with_tokens(inputs.input_ids + generated)
             traj.finish = "answer" if sample.finish_reason != "length" else "length"
+            _log_turn(ctx, turn, output, parsed, traj)
             break
         if not generated or generated[-1] != eot:
             generated.append(eot)  # close the turn the way the template would; not trained on
             traj.loss_mask.append(0)
             traj.rollout_logprobs.append(0.0)
         results, final = _run_tools(agent, ctx, parsed.tool_calls, turn, traj)
+        _log_turn(ctx, turn, output, parsed, traj)
         delta = _encode_results(env, agent, results)
         if inputs.num_prompt_tokens + len(generated) + delta.num_prompt_tokens >= (
             limits.max_context_len
@@ -150,6 +157,35 @@ def _turn_params(
         detokenize=True,
         skip_special_tokens=False,  # tool-call tags may be special tokens
     )
+
+
+def _log_turn(ctx: ToolContext, turn: int, output: Any, parsed: Any, traj: Trajectory) -> None:
+    """With ARENO_LOG_COMPLETIONS=1: the turn's text, its parsed calls and what they returned
+    (text, and how many media parts), as one JSON line."""
+    if not completions_logged():
+        return
+    sample = output.samples[0]
+    line = {
+        "sample_id": ctx.sample_id,
+        "episode": ctx.episode_index,
+        "turn": turn,
+        "policy_version": output.policy_version,
+        "completion_tokens": len(sample.token_ids),
+        "finish_reason": sample.finish_reason,
+        "text": sample.text,
+        "malformed_tool_calls": parsed.num_malformed,
+        "tool_calls": [
+            {
+                "name": r.name,
+                "arguments": r.arguments,
+                "result": r.result_text[:RESULT_LOG_CHARS],
+                "result_media": r.num_media,
+            }
+            for r in traj.tool_calls
+            if r.turn == turn
+        ],
+    }
+    stderr_logger(COMPLETION_LOGGER).info("completion %s", json.dumps(line, ensure_ascii=False))
 
 
 def _run_tools(

@@ -14,7 +14,6 @@ import functools
 import hmac
 import json
 import logging
-import os
 import time
 import uuid
 from typing import Any
@@ -31,6 +30,7 @@ from areno.engine.generator import EngineDeadError, Generator
 from areno.engine.outputs import merge_outputs
 from areno.engine.sampling import SamplingParams
 from areno.errors import ArenoError
+from areno.logs import completions_logged
 from areno.media import MediaDecoder, MediaPolicy
 from areno.models.registry import adapter_for_checkpoint
 from areno.processing import Processor
@@ -61,10 +61,6 @@ INGRESS_MAX_QUEUED = 1024
 # Children of "ray.serve": Serve routes them to the replica's log file and the driver's console.
 logger = logging.getLogger("ray.serve.areno")
 completion_logger = logging.getLogger("ray.serve.areno.completions")
-
-
-def _log_completions() -> bool:
-    return os.environ.get("ARENO_LOG_COMPLETIONS", "0") not in ("", "0", "false")
 
 
 class IngressMetrics:
@@ -403,7 +399,7 @@ class Ingress:
             self.metrics.malformed_tool_calls.inc(malformed)
         if completion_tokens > 1 and elapsed > 0:
             self.metrics.tokens_per_s.observe((completion_tokens - 1) / elapsed)
-        if _log_completions():
+        if completions_logged():
             choices = [
                 {
                     "index": c["index"],

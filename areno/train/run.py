@@ -9,6 +9,7 @@ import uuid
 from pathlib import Path
 
 from areno.engine.config import EngineConfig
+from areno.logs import ENV
 from areno.rollout.worker import RolloutSpec, RolloutWorker
 from areno.train.config import GRPOConfig
 
@@ -44,6 +45,8 @@ def start_rollout_workers(config: GRPOConfig, model_path: str) -> list:
     import ray
 
     spec = rollout_spec(config, model_path)
+    # Workers on a running cluster do not inherit this process's environment.
+    env_vars = {ENV: os.environ[ENV]} if ENV in os.environ else {}
     cls = ray.remote(RolloutWorker).options(
         num_cpus=config.rollout.num_cpus_per_worker,
         num_gpus=config.rollout.num_gpus_per_worker,
@@ -51,6 +54,7 @@ def start_rollout_workers(config: GRPOConfig, model_path: str) -> list:
         max_concurrency=64,
         max_restarts=config.rollout.max_restarts,
         max_task_retries=0,
+        runtime_env={"env_vars": env_vars} if env_vars else None,
     )
     workers = [cls.remote(spec) for _ in range(config.rollout.num_workers)]
     ray.get([w.policy_version.remote() for w in workers])  # surface construction errors here

@@ -89,6 +89,8 @@ def test_example_trains_two_steps(name, ray_head, tiny_path, tmp_path):
     flags = list(SMOKE_FLAGS)
     if name == "ave":  # held out: 2 clips x grpo.yaml's eval_samples_per_prompt (2), sampled
         flags += ["--eval-every", "2"]
+    ray_head.env["ARENO_LOG_COMPLETIONS"] = "1" if name == "ave" else "0"
+    ray_head.env["RAY_DEDUP_LOGS"] = "0"  # every completion line reaches the driver's output
     result = ray_head.run(
         sys.executable, "-m", "areno.cli", "train", "--no-progress", "--config", str(config),
         "--model-path", str(tiny_path(family)), "--run-dir", str(run_dir), *flags,
@@ -103,6 +105,15 @@ def test_example_trains_two_steps(name, ray_head, tiny_path, tmp_path):
     if name == "ave":
         evals = [r for r in records if "eval/reward_mean" in r]
         assert [(r["step"], r["eval/episodes"]) for r in evals] == [(0, 4.0), (2, 4.0)]
+        # ARENO_LOG_COMPLETIONS=1 reached the rollout workers of the running cluster: a line per
+        # turn (the scripted episodes of tests/rollout show calls parsed and executed in it)
+        logged = [
+            json.loads(line.split("completion ", 1)[1])
+            for line in (result.stdout + result.stderr).splitlines()
+            if "areno.rollout.completions: completion {" in line
+        ]
+        episodes = 2 * 2 * 2 + 2 * 4  # training: 2 steps x 2 prompts x 2; held out: 2 x 4
+        assert len(logged) >= episodes and all("tool_calls" in r for r in logged)
 
 
 # --- AVE: tools on a real clip, reward on hand-made trajectories ---------------------------------

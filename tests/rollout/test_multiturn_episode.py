@@ -178,3 +178,31 @@ def test_the_turn_limit_ends_after_the_last_turn(setup):
     traj, sampled = run_scripted(setup, [LOOK, LOOK, LOOK], seed=13)[0]
     assert traj.finish == "max_turns" and traj.num_turns == 3
     assert traj.loss_mask == expected_mask(traj, sampled)
+
+
+def test_log_completions_shows_each_turn_with_its_calls_and_results(setup, monkeypatch, caplog):
+    """ARENO_LOG_COMPLETIONS=1: one JSON line per turn, with the parsed calls as executed."""
+    import json
+    import logging
+
+    from areno.rollout.episode import COMPLETION_LOGGER
+
+    monkeypatch.setenv("ARENO_LOG_COMPLETIONS", "1")
+    with caplog.at_level(logging.INFO, logger=COMPLETION_LOGGER):
+        traj, sampled = run_scripted(setup, [LOOK, HEAR, SUBMIT], seed=3)[0]
+    lines = [
+        json.loads(r.getMessage().removeprefix("completion "))
+        for r in caplog.records
+        if r.name == COMPLETION_LOGGER
+    ]
+    assert [line["turn"] for line in lines] == [0, 1, 2]
+    assert [line["completion_tokens"] for line in lines] == [len(t.token_ids) for t in sampled]
+    calls = [line["tool_calls"] for line in lines]
+    assert [[c["name"] for c in turn] for turn in calls] == [["look"], ["hear"], ["submit"]]
+    assert [c["result"] for c in calls[0]] == ["a closer look"] and calls[0][0]["result_media"] == 1
+    assert calls[1][0]["result_media"] == 1 and calls[2][0]["result"] == "answer recorded"
+    assert traj.finish == "final_tool"
+    monkeypatch.setenv("ARENO_LOG_COMPLETIONS", "0")
+    caplog.clear()
+    run_scripted(setup, [SUBMIT], seed=3)
+    assert not [r for r in caplog.records if r.name == COMPLETION_LOGGER]
