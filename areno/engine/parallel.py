@@ -61,11 +61,16 @@ def control_group() -> dist.ProcessGroup:
 
 def shutdown_distributed() -> None:
     """Leave the process groups. The barrier keeps gloo from aborting a rank still in flight."""
+    if dist.is_initialized():
+        dist.barrier()
+    leave_distributed()
+
+
+def leave_distributed() -> None:
+    """Leave the process groups without waiting for the other ranks (after a failed start)."""
     global _control_group
-    if not dist.is_initialized():
-        return
-    dist.barrier()
-    dist.destroy_process_group()
+    if dist.is_initialized():
+        dist.destroy_process_group()
     _control_group = None
 
 

@@ -102,6 +102,8 @@ class TPExecutor:
     def __init__(self, spec: RankSpec, *, num_cpus_per_rank: float = 1.0):
         import ray
 
+        # A family without a plan fails here, before any rank exists or joins a group.
+        parallel.tp_plan_for(adapter_for_checkpoint(spec.model_path), spec.tp_size)
         if not ray.is_initialized():
             ray.init()
         num_gpus = 1 if torch.device(spec.device).type == "cuda" else 0
@@ -124,6 +126,9 @@ class TPExecutor:
         except BaseException:
             for actor in self.followers:
                 ray.kill(actor)
+            # NOTE: no barrier: the followers are gone. A group left behind would hang this
+            # process's next collective.
+            parallel.leave_distributed()
             raise
         self._loops = [f.follow.remote() for f in self.followers]
         self._stopped = False

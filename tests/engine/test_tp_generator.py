@@ -111,3 +111,5 @@ def test_tp2_update_weights_reaches_every_shard(tiny_path, tmp_path):
 def test_tp_is_refused_for_a_family_without_a_plan(tiny_path):
     with pytest.raises(ConfigError, match="tensor-parallel plan"):
         Generator.from_config(tiny_path("qwen3_vl"), config(2))
+    # refused before any rank joined a group: none is left to hang a later collective
+    assert not torch.distributed.is_initialized()
