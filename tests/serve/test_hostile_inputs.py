@@ -35,9 +35,10 @@ from areno.engine.config import EngineConfig
 from areno.serve.app import build_app
 from areno.serve.config import ServeConfig
 from tests.media.conftest import _Handler as MediaHTTPHandler
-from tests.serve.hostile_cases import (
+from tests.serve.hostile_cases import CASES
+from tests.serve.hostile_media import SECRET, png_with_text, write_hostile_files
+from tests.serve.hostile_requests import (
     API_KEY,
-    CASES,
     MODEL,
     WRONG_TYPES,
     Case,
@@ -46,7 +47,6 @@ from tests.serve.hostile_cases import (
     data_url,
     media,
 )
-from tests.serve.hostile_media import SECRET, png_with_text, write_hostile_files
 
 ray = pytest.importorskip("ray")
 serve = pytest.importorskip("ray.serve")
