@@ -131,14 +131,15 @@ class DecodeGraphs:
         saved_state = save_rows(self.runner.cache, rows)
         self.positions_B[:rows] = 0
         self.token_ids_B[:rows] = 0
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
+        device = self.runner.device
+        stream = torch.cuda.Stream(device)
+        stream.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(stream):
             self._forward(rows, kv_len)
-        torch.cuda.current_stream().wait_stream(stream)
+        torch.cuda.current_stream(device).wait_stream(stream)
         restore_rows(saved_state)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
+        with torch.cuda.device(device), torch.cuda.graph(graph, pool=self._pool):
             logits = self._forward(rows, kv_len)
         for buffer, values in zip((self.positions_B, self.token_ids_B), saved, strict=True):
             buffer[:rows].copy_(values)

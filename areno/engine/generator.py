@@ -297,6 +297,12 @@ class Generator:
         return future
 
     def _run(self) -> None:
+        device = self.core.executor.worker.device
+        if device.type == "cuda":
+            # The current GPU is per thread. Without this, a rank 0 on its process's second GPU
+            # would make its decode streams and CUDA graphs on the first one: the captured
+            # graph came out empty and the TP group hung in its next collective.
+            torch.cuda.set_device(device)
         while True:
             with self._wake:
                 while not (self._stopped or self._commands or self._can_step()):

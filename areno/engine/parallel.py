@@ -31,6 +31,10 @@ def init_distributed(
     global _control_group
     dev = torch.device(device)
     if dev.type == "cuda":
+        # NCCL's cuMem buffers hung this group's start in cuMemMap on the lent H200s (rank 0 in
+        # a process that sees both GPUs, its follower in a Ray actor that sees one); the legacy
+        # cudaMalloc path does not. A value the user set wins.
+        os.environ.setdefault("NCCL_CUMEM_ENABLE", "0")
         index = dev.index if dev.index is not None else 0
         torch.cuda.set_device(index)
         # transformers binds each rank to the GPU numbered LOCAL_RANK when it builds its mesh.

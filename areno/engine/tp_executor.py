@@ -10,6 +10,8 @@ the same node as rank 0: in the bundles of the caller's placement group when it 
 from __future__ import annotations
 
 import dataclasses
+import faulthandler
+import signal
 import socket
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -71,6 +73,9 @@ class TPFollower:
 
     def __init__(self, rank: int, spec: RankSpec):
         self.rank, self.spec = rank, spec
+        # `kill -USR1 <pid>` writes this rank's Python stacks to its Ray worker log: where a
+        # follower waits when the group hangs (Ray's own `ray stack` needs py-spy).
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
 
     def gpu_uuids(self) -> list[str]:
         return visible_gpu_uuids()

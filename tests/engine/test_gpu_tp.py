@@ -31,8 +31,9 @@ def ray_local():
     ray.shutdown()
 
 
+@pytest.mark.parametrize("graphs", ["off", "capture"])  # eager first: it isolates NCCL itself
 @pytest.mark.parametrize("family", ["qwen3_5", "gemma4"])
-def test_tp2_over_nccl_gives_the_same_tokens_as_tp1(tiny_path, family):
+def test_tp2_over_nccl_gives_the_same_tokens_as_tp1(tiny_path, family, graphs):
     torch.manual_seed(0)
     prompts = [torch.randint(5, 500, (n,)).tolist() for n in (7, 64, 200)]
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=True)
@@ -43,6 +44,7 @@ def test_tp2_over_nccl_gives_the_same_tokens_as_tp1(tiny_path, family):
             max_running_prompts=4,
             max_context_len=512,
             dtype="float32",
+            decode_graphs=graphs,
             decode_compile="off",  # NCCL is under test here, not the compiler (test_gpu.py)
         )
         gen = Generator.from_config(tiny_path(family), config)
