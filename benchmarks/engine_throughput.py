@@ -322,6 +322,7 @@ def run_engine(
     requests: list[dict],
     concurrency: int,
     decode_compile: str = "auto",
+    packed_linear: bool = True,
 ) -> dict:
     """AReno's engine on the same requests: all submitted at once in arrival order, at most
     `concurrency` decoding (the engine's cache slots), greedy, token ids only (no detokenizing,
@@ -330,7 +331,10 @@ def run_engine(
     compiled decode step compiles) is timed separately."""
     max_len = max(r["prompt_inputs"].num_prompt_tokens + r["max_tokens"] for r in requests)
     config = EngineConfig(
-        max_running_prompts=concurrency, max_context_len=max_len + 1, decode_compile=decode_compile
+        max_running_prompts=concurrency,
+        max_context_len=max_len + 1,
+        decode_compile=decode_compile,
+        cpu_packed_linear=packed_linear,
     )
     start = time.perf_counter()  # construction included: a compiled decode compiles there
     generator = Generator.from_model(model, tokenizer, config)
@@ -409,9 +413,16 @@ def run_model(name: str, args: argparse.Namespace, bandwidth_gb_s: float) -> dic
         )
     # NOTE: the engine runs last: its runner routes the model's linear-attention layers through
     # the engine's own kernels inside its forwards, and the baseline must be transformers' code.
-    for mode in args.decode_compile:
-        name = "engine" if len(args.decode_compile) == 1 else f"engine-{mode}"
-        systems[name] = lambda m=mode: run_engine(model, tokenizer, requests, args.concurrency, m)
+    for linear in args.cpu_linear:
+        for mode in args.decode_compile:
+            system = "engine"
+            if len(args.decode_compile) > 1:
+                system += f"-{mode}"
+            if len(args.cpu_linear) > 1:
+                system += f"-{linear}"
+            systems[system] = lambda m=mode, p=linear == "packed": run_engine(
+                model, tokenizer, requests, args.concurrency, m, p
+            )
     rows = []
     for system, run in systems.items():
         result = run()
@@ -479,6 +490,13 @@ def parse_args() -> argparse.Namespace:
         choices=COMPILE_MODES,
         default=["auto"],
         help="the engine's decode_compile; several give one engine row each",
+    )
+    parser.add_argument(
+        "--cpu-linear",
+        nargs="+",
+        choices=["packed", "aten"],
+        default=["packed"],
+        help="the engine's linear layers on CPU (cpu_packed_linear); several give one row each",
     )
     parser.add_argument(
         "--out", help="default: benchmarks/results/engine_throughput_<workload>.json"

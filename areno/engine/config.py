@@ -33,6 +33,9 @@ class EngineConfig:
         traces without generating kernels (fast; for tests). Compiling costs minutes at the
         first decode of each new row bucket's shape family; a compile error logs a warning and
         the step runs uncompiled.
+    cpu_packed_linear: on CPU in float32 without tensor parallelism, run the model's linear
+        layers through oneDNN with prepacked weights (areno/engine/cpu_linear.py); False keeps
+        aten's matmul.
     """
 
     tp_size: int = 1
@@ -44,6 +47,7 @@ class EngineConfig:
     num_cpus_per_rank: float = 1.0
     decode_graphs: str = "auto"
     decode_compile: str = "auto"
+    cpu_packed_linear: bool = True
 
     def __post_init__(self) -> None:
         for name in ("tp_size", "max_running_prompts", "max_prefill_tokens_per_step"):

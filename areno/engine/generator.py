@@ -108,6 +108,7 @@ class Generator:
             sample=True,
             graphs=config.decode_graphs,
             compile=config.decode_compile,
+            packed_linear=config.cpu_packed_linear,
         )
         eos = set(eos_token_ids) | set(model_eos_token_ids(model))
         return cls(
@@ -135,6 +136,7 @@ class Generator:
                 sample=True,
                 graphs=config.decode_graphs,
                 compile=config.decode_compile,
+                packed_linear=config.cpu_packed_linear,
             )
             executor = LocalExecutor(worker)
         else:

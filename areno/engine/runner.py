@@ -15,6 +15,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from areno.engine.attention import EngineAttention
 from areno.engine.cache import BatchBinding, SlotCache, copy_slot
 from areno.engine.config import COMPILE_MODES, GRAPH_MODES
+from areno.engine.cpu_linear import PackedLinears, can_pack
 from areno.engine.cuda_graphs import DecodeGraphs
 from areno.engine.linear_attention import EngineKernels
 from areno.processing.types import PromptInputs
@@ -35,11 +36,14 @@ class ModelRunner:
         max_len: int,
         graphs: str = "auto",
         compile: str = "auto",
+        packed_linear: bool = False,
     ):
         """`graphs`: decode through CUDA graphs ("capture"), through the same padded static-shape
         step without capturing ("static", for tests), or plainly ("off"); "auto" captures on
         CUDA only. `compile`: the torch.compile backend of that padded step's forward ("off",
-        "inductor", "aot_eager"); "auto" compiles with inductor where graphs are captured."""
+        "inductor", "aot_eager"); "auto" compiles with inductor where graphs are captured.
+        `packed_linear`: uncompiled on CPU in float32, the linear layers run on prepacked oneDNN
+        weights (areno/engine/cpu_linear.py)."""
         if graphs not in GRAPH_MODES:
             raise ValueError(f"graphs must be one of {GRAPH_MODES}; got {graphs!r}")
         if compile not in COMPILE_MODES:
@@ -69,6 +73,9 @@ class ModelRunner:
             raise ValueError(
                 "a compiled decode needs the padded step: graphs 'static' or 'capture'"
             )
+        self.linears = None
+        if packed_linear and compile == "off" and can_pack(model):
+            self.linears = PackedLinears(model)
         self.graphs = None
         if graphs != "off":
             self.graphs = DecodeGraphs(
@@ -84,6 +91,8 @@ class ModelRunner:
         stack = contextlib.ExitStack()
         stack.enter_context(self.kernels)
         stack.enter_context(self.attention)
+        if self.linears is not None:
+            stack.enter_context(self.linears)
         if self.device.type == "cuda":
             stack.enter_context(sdpa_kernel(_CUDA_ATTENTION))
         return stack

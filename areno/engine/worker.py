@@ -88,9 +88,17 @@ class Worker:
         tensor_parallel: bool = False,
         graphs: str = "auto",
         compile: str = "auto",
+        packed_linear: bool = False,
     ):
+        """`packed_linear`: on CPU in float32, linear layers run on prepacked oneDNN weights
+        (areno/engine/cpu_linear.py); not under tensor parallelism, whose shards are DTensors."""
         self.runner = ModelRunner(
-            model, num_slots=num_slots, max_len=max_len, graphs=graphs, compile=compile
+            model,
+            num_slots=num_slots,
+            max_len=max_len,
+            graphs=graphs,
+            compile=compile,
+            packed_linear=packed_linear and not tensor_parallel,
         )
         self.samples = sample
         self.tensor_parallel = tensor_parallel
@@ -210,6 +218,8 @@ class Worker:
             if self.tensor_parallel:  # a parameter every rank holds whole (norms, media towers)
                 dist.broadcast(full, src=0)
             param.copy_(full)
+        if self.runner.linears is not None:
+            self.runner.linears.repack(name for name, _ in updates)
         return len(updates)
 
 

@@ -1,0 +1,67 @@
+"""The engine's oneDNN-packed linear layers on CPU: the same logits as transformers' own layers,
+in force only inside the engine's forwards, and repacked when the Worker takes new weights."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from areno.engine.cpu_linear import PackedLinears, can_pack
+from areno.engine.worker import Worker
+from areno.processing.types import PromptInputs
+
+pytestmark = pytest.mark.skipif(
+    not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN"
+)
+
+
+@pytest.fixture(scope="module")
+def model(tiny_path):
+    from areno.models.registry import adapter_for_checkpoint
+
+    path = tiny_path("qwen3_5")
+    return adapter_for_checkpoint(path).load_model(path, dtype=torch.float32).eval()
+
+
+def logits(model, ids: torch.Tensor) -> torch.Tensor:
+    with torch.inference_mode():
+        return model(input_ids=ids).logits
+
+
+def test_packed_layers_give_transformers_logits_and_only_inside_the_context(model):
+    assert can_pack(model)
+    linears = PackedLinears(model)
+    plain_layers = [m for m in model.modules() if type(m) is nn.Linear]
+    assert len(linears) == len(plain_layers) > 0
+    ids = torch.randint(5, 500, (3, 17), generator=torch.Generator().manual_seed(0))
+    reference = logits(model, ids)
+    with linears:
+        assert all("forward" in vars(m) for m in plain_layers)
+        packed = logits(model, ids)
+    assert all("forward" not in vars(m) for m in plain_layers)
+    torch.testing.assert_close(packed, reference, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(logits(model, ids), reference, atol=0, rtol=0)
+
+
+def test_worker_repacks_the_weights_it_loads(tiny_path):
+    from areno.models.registry import adapter_for_checkpoint
+
+    path = tiny_path("qwen3_5")
+    model = adapter_for_checkpoint(path).load_model(path, dtype=torch.float32).eval()
+    worker = Worker(model, num_slots=2, max_len=64, sample=True, packed_linear=True)
+    assert worker.runner.linears is not None
+    prompt = PromptInputs(torch.randint(5, 500, (9,)).tolist(), {})
+    before = torch.tensor(worker.score(prompt))
+
+    name = next(n for n, p in model.named_parameters() if n.endswith("mlp.down_proj.weight"))
+    new = torch.randn_like(dict(model.named_parameters())[name])
+    worker.load_weights([(name, new)])
+    after = torch.tensor(worker.score(prompt))
+
+    # The reference: the same weights through transformers' own layers (no packed copy at all).
+    reference = Worker(model, num_slots=2, max_len=64, sample=True, packed_linear=False)
+    assert reference.runner.linears is None
+    expected = torch.tensor(reference.score(prompt))
+    assert not torch.allclose(after, before, atol=1e-3)
+    torch.testing.assert_close(after, expected, atol=1e-4, rtol=1e-4)
