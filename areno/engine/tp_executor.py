@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import dataclasses
 import faulthandler
+import logging
 import signal
 import socket
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -28,6 +30,15 @@ from areno.models.registry import adapter_for_checkpoint
 from areno.processing.types import PromptInputs
 
 LOOPBACK = "127.0.0.1"  # every rank is on one node (see the module docstring)
+# Seconds between rank 0's checks that every follower still follows. A follower whose loop ended
+# (an error in its forward) leaves rank 0 waiting in the next broadcast, unless rank 0 looks first.
+FOLLOWER_CHECK_S = 1.0
+
+log = logging.getLogger(__name__)
+
+
+class FollowerLostError(RuntimeError):
+    """A tensor-parallel follower stopped following rank 0; the group cannot step any more."""
 
 
 @dataclass(frozen=True)
@@ -89,16 +100,20 @@ class TPFollower:
         num_steps = 0
         while True:
             kind, payload = _broadcast()
-            if kind == "execute":
-                self.worker.execute(payload)
-                num_steps += 1
-            elif kind == "score":
-                self.worker.score(payload)
-            elif kind == "load_weights":
-                self.worker.load_weights((n, torch.empty(s, dtype=d)) for n, s, d in payload)
-            elif kind == "stop":
-                parallel.shutdown_distributed()
-                return num_steps
+            try:
+                if kind == "execute":
+                    self.worker.execute(payload)
+                    num_steps += 1
+                elif kind == "score":
+                    self.worker.score(payload)
+                elif kind == "load_weights":
+                    self.worker.load_weights((n, torch.empty(s, dtype=d)) for n, s, d in payload)
+                elif kind == "stop":
+                    parallel.shutdown_distributed()
+                    return num_steps
+            except Exception:
+                log.exception("TP rank %d failed in %r after %d steps", self.rank, kind, num_steps)
+                raise
 
 
 class TPExecutor:
@@ -137,6 +152,7 @@ class TPExecutor:
             raise
         self._loops = [f.follow.remote() for f in self.followers]
         self._stopped = False
+        self._checked_at = time.monotonic()
 
     @classmethod
     def create(cls, spec_without_port: dict, **kwargs) -> TPExecutor:
@@ -144,16 +160,38 @@ class TPExecutor:
         return cls(RankSpec(**spec_without_port, master_port=_free_port()), **kwargs)
 
     def execute(self, step: StepInput) -> StepOutput:
+        self._check_followers()
         _broadcast(("execute", step.for_followers()))
         return self.worker.execute(step)
 
     def score(self, inputs: PromptInputs) -> list[float]:
+        self._check_followers()
         _broadcast(("score", inputs))
         return self.worker.score(inputs)
+
+    def _check_followers(self) -> None:
+        """Raise FollowerLostError (with the follower's own error) once a follower's loop has
+        ended; looks at most every FOLLOWER_CHECK_S."""
+        import ray
+
+        if time.monotonic() - self._checked_at < FOLLOWER_CHECK_S:
+            return
+        self._checked_at = time.monotonic()
+        ended, _ = ray.wait(self._loops, num_returns=len(self._loops), timeout=0)
+        if not ended:
+            return
+        try:
+            ray.get(ended)
+            cause = "returned before rank 0 said stop"
+        except Exception as error:  # noqa: BLE001 - reported as the cause
+            cause = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+        raise FollowerLostError(f"a tensor-parallel follower stopped following: {cause}")
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
         updates = list(weights)
         self.worker.check_weights(updates)  # fail before any rank starts a collective
+        self._checked_at = 0.0  # a weight update is rare: always look
+        self._check_followers()
         _broadcast(("load_weights", [(n, tuple(t.shape), t.dtype) for n, t in updates]))
         return self.worker.load_weights(updates)
 
@@ -163,9 +201,13 @@ class TPExecutor:
         import ray
 
         self._stopped = True
-        _broadcast(("stop", None))
-        parallel.shutdown_distributed()
-        ray.get(self._loops, timeout=60)
+        ended, _ = ray.wait(self._loops, num_returns=len(self._loops), timeout=0)
+        if ended:  # a follower is gone: no collective can complete, so leave without one
+            parallel.leave_distributed()
+        else:
+            _broadcast(("stop", None))
+            parallel.shutdown_distributed()
+            ray.get(self._loops, timeout=60)
         for actor in self.followers:
             ray.kill(actor)
 

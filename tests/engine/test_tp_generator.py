@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import asyncio
 import os
+import time
 
 import pytest
 import torch
 
 from areno.engine.config import EngineConfig
-from areno.engine.generator import Generator
+from areno.engine.generator import EngineDeadError, Generator
 from areno.engine.sampling import SamplingParams
 from areno.errors import ConfigError
 from areno.media import MediaDecoder, MediaPolicy
@@ -112,4 +113,21 @@ def test_tp_is_refused_for_a_family_without_a_plan(tiny_path):
     with pytest.raises(ConfigError, match="tensor-parallel plan"):
         Generator.from_config(tiny_path("qwen3_vl"), config(2))
     # refused before any rank joined a group: none is left to hang a later collective
+    assert not torch.distributed.is_initialized()
+
+
+def test_a_lost_follower_fails_the_requests_instead_of_hanging_the_group(tiny_path, tmp_path):
+    from areno.engine.tp_executor import FOLLOWER_CHECK_S
+
+    path = tiny_path("qwen3_5")
+    inputs = encode_requests(path, tmp_path)[:1]
+    split = Generator.from_config(path, config(2))
+    try:
+        asyncio.run(run_all(split, inputs))  # the group works
+        ray.kill(split.core.executor.followers[0])
+        time.sleep(FOLLOWER_CHECK_S + 0.5)
+        with pytest.raises(EngineDeadError, match="follower stopped following"):
+            asyncio.run(asyncio.wait_for(run_all(split, inputs), timeout=60))
+    finally:
+        split.shutdown()  # without a collective: the follower is gone
     assert not torch.distributed.is_initialized()
