@@ -39,34 +39,36 @@ class PackedLinears:
     those layers through them."""
 
     def __init__(self, model: nn.Module):
-        self._layers: dict[str, nn.Linear] = {}
-        for name, module in model.named_modules():
+        self._layers: list[nn.Linear] = []
+        for module in model.modules():
             # Subclasses (quantized, LoRA) and DTensor shards keep their own forward.
             if type(module) is not nn.Linear or type(module.weight) is not nn.Parameter:
                 continue
             if module.weight.dtype == torch.float32 and module.weight.device.type == "cpu":
-                self._layers[f"{name}.weight" if name else "weight"] = module
-        self._packed: dict[str, torch.Tensor] = {}
-        self.repack(self._layers)
+                self._layers.append(module)
+        self._packed: dict[nn.Linear, torch.Tensor] = {}
+        self.repack(layer.weight for layer in self._layers)
 
     def __len__(self) -> int:
         return len(self._layers)
 
-    def repack(self, weight_names: Iterable[str]) -> None:
-        """Pack these weights again (after they were written); names not packed are ignored."""
-        for name in weight_names:
-            if (layer := self._layers.get(name)) is not None:
-                self._packed[name] = torch.ops.mkldnn._reorder_linear_weight(
+    def repack(self, weights: Iterable[torch.Tensor]) -> None:
+        """Pack again the layers whose weight is one of these parameters (after they were
+        written). By identity, not name: a tied lm_head has no name of its own."""
+        written = {id(w) for w in weights}
+        for layer in self._layers:
+            if id(layer.weight) in written:
+                self._packed[layer] = torch.ops.mkldnn._reorder_linear_weight(
                     layer.weight.detach(), ROWS_HINT
                 )
 
     def __enter__(self) -> PackedLinears:
-        for name, layer in self._layers.items():
-            layer.forward = _packed_forward(layer, self._packed[name])
+        for layer in self._layers:
+            layer.forward = _packed_forward(layer, self._packed[layer])
         return self
 
     def __exit__(self, *exc) -> None:
-        for layer in self._layers.values():
+        for layer in self._layers:
             vars(layer).pop("forward", None)
 
 

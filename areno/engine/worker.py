@@ -219,7 +219,7 @@ class Worker:
                 dist.broadcast(full, src=0)
             param.copy_(full)
         if self.runner.linears is not None:
-            self.runner.linears.repack(name for name, _ in updates)
+            self.runner.linears.repack(params[name] for name, _ in updates)
         return len(updates)
 
 

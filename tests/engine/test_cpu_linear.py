@@ -44,19 +44,22 @@ def test_packed_layers_give_transformers_logits_and_only_inside_the_context(mode
     torch.testing.assert_close(logits(model, ids), reference, atol=0, rtol=0)
 
 
-def test_worker_repacks_the_weights_it_loads(tiny_path):
+@pytest.mark.parametrize("family", ["qwen3_5", "gemma4"])  # gemma4: lm_head tied, unnamed
+def test_worker_repacks_the_weights_it_loads(tiny_path, family):
     from areno.models.registry import adapter_for_checkpoint
 
-    path = tiny_path("qwen3_5")
+    path = tiny_path(family)
     model = adapter_for_checkpoint(path).load_model(path, dtype=torch.float32).eval()
     worker = Worker(model, num_slots=2, max_len=64, sample=True, packed_linear=True)
     assert worker.runner.linears is not None
     prompt = PromptInputs(torch.randint(5, 500, (9,)).tolist(), {})
     before = torch.tensor(worker.score(prompt))
 
-    name = next(n for n, p in model.named_parameters() if n.endswith("mlp.down_proj.weight"))
-    new = torch.randn_like(dict(model.named_parameters())[name])
-    worker.load_weights([(name, new)])
+    params = dict(model.named_parameters())
+    mlp = next(n for n in params if n.endswith("mlp.down_proj.weight"))
+    embed = next(n for n, p in params.items() if p is model.get_input_embeddings().weight)
+    torch.manual_seed(1)
+    worker.load_weights([(n, torch.randn_like(params[n])) for n in (mlp, embed)])
     after = torch.tensor(worker.score(prompt))
 
     # The reference: the same weights through transformers' own layers (no packed copy at all).
