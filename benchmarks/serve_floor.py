@@ -35,21 +35,20 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def child(mode: str, num_requests: int) -> dict:
-    """Run in a process of its own: start Ray and the app, time the requests, stop both."""
-    import httpx
-    import ray
+def build_floor_app():
+    """The echo app: FastAPI Ingress -> one handle call -> Echo. Its classes are made here, not at
+    module level, so that Ray ships them by value (replicas cannot import this script)."""
     from fastapi import FastAPI
     from ray import serve
 
     api = FastAPI()
 
-    @serve.deployment
+    @serve.deployment(ray_actor_options={"num_cpus": 0})  # fits beside an app holding the CPUs
     class Echo:
         async def __call__(self, body: dict) -> dict:
             return body
 
-    @serve.deployment
+    @serve.deployment(ray_actor_options={"num_cpus": 0})
     @serve.ingress(api)
     class Ingress:
         def __init__(self, echo):
@@ -59,23 +58,38 @@ def child(mode: str, num_requests: int) -> dict:
         async def echo_route(self, body: dict) -> dict:
             return await self.echo.remote(body)
 
+    return Ingress.bind(Echo.bind())
+
+
+def time_echo(url: str, num_requests: int) -> list[float]:
+    """Milliseconds of `num_requests` sequential echo requests (after a warm-up)."""
+    import httpx
+
+    latencies = []
+    with httpx.Client(timeout=30) as client:
+        for i in range(WARM_UP + num_requests):
+            start = time.perf_counter()
+            response = client.post(url, json={"i": i, "text": "what is this?"})
+            response.raise_for_status()
+            if i >= WARM_UP:
+                latencies.append(1000 * (time.perf_counter() - start))
+    return latencies
+
+
+def child(mode: str, num_requests: int) -> dict:
+    """Run in a process of its own: start Ray and the app, time the requests, stop both."""
+    import ray
+    from ray import serve
+
     proxy_port = _free_port()
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": proxy_port})
-        serve.run(Ingress.bind(Echo.bind()), name="floor", route_prefix="/")
+        serve.run(build_floor_app(), name="floor", route_prefix="/")
         port = proxy_port
         if mode == "direct-ingress":
             port = int(os.environ["RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT"])
-        url = f"http://127.0.0.1:{port}/v1/echo"
-        latencies = []
-        with httpx.Client(timeout=30) as client:
-            for i in range(WARM_UP + num_requests):
-                start = time.perf_counter()
-                response = client.post(url, json={"i": i, "text": "what is this?"})
-                response.raise_for_status()
-                if i >= WARM_UP:
-                    latencies.append(1000 * (time.perf_counter() - start))
+        latencies = time_echo(f"http://127.0.0.1:{port}/v1/echo", num_requests)
     finally:
         serve.shutdown()
         ray.shutdown()

@@ -5,6 +5,9 @@ small, fixed part of each request.
 - in-process: MediaDecoder + Processor + Generator called directly in this process (the floor).
 - served:     the same request through `areno serve` (Ingress -> [MediaDecoder] -> Processor ->
               Generator) with the official `openai` client over loopback HTTP.
+- serve floor: beside it, through the same proxy, the echo app of `benchmarks/serve_floor.py` (the
+              same HTTP -> Ingress -> one handle call topology, no work; httpx client): what
+              Serve's hops cost before AReno does anything.
 Text requests run one at a time (latency p50 / p99, and what Serve adds to the floor); image and
 video requests run `--concurrency` at a time (requests/s). Prints a table and writes JSON (default
 benchmarks/results/serve_latency.json).
@@ -22,6 +25,7 @@ import os
 import platform
 import socket
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -33,6 +37,9 @@ from areno.media import MediaDecoder, MediaPolicy
 from areno.media.samples import write_image, write_video
 from areno.models.tiny import DEFAULT_FAMILY, tiny_checkpoint
 from areno.processing import Processor, process_messages
+
+sys.path.insert(0, str(Path(__file__).parent))
+from serve_floor import build_floor_app, time_echo  # noqa: E402
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -83,6 +90,8 @@ def served(path: str, media: dict, num: int, concurrency: int) -> dict:
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         serve.run(build_app(config), name=APP_NAME, route_prefix="/")
+        # Serve's own floor beside it, through the same proxy: an echo app of the same topology.
+        serve.run(build_floor_app(), name="floor", route_prefix="/floor")
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none")
 
         def ask(kind: str, i: int) -> float:
@@ -98,13 +107,14 @@ def served(path: str, media: dict, num: int, concurrency: int) -> dict:
         for i in range(3):
             ask("text", i), ask("image", i), ask("video", i)  # warm-up
         text = [ask("text", i) for i in range(num)]
+        echo = [ms / 1e3 for ms in time_echo(f"http://127.0.0.1:{port}/floor/v1/echo", num)]
         rates = {}
         for kind in ("image", "video"):
             start = time.perf_counter()
             with concurrent.futures.ThreadPoolExecutor(concurrency) as pool:
                 list(pool.map(lambda i, k=kind: ask(k, i), range(num)))
             rates[kind] = num / (time.perf_counter() - start)
-        return {"text": text, "rates": rates}
+        return {"text": text, "echo": echo, "rates": rates}
     finally:
         serve.shutdown()
         ray.shutdown()
@@ -133,6 +143,9 @@ def main() -> None:
         },
     }
     added = {q: rows["served_text_ms"][q] - rows["in_process_text_ms"][q] for q in ("p50", "p99")}
+    rows["serve_floor_echo_ms"] = {
+        q: percentile(result["echo"], v) * 1e3 for q, v in (("p50", 0.5), ("p99", 0.99))
+    }
     print(f"{'':28}{'p50 ms':>10}{'p99 ms':>10}")
     for name, values in [*rows.items(), ("added_by_serve_ms", added)]:
         print(f"{name:28}{values['p50']:>10.1f}{values['p99']:>10.1f}")
