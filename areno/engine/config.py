@@ -76,6 +76,11 @@ class EngineConfig:
                 f"decode_compile must be one of {COMPILE_MODES}; got {self.decode_compile!r}",
                 param="decode_compile",
             )
+        if not isinstance(self.cpu_packed_linear, bool):
+            raise ConfigError(
+                f"cpu_packed_linear must be true or false; got {self.cpu_packed_linear!r}",
+                param="cpu_packed_linear",
+            )
         if self.dtype not in DTYPES:
             raise ConfigError(f"dtype must be one of {DTYPES}; got {self.dtype!r}", param="dtype")
         if self.device not in DEVICES:

@@ -302,8 +302,8 @@ class Generator:
         device = self.core.executor.worker.device
         if device.type == "cuda":
             # The current GPU is per thread. Without this, a rank 0 on its process's second GPU
-            # would make its decode streams and CUDA graphs on the first one: the captured
-            # graph came out empty and the TP group hung in its next collective.
+            # (tensor parallelism from a driver that sees every GPU) would make its decode
+            # streams and CUDA graphs on the first one.
             torch.cuda.set_device(device)
         while True:
             with self._wake:

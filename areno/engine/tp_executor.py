@@ -169,12 +169,12 @@ class TPExecutor:
         _broadcast(("score", inputs))
         return self.worker.score(inputs)
 
-    def _check_followers(self) -> None:
+    def _check_followers(self, *, always: bool = False) -> None:
         """Raise FollowerLostError (with the follower's own error) once a follower's loop has
-        ended; looks at most every FOLLOWER_CHECK_S."""
+        ended; looks at most every FOLLOWER_CHECK_S unless `always`."""
         import ray
 
-        if time.monotonic() - self._checked_at < FOLLOWER_CHECK_S:
+        if not always and time.monotonic() - self._checked_at < FOLLOWER_CHECK_S:
             return
         self._checked_at = time.monotonic()
         ended, _ = ray.wait(self._loops, num_returns=len(self._loops), timeout=0)
@@ -190,8 +190,7 @@ class TPExecutor:
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
         updates = list(weights)
         self.worker.check_weights(updates)  # fail before any rank starts a collective
-        self._checked_at = 0.0  # a weight update is rare: always look
-        self._check_followers()
+        self._check_followers(always=True)  # a weight update is rare: always look
         _broadcast(("load_weights", [(n, tuple(t.shape), t.dtype) for n, t in updates]))
         return self.worker.load_weights(updates)
 

@@ -68,3 +68,12 @@ def test_worker_repacks_the_weights_it_loads(tiny_path, family):
     expected = torch.tensor(reference.score(prompt))
     assert not torch.allclose(after, before, atol=1e-3)
     torch.testing.assert_close(after, expected, atol=1e-4, rtol=1e-4)
+
+
+def test_the_switch_must_be_a_bool():
+    from areno.engine.config import EngineConfig
+    from areno.errors import ConfigError
+
+    assert EngineConfig(cpu_packed_linear=False).cpu_packed_linear is False
+    with pytest.raises(ConfigError, match="cpu_packed_linear must be true or false; got 'no'"):
+        EngineConfig(cpu_packed_linear="no")
