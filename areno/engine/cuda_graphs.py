@@ -139,7 +139,12 @@ class DecodeGraphs:
         torch.cuda.current_stream(device).wait_stream(stream)
         restore_rows(saved_state)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.device(device), torch.cuda.graph(graph, pool=self._pool):
+        # NOTE: the capture stream is named: torch.cuda.graph's default one is a single stream of
+        # the whole process, made on whichever GPU captured first. A runner on another GPU
+        # (rank 0 of a TP group beside a TP=1 engine) then captured on a stream of the wrong
+        # device: its kernels, collectives included, ran eagerly instead of being recorded, and
+        # its ranks' graphs held different collectives (a hang on the lent H200s).
+        with torch.cuda.device(device), torch.cuda.graph(graph, pool=self._pool, stream=stream):
             logits = self._forward(rows, kv_len)
         for buffer, values in zip((self.positions_B, self.token_ids_B), saved, strict=True):
             buffer[:rows].copy_(values)

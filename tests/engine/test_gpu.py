@@ -63,6 +63,27 @@ def test_cuda_graph_decode_equals_eager(tiny_path, family):
     assert graphed == eager
 
 
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
+def test_cuda_graphs_on_a_second_gpu_after_the_first_captured(tiny_path):
+    # torch.cuda.graph's default capture stream belongs to the GPU that captured first; a runner
+    # on another GPU must capture on its own stream (else nothing is recorded and replays return
+    # the capture's stale logits).
+    from areno.models import get_adapter
+    from areno.models.registry import read_model_type
+
+    path = tiny_path("qwen3_5")
+    torch.manual_seed(0)
+    prompts = [torch.randint(5, 500, (n,)).tolist() for n in (9, 40, 17)]
+    results = {}
+    for device in ("cuda:0", "cuda:1"):
+        model = get_adapter(read_model_type(path)).load_model(path, dtype=torch.float32)
+        model = model.to(device)
+        for graphs in ("capture", "off"):
+            results[device, graphs] = staggered_greedy(model, graphs, prompts, 12)
+    assert results["cuda:1", "capture"] == results["cuda:1", "off"] == results["cuda:0", "off"]
+    assert results["cuda:0", "capture"] == results["cuda:0", "off"]
+
+
 def test_generator_on_cuda_bf16(tiny_path):
     gen = Generator.from_config(
         tiny_path("qwen3_5"), EngineConfig(max_running_prompts=4, max_context_len=256)
