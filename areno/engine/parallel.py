@@ -19,16 +19,26 @@ from areno.errors import ConfigError
 from areno.models.registry import FamilyAdapter
 
 _control_group: dist.ProcessGroup | None = None
+_nccl_groups_started = 0  # NCCL default groups this process has started (see init_distributed)
 
 
 def init_distributed(
-    rank: int, world_size: int, master_addr: str, master_port: int, device: str
+    rank: int,
+    world_size: int,
+    master_addr: str,
+    master_port: int,
+    device: str,
+    *,
+    bind_device: bool = True,
 ) -> None:
     """Join the default process group (gloo on CPU, NCCL on CUDA) and create the control group.
 
-    Call once per worker process before `load_model_for_rank`.
+    Call once per worker process before `load_model_for_rank`. `bind_device` binds an NCCL group
+    to this rank's GPU up front, as transformers does (barrier() and DeviceMesh then use it
+    without guessing); every rank of a group must pass the same value, `can_bind_device()` of
+    rank 0's process.
     """
-    global _control_group
+    global _control_group, _nccl_groups_started
     dev = torch.device(device)
     if dev.type == "cuda":
         # NCCL's cuMem buffers hung this group's start in cuMemMap on the lent H200s (rank 0 in
@@ -49,11 +59,23 @@ def init_distributed(
         rank=rank,
         world_size=world_size,
         timeout=timedelta(minutes=10),
-        # Binding NCCL to this rank's GPU up front, as transformers does, lets barrier() and
-        # DeviceMesh's subgroups use it without guessing.
-        device_id=torch.device("cuda", local_rank) if dev.type == "cuda" else None,
+        device_id=torch.device("cuda", local_rank) if dev.type == "cuda" and bind_device else None,
     )
+    if dev.type == "cuda":
+        _nccl_groups_started += 1
     _control_group = dist.new_group(ranks=list(range(world_size)), backend="gloo")
+
+
+def can_bind_device() -> bool:
+    """Whether a new NCCL group of this process may be bound to its GPU: only the process's first.
+
+    NOTE: DeviceMesh splits a bound group into its subgroups, and torch 2.11's NCCL split
+    dereferences null when the default group is not the process's first NCCL group (fixed upstream
+    in pytorch#192109): a second TP group in one process (a TP=2 engine after another one) crashed
+    there on the lent H200s. Unbound, DeviceMesh makes its subgroups with new_group instead, and a
+    split is a collective, so all ranks must agree (the followers are fresh processes).
+    """
+    return _nccl_groups_started == 0
 
 
 def control_group() -> dist.ProcessGroup:

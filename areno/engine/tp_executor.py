@@ -54,10 +54,13 @@ class RankSpec:
     graphs: str
     compile: str
     master_port: int
+    bind_device: bool = True  # see parallel.can_bind_device
 
 
 def _load_worker(rank: int, spec: RankSpec) -> Worker:
-    parallel.init_distributed(rank, spec.tp_size, LOOPBACK, spec.master_port, spec.device)
+    parallel.init_distributed(
+        rank, spec.tp_size, LOOPBACK, spec.master_port, spec.device, bind_device=spec.bind_device
+    )
     adapter = adapter_for_checkpoint(spec.model_path)
     model = parallel.load_model_for_rank(
         adapter, spec.model_path, tp_size=spec.tp_size, dtype=spec.dtype, device=spec.device
@@ -157,7 +160,12 @@ class TPExecutor:
     @classmethod
     def create(cls, spec_without_port: dict, **kwargs) -> TPExecutor:
         """A group on a free loopback port."""
-        return cls(RankSpec(**spec_without_port, master_port=_free_port()), **kwargs)
+        spec = RankSpec(
+            **spec_without_port,
+            master_port=_free_port(),
+            bind_device=parallel.can_bind_device(),
+        )
+        return cls(spec, **kwargs)
 
     def execute(self, step: StepInput) -> StepOutput:
         self._check_followers()
