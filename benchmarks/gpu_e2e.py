@@ -334,7 +334,13 @@ def run_tp(args: argparse.Namespace, work: Path) -> dict:
     from areno.engine.sampling import SamplingParams
     from areno.processing.types import PromptInputs
 
+    began = time.perf_counter()
+
+    def progress(what: str) -> None:  # the 8B part takes minutes: say where they go
+        print(f"  tp: {what} at {time.perf_counter() - began:.0f} s", flush=True)
+
     path = build_8b(work)
+    progress("8B-shaped checkpoint ready")
     torch.manual_seed(0)
     prompts = [torch.randint(10, 2000, (128,)).tolist() for _ in range(64)]
     results = {}
@@ -343,6 +349,7 @@ def run_tp(args: argparse.Namespace, work: Path) -> dict:
         for tp in (1, 2):
             config = EngineConfig(tp_size=tp, max_running_prompts=64, max_context_len=512)
             generator = Generator.from_config(path, config)
+            progress(f"TP={tp} engine up (loaded, decode compiled and warmed)")
             greedy = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True, detokenize=False)
 
             async def run_all(batch, params, generator=generator):
@@ -357,6 +364,7 @@ def run_tp(args: argparse.Namespace, work: Path) -> dict:
                 outputs = asyncio.run(run_all(prompts, greedy))
                 torch.cuda.synchronize()
                 wall_s = time.perf_counter() - start
+                progress(f"TP={tp} timed run done ({wall_s:.1f} s)")
             finally:
                 generator.shutdown()
             tokens = [out.samples[0].token_ids for out in outputs]
