@@ -1,66 +1,177 @@
-"""Where one engine decode step spends its time: torch profiler over a few steps of the runner.
+"""Where one decode step of the engine spends its time, by operator class.
 
-python benchmarks/profile_decode.py --model qwen3-1.7b --device cuda --rows 64
+Fills every slot of a `ModelRunner` with a random prompt, warms the decode step up (compiling and
+capturing it where the engine would), then profiles a few steps with torch.profiler and prints:
+the step time, each class's share (GEMM, attention, linear-attention recurrence, copies, other
+elementwise), the top operators or kernels, and the weight-bandwidth floor of the step (weight
+bytes / measured copy bandwidth) that the engine issue's roofline assumes. On CUDA the shares are
+of GPU kernel time; on CPU of operator self time. JSON goes to --out.
+
+    python benchmarks/profile_decode.py --model small                  # CPU, fp32, 16 rows
+    python benchmarks/profile_decode.py --model qwen3-1.7b --rows 64   # GPU, bf16
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import platform
 import sys
 import time
+from collections import defaultdict
 from pathlib import Path
 
 import torch
+from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).parent))
-from engine_throughput import MODELS, random_model  # noqa: E402
+from engine_throughput import copy_bandwidth_gb_s, load_small, random_model, weight_bytes  # noqa: E402
 
 from areno.engine.runner import ModelRunner  # noqa: E402
 from areno.processing.types import PromptInputs  # noqa: E402
 
+# Operator / kernel name fragments of each class, first match wins (lower case).
+CLASSES = {
+    "gemm": ("gemm", "linear", "mm", "matmul", "cutlass", "sm90_xmma", "nvjet", "addmm"),
+    "attention": ("attention", "flash", "fmha", "sdpa", "softmax"),
+    "copy": ("copy", "cat", "index", "scatter", "gather", "memcpy", "memset", "fill"),
+}
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--model", choices=MODELS, default="qwen3-1.7b")
-    parser.add_argument("--device", default="cuda")
-    parser.add_argument("--rows", type=int, default=64)
-    parser.add_argument("--prompt-len", type=int, default=256)
-    parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--graphs", default="auto", choices=["auto", "off", "capture"])
-    args = parser.parse_args()
-    torch.manual_seed(0)
-    dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
-    model = random_model(args.model, args.device, dtype)
-    vocab = model.config.get_text_config().vocab_size
-    runner = ModelRunner(
-        model, num_slots=args.rows, max_len=args.prompt_len + 2 * args.steps + 8, graphs=args.graphs
-    )
-    sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
-    start = time.perf_counter()
+
+def classify(name: str) -> str:
+    lowered = name.lower()
+    for cls, fragments in CLASSES.items():
+        if any(f in lowered for f in fragments):
+            return cls
+    return "other"
+
+
+def build(args: argparse.Namespace) -> torch.nn.Module:
+    dtype = getattr(torch, args.dtype)
+    if args.model == "small":
+        return load_small(args.family, args.device, dtype)[0]
+    return random_model(args.model, args.device, dtype)
+
+
+def profile_steps(runner: ModelRunner, args: argparse.Namespace, vocab: int) -> dict:
+    on_cuda = runner.device.type == "cuda"
+    sync = torch.cuda.synchronize if on_cuda else (lambda: None)
+    generator = torch.Generator().manual_seed(args.seed)
+    began = time.perf_counter()
     for slot in range(args.rows):
-        ids = torch.randint(0, vocab, (args.prompt_len,)).tolist()
+        ids = torch.randint(10, vocab, (args.prompt_len,), generator=generator).tolist()
         runner.prefill(PromptInputs(ids, {}), [slot])
     sync()
-    print(f"prefill: {(time.perf_counter() - start) / args.rows * 1000:.1f} ms per prompt")
+    prefill_ms = (time.perf_counter() - began) / args.rows * 1e3
     slots = list(range(args.rows))
+    token_ids = [5] * args.rows
 
-    def steps(n: int, offset: int) -> float:
-        sync()
-        t = time.perf_counter()
-        for k in range(n):
-            runner.decode(slots, [args.prompt_len + offset + k] * args.rows, [7] * args.rows)
-        sync()
-        return (time.perf_counter() - t) / n
+    def step(i: int) -> None:
+        runner.decode(slots, [args.prompt_len + i] * args.rows, token_ids)
 
-    steps(3, 0)
-    print(f"decode: {steps(args.steps, 3) * 1000:.2f} ms per step of {args.rows} rows")
-    activities = [torch.profiler.ProfilerActivity.CPU]
-    if args.device == "cuda":
-        activities.append(torch.profiler.ProfilerActivity.CUDA)
-    with torch.profiler.profile(activities=activities) as prof:
-        steps(5, 3 + args.steps)
-    sort = "cuda_time_total" if args.device == "cuda" else "cpu_time_total"
-    print(prof.key_averages().table(sort_by=sort, row_limit=25, max_name_column_width=60))
+    began = time.perf_counter()
+    for i in range(args.warmup):
+        step(i)
+    sync()
+    warmup_s = time.perf_counter() - began
+    began = time.perf_counter()
+    for i in range(args.steps):
+        step(args.warmup + i)
+    sync()
+    step_ms = (time.perf_counter() - began) / args.steps * 1e3
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_cuda else [])
+    with profile(activities=activities) as prof:
+        for i in range(args.steps):
+            step(args.warmup + args.steps + i)
+        sync()
+    events = prof.key_averages()
+    totals: dict[str, float] = defaultdict(float)
+    top = []
+    for event in events:
+        us = event.self_device_time_total if on_cuda else event.self_cpu_time_total
+        if us <= 0 or (on_cuda and event.device_type != torch.autograd.DeviceType.CUDA):
+            continue
+        totals[classify(event.key)] += us / args.steps
+        top.append((us / args.steps, event.count // args.steps, event.key))
+    top.sort(reverse=True)
+    return {
+        "prefill_ms_per_prompt": prefill_ms,
+        "step_ms": step_ms,
+        "warmup_s": warmup_s,
+        "profiled_ms_per_step": sum(totals.values()) / 1e3,
+        "classes_ms": {k: v / 1e3 for k, v in sorted(totals.items(), key=lambda kv: -kv[1])},
+        "top": [{"ms": us / 1e3, "calls": n, "name": name} for us, n, name in top[: args.top]],
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--model", default="small", choices=["small", "qwen3-1.7b", "qwen3.5-2b"])
+    parser.add_argument("--family", default="qwen3_5", help="for --model small")
+    parser.add_argument("--device", help="default: cuda for the GPU shapes, else cpu")
+    parser.add_argument("--dtype", help="default: bfloat16 on cuda, float32 on cpu")
+    parser.add_argument("--rows", type=int, help="decoding slots (default 64 on cuda, 16 on cpu)")
+    parser.add_argument("--prompt-len", type=int, default=256)
+    parser.add_argument("--graphs", default="auto")
+    parser.add_argument("--compile", default="auto")
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--top", type=int, default=15)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", default="benchmarks/results/profile_decode.json")
+    args = parser.parse_args()
+    args.device = args.device or ("cpu" if args.model == "small" else "cuda")
+    on_cuda = args.device == "cuda"
+    args.dtype = args.dtype or ("bfloat16" if on_cuda else "float32")
+    args.rows = args.rows or (64 if on_cuda else 16)
+    torch.manual_seed(args.seed)
+
+    model = build(args)
+    vocab = min(model.config.get_text_config().vocab_size, 400)  # ids the tiny tokenizer knows
+    runner = ModelRunner(
+        model,
+        num_slots=args.rows,
+        max_len=args.prompt_len + args.warmup + 2 * args.steps + 1,
+        graphs=args.graphs,
+        compile=args.compile,
+        packed_linear=True,
+    )
+    result = profile_steps(runner, args, vocab)
+    num_bytes = weight_bytes(model)
+    bandwidth = copy_bandwidth_gb_s(runner.device, min(num_bytes, 1 << 30))
+    floor_ms = num_bytes / (bandwidth * 1e9) * 1e3
+    report = {
+        "meta": {
+            "machine": platform.platform(),
+            "device": torch.cuda.get_device_name() if on_cuda else "cpu",
+            "threads": torch.get_num_threads(),
+            **{k: v for k, v in vars(args).items() if k != "out"},
+            "copy_bandwidth_gb_s": bandwidth,
+            "weight_bytes": num_bytes,
+        },
+        "weight_floor_ms": floor_ms,
+        **result,
+    }
+    print(
+        f"\n{args.model} on {report['meta']['device']}, {args.rows} rows, prompt {args.prompt_len}"
+        f", graphs {args.graphs}, compile {args.compile}"
+    )
+    print(f"prefill {result['prefill_ms_per_prompt']:.1f} ms per prompt")
+    print(
+        f"step {result['step_ms']:.2f} ms (profiled {result['profiled_ms_per_step']:.2f}); "
+        f"weight floor {floor_ms:.2f} ms = {floor_ms / result['step_ms']:.0%} of the step"
+    )
+    print(f"{'class':<12} {'ms/step':>8} {'share':>6}")
+    for cls, ms in result["classes_ms"].items():
+        print(f"{cls:<12} {ms:>8.2f} {ms / result['profiled_ms_per_step']:>6.0%}")
+    print(f"\n{'ms/step':>8} {'calls':>6}  operator / kernel")
+    for row in result["top"]:
+        print(f"{row['ms']:>8.3f} {row['calls']:>6}  {row['name'][:90]}")
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(report, indent=2))
+    print(f"wrote {args.out}")
 
 
 if __name__ == "__main__":
