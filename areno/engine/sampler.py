@@ -5,9 +5,11 @@ Everything is batched over rows (one row per sequence of the step) and stays on 
 `SamplerOutput` to the host once per step. Filtering sorts each row once and never loops over rows;
 only seeded rows loop, to draw their noise from their own generator.
 
-NOTE: logprobs are always the log-softmax of the RAW logits (temperature 1, before top-k / top-p /
-min-p), at the chosen token and for the top-K list. That is the model's own distribution, which
-is what RL needs for the behaviour policy and what a trainer's forward pass recomputes.
+NOTE: logprobs are the log-softmax of the RAW logits (temperature 1, before top-k / top-p / min-p),
+at the chosen token and for the top-K list: the model's own distribution, as OpenAI-style clients
+expect. A row with `logprobs_mode="tempered"` reports the logits divided by its temperature
+instead (still before the filters): the distribution its tokens were drawn from, short of the
+filters, which is what a GRPO trainer recomputes (as verl does) when rollouts sample at T != 1.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ class SamplingTensors:
     """
 
     temperature_B: Tensor
+    logprob_temperature_B: Tensor
     greedy_B: Tensor
     top_k_B: Tensor
     top_p_B: Tensor
@@ -45,6 +48,7 @@ class SamplingTensors:
     use_top_k: bool
     use_top_p: bool
     use_min_p: bool
+    tempered_logprobs: bool
 
     @classmethod
     def from_params(
@@ -59,6 +63,9 @@ class SamplingTensors:
 
         return cls(
             temperature_B=column([p.temperature or 1.0 for p in params_list], torch.float32),
+            logprob_temperature_B=column(
+                [_logprob_temperature(p) for p in params_list], torch.float32
+            ),
             greedy_B=column(greedy, torch.bool),
             top_k_B=column([max(p.top_k, 0) for p in params_list], torch.int64),
             top_p_B=column([p.top_p for p in params_list], torch.float32),
@@ -68,7 +75,16 @@ class SamplingTensors:
             use_top_k=any(p.top_k > 0 for p in sampled),
             use_top_p=any(p.top_p < 1 for p in sampled),
             use_min_p=any(p.min_p > 0 for p in sampled),
+            tempered_logprobs=any(_logprob_temperature(p) != 1.0 for p in params_list),
         )
+
+
+def _logprob_temperature(params: SamplingParams) -> float:
+    """What a row's reported logprobs divide the logits by: its temperature when it asks for
+    tempered logprobs and samples, else 1 (raw; a greedy row has no distribution to temper)."""
+    if params.logprobs_mode == "tempered" and not params.is_greedy:
+        return params.temperature
+    return 1.0
 
 
 @dataclass
@@ -108,7 +124,10 @@ def sample(
     """
     assert len(generators) == logits_BV.shape[0], "one generator (or None) per row"
     logits_BV = logits_BV.float()
-    logprobs_BV = torch.log_softmax(logits_BV, dim=-1)
+    if tensors.tempered_logprobs:
+        logprobs_BV = torch.log_softmax(logits_BV / tensors.logprob_temperature_B[:, None], dim=-1)
+    else:
+        logprobs_BV = torch.log_softmax(logits_BV, dim=-1)
     if banned_ids is not None:
         logits_BV = logits_BV.index_fill(-1, banned_ids, float("-inf"))
     greedy_B = logits_BV.argmax(dim=-1)

@@ -16,6 +16,7 @@ if TYPE_CHECKING:
     from areno.protocol import ChatCompletionRequest
 
 MAX_TOP_LOGPROBS = 20
+LOGPROBS_MODES = ("raw", "tempered")
 # The range torch.Generator.manual_seed accepts; the protocol enforces the same bounds.
 MIN_SEED = -(2**63)
 MAX_SEED = 2**64 - 1
@@ -48,6 +49,9 @@ class SamplingParams:
     ignore_eos: keep generating past the model's EOS tokens (benchmarks, RL with fixed lengths).
     n: number of samples drawn from one shared prompt.
     logprobs / top_logprobs: return the chosen token's logprob / the K most likely (0..20).
+    logprobs_mode: "raw" reports the log-softmax of the model's logits, as OpenAI-style clients
+        expect; "tempered" that of the logits divided by the temperature (before top-k / top-p /
+        min-p), the distribution an RL trainer recomputes for the tokens a rollout sampled.
     include_stop_str_in_output: keep a matched stop string at the end of the output text.
     detokenize: produce text; off for token-only work (benchmarks, scoring), not with `stop`.
     skip_special_tokens: leave special tokens out of the text; off when a tool-call parser must
@@ -66,6 +70,7 @@ class SamplingParams:
     n: int = 1
     logprobs: bool = False
     top_logprobs: int = 0
+    logprobs_mode: str = "raw"
     include_stop_str_in_output: bool = False
     detokenize: bool = True
     skip_special_tokens: bool = True
@@ -115,6 +120,10 @@ class SamplingParams:
             raise _fail("top_logprobs", f"must be an integer in [0, {MAX_TOP_LOGPROBS}]; got {k!r}")
         if k and not self.logprobs:
             raise _fail("top_logprobs", f"= {k} requires logprobs=True")
+        if self.logprobs_mode not in LOGPROBS_MODES:
+            raise _fail(
+                "logprobs_mode", f"must be one of {LOGPROBS_MODES}; got {self.logprobs_mode!r}"
+            )
 
     @property
     def is_greedy(self) -> bool:

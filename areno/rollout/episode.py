@@ -154,6 +154,8 @@ def _turn_params(
         seed=seed,
         logprobs=True,
         top_logprobs=0,
+        # The sampled distribution's logprobs: the trainer recomputes them at this temperature.
+        logprobs_mode="tempered",
         detokenize=True,
         skip_special_tokens=False,  # tool-call tags may be special tokens
     )

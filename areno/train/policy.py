@@ -65,10 +65,18 @@ def count_parameters(model: torch.nn.Module) -> tuple[int, int]:
 
 
 def sequence_logprobs(
-    model: torch.nn.Module, inputs: PromptInputs, device: str, start: int = 1
+    model: torch.nn.Module,
+    inputs: PromptInputs,
+    device: str,
+    start: int = 1,
+    temperature: float = 1.0,
 ) -> torch.Tensor:
     """logprob of tokens start..N-1 under `model` ([N-start], float32), from one forward over
-    the whole trajectory with its media; logits are kept only from position start-1 on."""
+    the whole trajectory with its media; logits are kept only from position start-1 on.
+
+    `temperature` divides the logits first: the rollout's sampling temperature, so that these
+    logprobs and the generator's (`logprobs_mode="tempered"`) describe the same distribution.
+    0 (greedy rollouts) and 1 leave them as they are."""
     batch = {
         k: v.to(device) if isinstance(v, torch.Tensor) else v
         for k, v in inputs.model_inputs().items()
@@ -78,4 +86,6 @@ def sequence_logprobs(
     logits = model(**batch, use_cache=False, logits_to_keep=keep).logits
     # NOTE: some families (MiniCPM-V 4.6) ignore logits_to_keep and return every position.
     logits = logits[:, -keep:]  # [1, keep, V]
+    if temperature not in (0, 1):
+        logits = logits / temperature
     return token_logprobs(logits[:, :-1], ids[:, start:])[0]

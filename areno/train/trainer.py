@@ -102,16 +102,23 @@ class Learner:
             # an optimizer step would still move the weights along Adam's momentum.
             return sums
         scale_all = (self.config.episodes_per_step // self.world_size) * self.world_size
+        # The rollouts' sampling temperature: their logprobs are tempered (see
+        # areno/rollout/episode.py), and so are these.
+        temperature = self.config.rollout.temperature
         for traj, advantage in share:
             start = traj.num_prompt_tokens
-            logprobs = sequence_logprobs(self.module, traj.inputs, self.device, start)[None]
+            logprobs = sequence_logprobs(self.module, traj.inputs, self.device, start, temperature)[
+                None
+            ]
             mask = torch.tensor([traj.loss_mask[start:]], dtype=torch.float32, device=self.device)
             rollout_lp = torch.tensor([traj.rollout_logprobs[start:]], device=self.device)
             old = rollout_lp if cfg.behaviour_logprobs == "rollout" else logprobs.detach()
             ref_lp = None
             if self.ref is not None:
                 with torch.no_grad():
-                    ref_lp = sequence_logprobs(self.ref, traj.inputs, self.device, start)[None]
+                    ref_lp = sequence_logprobs(
+                        self.ref, traj.inputs, self.device, start, temperature
+                    )[None]
             adv = torch.tensor([advantage], dtype=torch.float32, device=self.device)
             loss, info = policy_loss(
                 logprobs.float(),
@@ -364,7 +371,10 @@ def run_steps(
         train_metrics = _reduce(sums)
         train_s = time.perf_counter() - train_start
         state.step += 1
-        sync_s = _sync(learner, sync, state.step, rank)
+        if totals["learn"]:
+            sync_s = _sync(learner, sync, state.step, rank)
+        else:  # no optimizer step: the workers' weights are current, only the version moves
+            sync_s = sync.advance(state.step) if sync is not None else 0.0
         if rank == 0:
             state.data_position = coordinator.stream.position
         state = _broadcast(state, rank)

@@ -109,6 +109,14 @@ class WeightSync:
         self._send(list(range(len(self.workers))), payload)
         return time.perf_counter() - start
 
+    def advance(self, version: int) -> float:
+        """Tell every worker that policy `version` holds the weights they already have (a step
+        that took no optimizer step); returns seconds taken. Nothing is gathered or sent."""
+        start = time.perf_counter()
+        self.version = version
+        self._send(list(range(len(self.workers))), [])
+        return time.perf_counter() - start
+
     def restore(self) -> list[int]:
         """Wait for every worker to answer (a restarting one is asked again until it is back),
         then send the current weights to those behind the current version (a restarted worker

@@ -51,6 +51,30 @@ def test_logprobs_are_log_softmax_of_raw_logits() -> None:
     assert out.logprobs_B.dtype == torch.float32
 
 
+def test_tempered_logprobs_divide_by_each_rows_temperature() -> None:
+    logits = random_logits()
+    temps = [0.5, 0.5, 1.3, 0.0, 0.5, 2.0]
+    modes = ["tempered", "raw", "tempered", "tempered", "tempered", "tempered"]
+    params = [
+        SamplingParams(temperature=t, top_k=5, logprobs=True, top_logprobs=3, logprobs_mode=m)
+        for t, m in zip(temps, modes, strict=True)
+    ]
+    out = run(logits, params)
+    # A raw row and a greedy row (temperature 0: no distribution to temper) stay raw.
+    divisors = torch.tensor([0.5, 1.0, 1.3, 1.0, 0.5, 2.0])[:, None]
+    expected_BV = torch.log_softmax(logits / divisors, -1)
+    chosen = expected_BV.gather(-1, out.token_ids_B[:, None]).squeeze(-1)
+    assert torch.allclose(out.logprobs_B, chosen, atol=1e-6, rtol=0)
+    assert torch.allclose(out.top_logprobs_BK, expected_BV.topk(3, -1).values, atol=1e-6, rtol=0)
+
+
+def test_an_unknown_logprobs_mode_is_refused() -> None:
+    from areno.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="logprobs_mode"):
+        SamplingParams(logprobs_mode="processed")
+
+
 def test_top_logprobs_are_sorted_and_use_the_largest_k() -> None:
     logits = random_logits()
     params = [SamplingParams(logprobs=True, top_logprobs=k) for k in (0, 2, 5, 1, 0, 3)]

@@ -117,11 +117,10 @@ def worker(caller):
     worker.shutdown()
 
 
-def _run(worker, media: Path, group_size: int = 2):
+def _run(worker, media: Path, group_size: int = 2, sampling: SamplingParams | None = None):
     path = media / "scene-1.png"
-    return asyncio.run(
-        worker.run_group("scene-1", _messages(path), group_size, SamplingParams(temperature=0))
-    )
+    sampling = sampling or SamplingParams(temperature=0)
+    return asyncio.run(worker.run_group("scene-1", _messages(path), group_size, sampling))
 
 
 def test_tool_calls_run_and_their_media_reach_the_next_turn(worker, caller):
@@ -161,15 +160,18 @@ def test_loss_mask_covers_exactly_the_sampled_tokens(worker, caller):
     assert all(lp <= 0.0 for lp in masked_lp) and any(lp < 0.0 for lp in masked_lp)
 
 
-def test_trainer_scores_the_exact_episode_the_generator_sampled(worker, caller):
+@pytest.mark.parametrize("temperature", [0.0, 0.5])
+def test_trainer_scores_the_exact_episode_the_generator_sampled(worker, caller, temperature):
     """Token-in / token-out with media: one forward over the whole multi-turn episode gives the
-    generator's per-token logprobs (fp32 CPU), so nothing was re-templated or re-encoded."""
-    traj = _run(worker, caller[1], group_size=1)[0][0]
+    generator's per-token logprobs (fp32 CPU), so nothing was re-templated or re-encoded. Sampled
+    at 0.5, both sides describe the tempered distribution the tokens were drawn from."""
+    sampling = SamplingParams(temperature=temperature, seed=11)
+    traj = _run(worker, caller[1], group_size=1, sampling=sampling)[0][0]
     model, _, _ = load_policy(caller[0], dtype=torch.float32)
     model.eval()
     start = traj.num_prompt_tokens
     with torch.no_grad():
-        train_lp = sequence_logprobs(model, traj.inputs, "cpu", start)
+        train_lp = sequence_logprobs(model, traj.inputs, "cpu", start, temperature)
     mask = torch.tensor(traj.loss_mask[start:], dtype=torch.bool)
     rollout_lp = torch.tensor(traj.rollout_logprobs[start:])
     diff = (train_lp - rollout_lp)[mask].abs()

@@ -26,3 +26,20 @@ def test_sequence_logprobs_scores_exactly_the_tokens_after_start(tiny_path, fami
     expected = logits[start - 1 : -1].log_softmax(-1).gather(1, ids[start:, None])[:, 0]
     assert scored.shape == (inputs.num_prompt_tokens - start,)
     torch.testing.assert_close(scored, expected)
+
+
+def test_sequence_logprobs_at_a_temperature_divide_the_logits(tiny_path):
+    path = tiny_path("qwen3_5")
+    inputs = Processor(path).encode([{"role": "user", "content": "Warm me up."}], [])
+    model, _, _ = load_policy(path, dtype=torch.float32)
+    start = inputs.num_prompt_tokens - 4
+    with torch.no_grad():
+        tempered = sequence_logprobs(model, inputs, "cpu", start, temperature=0.5)
+        greedy = sequence_logprobs(model, inputs, "cpu", start, temperature=0.0)
+        logits = model(**inputs.model_inputs(), use_cache=False).logits[0].float()
+    ids = torch.tensor(inputs.input_ids)
+    expected = (logits[start - 1 : -1] / 0.5).log_softmax(-1).gather(1, ids[start:, None])[:, 0]
+    torch.testing.assert_close(tempered, expected)
+    # temperature 0 (a greedy rollout) scores the model's own distribution
+    raw = logits[start - 1 : -1].log_softmax(-1).gather(1, ids[start:, None])[:, 0]
+    torch.testing.assert_close(greedy, raw)
