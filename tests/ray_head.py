@@ -54,8 +54,30 @@ def ray_env() -> dict:
     return dict(os.environ, **RAY_TEST_ENV, PATH=f"{VENV_BIN}:{os.environ.get('PATH', '')}")
 
 
+# A driver that joins the head and sees its node alive: the dashboard answering is not enough (a
+# head whose raylet failed to start still serves the dashboard, and every driver then fails with
+# "No node info found").
+_JOIN_CHECK = "import ray; ray.init(); assert any(n['Alive'] for n in ray.nodes()); ray.shutdown()"
+
+
 @pytest.fixture(scope="module")
 def ray_head():
+    for attempt in range(2):
+        process, head = _start_head()
+        if _driver_can_join(head):
+            break
+        stop_head(process)
+        shutil.rmtree(head.temp_dir, ignore_errors=True)
+        if attempt:
+            raise RuntimeError("a driver could not join the test's ray head (started twice)")
+    try:
+        yield head
+    finally:
+        stop_head(process)
+        shutil.rmtree(head.temp_dir, ignore_errors=True)
+
+
+def _start_head() -> tuple[subprocess.Popen, RayHead]:
     env = ray_env()
     temp_dir = Path(tempfile.mkdtemp(prefix="areno-ray-", dir="/tmp"))
     port, dashboard_port = free_port(), free_port()
@@ -91,11 +113,15 @@ def ray_head():
                 raise RuntimeError("ray start --head did not come up") from None
             time.sleep(0.5)
     env = dict(env, RAY_ADDRESS=f"127.0.0.1:{port}")
+    return process, RayHead(f"127.0.0.1:{port}", dashboard, temp_dir, env)
+
+
+def _driver_can_join(head: RayHead) -> bool:
     try:
-        yield RayHead(f"127.0.0.1:{port}", dashboard, temp_dir, env)
-    finally:
-        stop_head(process)
-        shutil.rmtree(temp_dir, ignore_errors=True)
+        joined = head.run(sys.executable, "-c", _JOIN_CHECK, timeout=120)
+    except subprocess.TimeoutExpired:
+        return False
+    return joined.returncode == 0
 
 
 def stop_head(process: subprocess.Popen, grace_s: float = 5.0) -> None:
