@@ -89,7 +89,7 @@ def _logprob_temperature(params: SamplingParams) -> float:
 
 @dataclass
 class SamplerOutput:
-    """One step's sampled tokens and their raw-logit logprobs, still on the device.
+    """One step's sampled tokens and their logprobs (raw, or tempered per row), still on the device.
 
     top_logprobs_ids_BK / top_logprobs_BK hold K = the largest `top_logprobs` in the batch,
     sorted by descending logprob; a row that asked for fewer uses its first entries.
@@ -120,7 +120,7 @@ def sample(
     `generators[i]` is row i's own generator (a seeded sequence) or None (the device's default
     generator). A seeded row draws the same tokens whatever else is in the batch. `banned_ids`
     are never chosen (media placeholders: a sampled one would claim media features that do not
-    exist); like the filters, banning leaves the reported raw-logit logprobs as they are.
+    exist); like the filters, banning leaves the reported logprobs as they are.
     """
     assert len(generators) == logits_BV.shape[0], "one generator (or None) per row"
     logits_BV = logits_BV.float()

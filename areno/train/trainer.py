@@ -107,9 +107,8 @@ class Learner:
         temperature = self.config.rollout.temperature
         for traj, advantage in share:
             start = traj.num_prompt_tokens
-            logprobs = sequence_logprobs(self.module, traj.inputs, self.device, start, temperature)[
-                None
-            ]
+            logprobs = sequence_logprobs(self.module, traj.inputs, self.device, start, temperature)
+            logprobs = logprobs[None]
             mask = torch.tensor([traj.loss_mask[start:]], dtype=torch.float32, device=self.device)
             rollout_lp = torch.tensor([traj.rollout_logprobs[start:]], device=self.device)
             old = rollout_lp if cfg.behaviour_logprobs == "rollout" else logprobs.detach()
