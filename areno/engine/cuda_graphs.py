@@ -73,6 +73,16 @@ class DecodeGraphs:
         """Whether the step runs compiled (False after a compile error fell back)."""
         return self._compiled is not None
 
+    def release(self) -> None:
+        """Drop the captured graphs once the device is idle; later decodes capture afresh.
+
+        A TP rank releases them before leaving its NCCL group: the graphs hold the communicator's
+        collectives, and destroying a group under live graphs hung on the lent H200s.
+        """
+        if self._graphs:
+            torch.cuda.synchronize(self.runner.device)
+            self._graphs.clear()
+
     def decode(self, slots: list[int], positions: list[int], token_ids: list[int]) -> torch.Tensor:
         """Like `ModelRunner.decode`; returns logits (B, V)."""
         rows = next(b for b in self.buckets if b > max(slots))

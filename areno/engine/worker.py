@@ -116,6 +116,11 @@ class Worker:
     def device(self) -> torch.device:
         return self.runner.device
 
+    def release_graphs(self) -> None:
+        """Drop captured decode graphs (before leaving a TP group; see DecodeGraphs.release)."""
+        if self.runner.graphs is not None:
+            self.runner.graphs.release()
+
     def execute(self, step: StepInput) -> StepOutput | None:
         """Run the step's forwards and (on the sampling rank) sample one token per row."""
         for seq_id in step.finished_seq_ids:

@@ -27,6 +27,9 @@ pytestmark = [
 ]
 
 
+RUN_TIMEOUT_S = 150  # one tiny engine: start, 3 requests, shut down (a hang fails the test)
+
+
 @pytest.fixture(scope="module", autouse=True)
 def ray_local():
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
@@ -41,7 +44,12 @@ class EngineRun:
     """One engine in this actor's process: greedy outputs for the prompts, then shut down."""
 
     def run(self, path: str, config: EngineConfig, prompts: list[list[int]]) -> tuple[str, list]:
+        import faulthandler
+
         from areno.engine.generator import Generator
+
+        # A hang writes this actor's stacks to its Ray worker log before the test gives up on it.
+        faulthandler.dump_traceback_later(RUN_TIMEOUT_S - 10)
         from areno.processing.types import PromptInputs
 
         params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=True)
@@ -56,6 +64,7 @@ class EngineRun:
             outputs = asyncio.run(run_all())
         finally:
             gen.shutdown()
+            faulthandler.cancel_dump_traceback_later()
         samples = [(out.samples[0].token_ids, out.samples[0].logprobs) for out in outputs]
         return gen.core.executor.worker.device.type, samples
 
@@ -78,7 +87,7 @@ def test_tp2_over_nccl_gives_the_same_tokens_as_tp1(tiny_path, family, graphs):
         actor = ray.remote(num_gpus=1, num_cpus=1)(EngineRun).remote()
         try:
             device, outputs[tp_size] = ray.get(
-                actor.run.remote(str(tiny_path(family)), config, prompts)
+                actor.run.remote(str(tiny_path(family)), config, prompts), timeout=RUN_TIMEOUT_S
             )
         finally:
             ray.kill(actor)
