@@ -75,18 +75,27 @@ class Generator:
         self._thread.start()
 
     def _warm_up_compiled_decode(self) -> None:
-        """Compile the decode step now rather than in the first request's time (a minute or
-        more): a one-token prefill into slot 0 and one decode step, outputs dropped. Slot 0 is
-        free again after, and its next prefill overwrites what these wrote."""
+        """Compile the decode step now rather than in a request's time (a minute or more for a
+        2B model on an H200): a one-token prefill into slot 0, then a decode step of the
+        smallest row bucket and one of the next. The first compile specializes on its row count;
+        the second shape is what makes torch.compile recompile the step shape-generic, which
+        otherwise happened in the first request that decoded more rows. Outputs are dropped; the
+        slots are free again after, and their next prefills overwrite what these wrote."""
         graphs = self.core.executor.worker.runner.graphs
         if graphs is None or not graphs.compiled:
             return
-        greedy = [RowSampling(seq_id=-1, params=SamplingParams(temperature=0, max_tokens=1))]
+        greedy = RowSampling(seq_id=-1, params=SamplingParams(temperature=0, max_tokens=1))
         prompt = PromptInputs([0], {})
-        self.core.executor.execute(StepInput(prefill=[PrefillItem(prompt, [0])], rows=greedy))
-        self.core.executor.execute(
-            StepInput(decode_slots=[0], decode_positions=[1], decode_token_ids=[0], rows=greedy)
-        )
+        self.core.executor.execute(StepInput(prefill=[PrefillItem(prompt, [0])], rows=[greedy]))
+        for num_rows in (1, graphs.buckets[0] + 1)[: len(graphs.buckets)]:
+            self.core.executor.execute(
+                StepInput(
+                    decode_slots=list(range(num_rows)),
+                    decode_positions=[1] * num_rows,
+                    decode_token_ids=[0] * num_rows,
+                    rows=[greedy] * num_rows,
+                )
+            )
 
     # ---- construction -------------------------------------------------------------------
 

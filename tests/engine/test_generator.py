@@ -145,6 +145,29 @@ def test_staggered_greedy_equals_generate(setups, media, family, graphs, compile
         assert gen.core.executor.worker.runner.graphs.compiled
 
 
+def test_a_compiled_decode_compiles_only_while_the_engine_starts(setups):
+    # torch.compile specializes its first compile on the row count; the warm-up's second row
+    # bucket makes it recompile shape-generic at start. Before, the first request that decoded
+    # more rows recompiled the step in its own time (70 s for a 2B model on an H200).
+    from torch._dynamo.utils import counters
+
+    setup = setups("qwen3_5")
+    gen = setup.generator(max_running_prompts=4, decode_graphs="static", decode_compile="eager")
+    compiled_at_start = counters["frames"]["ok"]
+    prompts = [setup.encode(text("Hi.")), *(setup.encode(text("Say " * n)) for n in (3, 20, 90))]
+
+    async def main():
+        await gen.generate_all(prompts[0], GREEDY)  # one row: the smallest bucket
+        await asyncio.gather(*(gen.generate_all(x, GREEDY) for x in prompts[1:]))  # three rows
+
+    try:
+        run(main())
+    finally:
+        gen.shutdown()
+    assert compiled_at_start > 0
+    assert counters["frames"]["ok"] == compiled_at_start
+
+
 def test_logprobs_match_a_full_forward_and_score(setups, media):
     setup = setups("gemma4")
     x = setup.encode(with_media("image", media["image"], "Describe."))
