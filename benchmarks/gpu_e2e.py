@@ -358,7 +358,9 @@ def run_tp(args: argparse.Namespace, work: Path) -> dict:
             )
             generator = Generator.from_config(path, config)
             progress(f"TP={tp} engine up (loaded, decode warmed)")
-            greedy = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True, detokenize=False)
+            greedy = SamplingParams(
+                temperature=0, max_tokens=192, ignore_eos=True, detokenize=False
+            )
 
             async def run_all(batch, params, generator=generator):
                 return await asyncio.gather(
@@ -387,7 +389,7 @@ def run_tp(args: argparse.Namespace, work: Path) -> dict:
         next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), len(a))
         for a, b in pairs
     ]
-    print("\ntp (Qwen3-8B shape, 64 requests x 128 prompt x 64 output, concurrency 64)")
+    print("\ntp (Qwen3-8B shape, 64 requests x 128 prompt x 192 output, concurrency 64)")
     print(f"TP=1 {results[1]['tok_s']:.0f} tok/s, TP=2 {results[2]['tok_s']:.0f} tok/s")
     print(
         f"greedy outputs equal for {same} of {len(prompts)} requests; first token equal for "
