@@ -342,6 +342,7 @@ def run_engine(
         run_requests(generator, [dict(r, max_tokens=2) for r in requests[:concurrency]])  # warm-up
         _synchronize(model.device)
         warmup_s = time.perf_counter() - start
+        phases = PhaseTimes(generator.core.executor.worker.runner)
         start = time.perf_counter()
         outputs = run_requests(generator, requests)
         _synchronize(model.device)
@@ -354,7 +355,46 @@ def run_engine(
         "wall_s": wall_s,
         "tok_s": num_tokens / wall_s,
         "warmup_s": warmup_s,
+        **phases.report(),
     }
+
+
+class PhaseTimes:
+    """Where the timed run's seconds went: the runner's prefill and decode forwards, timed on the
+    host around each call (CPU only: on CUDA the host returns before the device finishes)."""
+
+    def __init__(self, runner: Any):
+        self.timed = runner.device.type == "cpu"
+        self.seconds = {"prefill": 0.0, "decode": 0.0}
+        self.calls = {"prefill": 0, "decode": 0}
+        if self.timed:
+            for name, phase in (
+                ("prefill", "prefill"),
+                ("prefill_batch", "prefill"),
+                ("decode", "decode"),
+            ):
+                setattr(runner, name, self._timed(getattr(runner, name), phase))
+
+    def _timed(self, fn: Any, phase: str) -> Any:
+        def call(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.seconds[phase] += time.perf_counter() - start
+                self.calls[phase] += 1
+
+        return call
+
+    def report(self) -> dict:
+        if not self.timed:
+            return {}
+        return {
+            "prefill_s": self.seconds["prefill"],
+            "prefill_calls": self.calls["prefill"],
+            "decode_s": self.seconds["decode"],
+            "decode_steps": self.calls["decode"],
+        }
 
 
 # --- roofline and report --------------------------------------------------------------------------
@@ -468,6 +508,14 @@ def print_report(report: dict, bandwidth_gb_s: float) -> None:
             f"{r['system']:<16} {r['requests']:>8} {r['output_tokens']:>10} {r['wall_s']:>8.1f} "
             f"{r['tok_s']:>9.1f} {ratio:>12} {r['pct_roofline']:>10.1f}"
         )
+    for r in report["rows"]:
+        if "prefill_s" in r:  # the engine's own split (CPU)
+            print(
+                f"{r['system']}: prefill {r['prefill_s']:.1f} s in {r['prefill_calls']} forwards,"
+                f" decode {r['decode_s']:.1f} s in {r['decode_steps']} steps "
+                f"({1e3 * r['decode_s'] / max(r['decode_steps'], 1):.1f} ms/step), the rest "
+                f"{r['wall_s'] - r['prefill_s'] - r['decode_s']:.1f} s"
+            )
 
 
 def parse_args() -> argparse.Namespace:
