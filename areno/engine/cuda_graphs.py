@@ -27,6 +27,7 @@ import logging
 from typing import TYPE_CHECKING
 
 import torch
+import torch.fx.experimental._config as fx_config
 from torch._dynamo.exc import TorchDynamoException
 
 from areno.engine.cache import BatchBinding, restore_rows, save_rows
@@ -123,7 +124,12 @@ class DecodeGraphs:
     def _run_model(self, inputs: dict):
         if self._compiled is not None:
             try:
-                return self._compiled(**inputs)
+                # NOTE: without duck sizing, the one compile stays generic in the row count and
+                # key length. With it, an input size equal to another (2 rows and 2 KV heads,
+                # a 128-key bucket and head_dim 128) was made the same symbol and pinned by the
+                # static one, and every other bucket recompiled the step (a minute on a GPU).
+                with fx_config.patch(use_duck_shape=False):
+                    return self._compiled(**inputs)
             except TorchDynamoException as error:
                 # Compiling happens before the graph runs, so nothing was written yet.
                 log.warning(

@@ -77,10 +77,10 @@ class Generator:
     def _warm_up_compiled_decode(self) -> None:
         """Compile the decode step now rather than in a request's time (a minute or more for a
         2B model on an H200): a one-token prefill into slot 0, then a decode step of the
-        smallest row bucket and one of the next. The first compile specializes on its row count;
-        the second shape is what makes torch.compile recompile the step shape-generic, which
-        otherwise happened in the first request that decoded more rows. Outputs are dropped; the
-        slots are free again after, and their next prefills overwrite what these wrote."""
+        smallest row bucket and one of the next. The compile is generic in the row count (see
+        DecodeGraphs._run_model); should a model's code still pin the count it first saw, the
+        second step makes that recompile happen here. Outputs are dropped; the slots are free
+        again after, and their next prefills overwrite what these wrote."""
         graphs = self.core.executor.worker.runner.graphs
         if graphs is None or not graphs.compiled:
             return

@@ -146,9 +146,9 @@ def test_staggered_greedy_equals_generate(setups, media, family, graphs, compile
 
 
 def test_a_compiled_decode_compiles_only_while_the_engine_starts(setups):
-    # torch.compile specializes its first compile on the row count; the warm-up's second row
-    # bucket makes it recompile shape-generic at start. Before, the first request that decoded
-    # more rows recompiled the step in its own time (70 s for a 2B model on an H200).
+    # Before, the first compile pinned its row count (2 rows = the tiny model's 2 KV heads,
+    # through duck sizing) and the first request that decoded more rows recompiled the step in
+    # its own time.
     from torch._dynamo.utils import counters
 
     setup = setups("qwen3_5")

@@ -121,6 +121,23 @@ def test_staggered_batched_greedy_equals_generate(tiny_path, media, family, grap
         assert done[i] == want, (i, done[i], want)
 
 
+def test_one_compile_of_the_decode_step_serves_every_row_bucket(tiny_path):
+    # The tiny model has 2 KV heads: with duck sizing, a first compile at the 2-row bucket made
+    # the row count the KV-head count's symbol, pinned it, and each other bucket recompiled.
+    from torch._dynamo.utils import counters
+
+    _, _, model = load(tiny_path, "qwen3_5")
+    runner = ModelRunner(model, num_slots=8, max_len=64, graphs="static", compile="eager")
+    for slot in range(6):
+        runner.prefill(PromptInputs([5 + slot, 9, 11], {}), [slot])
+    runner.decode([0], [3], [7])  # the 2-row bucket: the compile
+    compiled = counters["stats"]["unique_graphs"]
+    runner.decode([0, 1, 2], [4, 3, 3], [7, 8, 9])  # 4 rows
+    runner.decode(list(range(6)), [5, 4, 4, 3, 3, 3], [7] * 6)  # 8 rows
+    assert runner.graphs.compiled
+    assert counters["stats"]["unique_graphs"] == compiled
+
+
 def test_forked_samples_share_one_prefill(tiny_path, media):
     processor, decoder, model = load(tiny_path, "qwen3_5")
     x = process_messages(processor, decoder, requests(media, {"image"})[1])
