@@ -427,13 +427,18 @@ def main() -> None:
         choices=["auto", "object_store", "cuda_ipc"],
         help="grpo: one run per transport (trainer.weight_sync)",
     )
+    compile_modes = ["auto", "off", "inductor"]  # what `areno serve --decode-compile` takes
     parser.add_argument(
         "--tp-compile",
         default="auto",
+        choices=compile_modes,
         help="decode_compile of both tp engines ('off' skips two 8B compiles: minutes)",
     )
     parser.add_argument(
-        "--serve-compile", default="auto", help="areno serve --decode-compile for the serve part"
+        "--serve-compile",
+        default="auto",
+        choices=compile_modes,
+        help="areno serve --decode-compile for the serve part",
     )
     parser.add_argument("--work-dir", help="keeps checkpoints between runs (default: a temp dir)")
     parser.add_argument("--out", default="benchmarks/results/gpu_e2e.json")

@@ -87,7 +87,9 @@ class Generator:
         greedy = RowSampling(seq_id=-1, params=SamplingParams(temperature=0, max_tokens=1))
         prompt = PromptInputs([0], {})
         self.core.executor.execute(StepInput(prefill=[PrefillItem(prompt, [0])], rows=[greedy]))
-        for num_rows in (1, graphs.buckets[0] + 1)[: len(graphs.buckets)]:
+        # One row decodes the smallest bucket; buckets[0] + 1 rows decode the next one.
+        row_counts = [1] if len(graphs.buckets) == 1 else [1, graphs.buckets[0] + 1]
+        for num_rows in row_counts:
             self.core.executor.execute(
                 StepInput(
                     decode_slots=list(range(num_rows)),

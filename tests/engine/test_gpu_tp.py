@@ -47,10 +47,10 @@ class EngineRun:
         import faulthandler
 
         from areno.engine.generator import Generator
+        from areno.processing.types import PromptInputs
 
         # A hang writes this actor's stacks to its Ray worker log before the test gives up on it.
         faulthandler.dump_traceback_later(RUN_TIMEOUT_S - 10)
-        from areno.processing.types import PromptInputs
 
         params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=True)
         gen = Generator.from_config(path, config)
