@@ -137,7 +137,8 @@ class Server:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"areno serve exited with {self.proc.returncode}; see its log")
             try:
-                with urllib.request.urlopen(f"{self.url}/v1/models", timeout=2) as response:
+                # /health answers 200 once the engine has started (loaded, compiled, warmed up).
+                with urllib.request.urlopen(f"{self.url}/health", timeout=5) as response:
                     if response.status == 200:
                         return time.perf_counter() - start
             except OSError:

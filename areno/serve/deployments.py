@@ -57,6 +57,8 @@ from areno.tools import get_tool_parser
 # Retry-After). The engine-side limit (--max-queued-requests, 429) normally refuses far earlier.
 INGRESS_MAX_ONGOING = 4096
 INGRESS_MAX_QUEUED = 1024
+# How long `/health` waits for the Generator replica to answer before saying it is still starting.
+ENGINE_PROBE_S = 1.0
 
 # Children of "ray.serve": Serve routes them to the replica's log file and the driver's console.
 logger = logging.getLogger("ray.serve.areno")
@@ -307,9 +309,25 @@ class Ingress:
         self.encode_thread = concurrent.futures.ThreadPoolExecutor(1, "areno-encode")
         self.tool_parser = get_tool_parser(adapter_for_checkpoint(config.model_path).tool_format)
         self.metrics = IngressMetrics()
+        self.engine_ready = False
 
     @api.get("/health")
-    async def health(self) -> dict:
+    async def health(self):
+        """200 once the engine has started; 503 before. The Ingress answers HTTP as soon as its
+        own replica is up, while the Generator may still be loading the checkpoint and compiling
+        its decode step (minutes for a 2B model on a GPU), so readiness asks the engine itself."""
+        if not self.engine_ready:
+            probe = self.generator_unary.stats.remote()
+            try:
+                await asyncio.wait_for(asyncio.shield(probe), ENGINE_PROBE_S)
+            except TimeoutError:
+                probe.cancel()
+                detail = "the generation engine is still starting (loading, compiling, warming up)"
+                return JSONResponse({"status": "starting", "detail": detail}, status_code=503)
+            except Exception as error:  # a replica that failed to start: say why, stay up
+                detail = f"the generation engine is unavailable: {error}"
+                return JSONResponse({"status": "unavailable", "detail": detail}, status_code=503)
+            self.engine_ready = True
         return {"status": "ok"}
 
     @api.get("/v1/models")

@@ -367,6 +367,38 @@ def test_api_key_is_required_on_every_route_but_health(server):
     assert [m.id for m in guarded_client(server).models.list().data] == ["tiny-gemma4"]
 
 
+def test_health_says_starting_until_the_engine_is_up(server, tiny_path):
+    """The Ingress answers HTTP as soon as its replica runs; `/health` must not say "ok" while
+    the Generator is still starting. Here it can never start (it needs a resource no node has),
+    so its app stays deploying while the Ingress answers."""
+    import time
+
+    import httpx2
+    from ray import serve
+
+    base = str(server.base_url).rstrip("/").removesuffix("/v1")
+    config = ServeConfig(
+        model_path=str(tiny_path("gemma4")),
+        engine=EngineConfig(max_running_prompts=1, max_context_len=256),
+        num_cpus_per_deployment=0.05,  # the module's 4 CPUs are mostly taken
+        deployment_resources={"generator": {"areno_test_absent": 1}},
+    )
+    target = serve.RunTarget(build_app(config), name="starting", route_prefix="/starting")
+    serve.run_many([target], wait_for_applications_running=False)
+    try:
+        deadline = time.monotonic() + 120
+        response = httpx2.get(f"{base}/starting/health", timeout=30)
+        while response.status_code != 503 and time.monotonic() < deadline:
+            time.sleep(0.5)  # 404 from the root app until this app's route exists
+            response = httpx2.get(f"{base}/starting/health", timeout=30)
+        assert response.status_code == 503, response.text
+        assert response.json()["status"] == "starting"
+        assert "still starting" in response.json()["detail"]
+        assert httpx2.get(f"{base}/health", timeout=30).json() == {"status": "ok"}
+    finally:
+        serve.delete("starting")
+
+
 def test_guarded_server_refuses_media_outside_its_roots_and_remote_urls(
     server, media, media_root, http_media
 ):
