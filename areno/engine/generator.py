@@ -27,6 +27,7 @@ from areno.engine.config import (
 from areno.engine.core import EngineCore
 from areno.engine.executor import Executor, LocalExecutor
 from areno.engine.ipc import CudaIpcWeights
+from areno.engine.openmp import release_thread_pool
 from areno.engine.outputs import RequestOutput, merge_outputs
 from areno.engine.parallel import load_model_for_rank
 from areno.engine.sampling import SamplingParams
@@ -71,6 +72,9 @@ class Generator:
         self._stopped = False
         self._idle_waiters: list[concurrent.futures.Future] = []
         self._warm_up_compiled_decode()
+        if executor.worker.device.type == "cpu":
+            # The engine thread must own the process's only OpenMP pool (areno/engine/openmp.py).
+            release_thread_pool()
         self._thread = threading.Thread(target=self._run, name="areno-engine", daemon=True)
         self._thread.start()
 
