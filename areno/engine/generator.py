@@ -44,6 +44,10 @@ class EngineDeadError(RuntimeError):
     """The engine thread hit an internal error or was shut down; requests cannot proceed."""
 
 
+class StartupRunError(RuntimeError):
+    """A start-up prompt (`Generator.warm_up`) failed: the engine cannot serve that input kind."""
+
+
 class Generator:
     """Continuous-batching generation over one model replica (see the module docstring)."""
 
@@ -273,6 +277,30 @@ class Generator:
             self.core.scheduler.hold_admission = False
 
         await self._call(resume)
+
+    def warm_up(self, prompts: Mapping[str, PromptInputs]) -> None:
+        """Prefill each named prompt once and drop what it computes, before the first request:
+        the first use of each media tower lands here (areno/processing/warmup.py). Prompts that
+        leave no room in the context are skipped. Blocks until done. Raises StartupRunError
+        naming the prompt that failed."""
+
+        def run() -> None:
+            if self.core.has_work:
+                raise RuntimeError("warm_up runs before any request (it prefills into slot 0)")
+            greedy = RowSampling(seq_id=-1, params=SamplingParams(temperature=0, max_tokens=1))
+            for name, prompt in prompts.items():
+                if prompt.num_prompt_tokens >= self.max_context_len:
+                    continue  # a request like it would be refused: nothing to warm
+                step = StepInput(prefill=[PrefillItem(prompt, [0])], rows=[greedy])
+                try:
+                    self.core.executor.execute(step)
+                except Exception as error:
+                    raise StartupRunError(
+                        f"the engine's start-up run of its {name} prompt failed: "
+                        f"{type(error).__name__}: {error}"
+                    ) from error
+
+        self._submit(run).result()
 
     def stats(self) -> dict[str, int]:
         """Queue depth and occupancy (read without locking: a snapshot for metrics)."""

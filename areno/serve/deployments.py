@@ -35,6 +35,7 @@ from areno.media import MediaDecoder, MediaPolicy
 from areno.models.registry import adapter_for_checkpoint
 from areno.processing import Processor
 from areno.processing.encode import PromptLimits
+from areno.processing.warmup import warm_up_prompts
 from areno.protocol import parse_chat_request
 from areno.protocol.errors import ErrorInfo, ErrorResponse, check_body_size
 from areno.protocol.responses import ModelCard, ModelList
@@ -191,6 +192,7 @@ class ProcessorServer:
     def __init__(self, config: ServeConfig):
         limits = PromptLimits(config.max_prompt_tokens, config.engine.max_context_len)
         self.processor = Processor(config.model_path, limits=limits)
+        warm_up_prompts(self.processor)  # the native processor's first call, per modality
 
     def encode(
         self,
@@ -215,7 +217,13 @@ class GeneratorServer:
     rank 0, in the first bundle of its STRICT_PACK placement group)."""
 
     def __init__(self, config: ServeConfig):
+        # Encoded before the engine starts: its thread must stay this process's only OpenMP user
+        # (areno/engine/openmp.py), and the processor runs torch ops.
+        limits = PromptLimits(config.max_prompt_tokens, config.engine.max_context_len)
+        start_up_prompts = warm_up_prompts(Processor(config.model_path, limits=limits))
         self.generator = Generator.from_config(config.model_path, config.engine)
+        # Each media tower's first forward, here rather than in a user's first request of it.
+        self.generator.warm_up(start_up_prompts)
         self.admission = Admission(config.engine.max_running_prompts, config.queue_limit)
         from ray.serve import metrics
 

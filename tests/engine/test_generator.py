@@ -399,3 +399,66 @@ def test_update_weights_changes_outputs_and_policy_version(setups, tiny_path):
     assert before.samples[0].token_ids == setup.reference(x, GREEDY.max_tokens)
     assert after.samples[0].token_ids == other.reference(x, GREEDY.max_tokens)
     assert after.samples[0].token_ids != before.samples[0].token_ids
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "gemma4"])
+def test_start_up_prompts_run_every_media_tower_and_change_no_output(setups, media, family):
+    from areno.processing.warmup import warm_up_prompts
+
+    setup = setups(family)
+    model = setup.model.model
+    towers = {"image": 0, "audio": 0, "video": 0}
+    features = {m: f"get_{m}_features" for m in towers if hasattr(model, f"get_{m}_features")}
+
+    def counted(modality: str, inner):
+        def call(*args, **kwargs):
+            towers[modality] += 1
+            return inner(*args, **kwargs)
+
+        return call
+
+    for modality, name in features.items():
+        setattr(model, name, counted(modality, getattr(model, name)))
+    requests = mixed_requests(setup, media)
+    try:
+        cold = setup.generator()
+        try:
+            expected = [run(cold.generate_all(r, GREEDY)).samples[0].token_ids for r in requests]
+        finally:
+            cold.shutdown()
+        prompts = warm_up_prompts(setup.processor)
+        assert set(prompts) == set(setup.processor.adapter.modalities)
+        towers.update(dict.fromkeys(towers, 0))
+        warmed = setup.generator()
+        try:
+            warmed.warm_up(prompts)
+            ran = dict(towers)
+            got = [run(warmed.generate_all(r, GREEDY)).samples[0].token_ids for r in requests]
+        finally:
+            warmed.shutdown()
+    finally:
+        for name in features.values():
+            delattr(model, name)  # back to the class's method
+    for modality in setup.processor.adapter.modalities:
+        assert ran[modality] >= 1, (modality, ran)
+    assert got == expected
+
+
+def test_a_failing_start_up_prompt_is_named_and_leaves_the_engine_serving(setups):
+    import dataclasses
+
+    from areno.engine.generator import StartupRunError
+    from areno.processing.warmup import warm_up_prompts
+
+    setup = setups("qwen3_5")
+    image = warm_up_prompts(setup.processor)["image"]
+    pixels = image.mm_inputs["pixel_values"]
+    broken = dataclasses.replace(image, mm_inputs={**image.mm_inputs, "pixel_values": pixels[:3]})
+    gen = setup.generator()
+    try:
+        with pytest.raises(StartupRunError, match="start-up run of its image prompt failed"):
+            gen.warm_up({"image": broken})
+        request = setup.encode(text("Still there?"))
+        assert len(run(gen.generate_all(request, GREEDY)).samples[0].token_ids) > 0
+    finally:
+        gen.shutdown()
