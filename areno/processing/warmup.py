@@ -27,15 +27,15 @@ def synthetic_media(
     modality: str, audio_sampling_rate: int, video_with_audio: bool
 ) -> DecodedMedia:
     """A small decoded item of `modality`: a gray image, a quiet tone, a few gray frames."""
-    source = f"start-up {modality}"
+    source, digest = f"start-up {modality}", f"start-up-{modality}"  # never a sha256
     if modality == "image":
-        return DecodedImage(Image.new("RGB", (SIDE, SIDE), (128, 128, 128)), "warm-up", source)
+        return DecodedImage(Image.new("RGB", (SIDE, SIDE), (128, 128, 128)), digest, source)
     samples = int(AUDIO_SECONDS * audio_sampling_rate)
     t = np.arange(samples, dtype=np.float32) / audio_sampling_rate
     audio = DecodedAudio(
         (0.1 * np.sin(2 * np.pi * 440.0 * t)).astype(np.float32),
         audio_sampling_rate,
-        "warm-up",
+        "start-up-audio",
         source,
     )
     if modality == "audio":
@@ -48,7 +48,7 @@ def synthetic_media(
             frame_indices=list(range(VIDEO_FRAMES)),
             total_num_frames=VIDEO_FRAMES,
             duration_s=VIDEO_FRAMES / VIDEO_FPS,
-            content_hash="warm-up",
+            content_hash=digest,
             source=source,
             audio=audio if video_with_audio else None,
         )
