@@ -24,6 +24,10 @@ class Executor(Protocol):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> int: ...
 
+    def check(self) -> None:
+        """Raise if the workers can no longer step (callable from any thread)."""
+        ...
+
     def shutdown(self) -> None: ...
 
 
@@ -41,6 +45,9 @@ class LocalExecutor:
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
         return self.worker.load_weights(weights)
+
+    def check(self) -> None:
+        pass  # the worker is in this process: it lives as long as the engine
 
     def shutdown(self) -> None:
         pass

@@ -302,6 +302,17 @@ class Generator:
 
         self._submit(run).result()
 
+    def check_health(self) -> None:
+        """Raise EngineDeadError if the engine can no longer step: its thread is gone, or (tensor
+        parallel) a follower rank stopped. Any thread may call it; Serve's replica health check
+        does, so that such a replica is replaced instead of answering 503 to every request."""
+        if self._stopped or not self._thread.is_alive():
+            raise EngineDeadError("the engine thread has stopped")
+        try:
+            self.core.executor.check()
+        except Exception as error:
+            raise EngineDeadError(f"the engine cannot step: {error}") from error
+
     def stats(self) -> dict[str, int]:
         """Queue depth and occupancy (read without locking: a snapshot for metrics)."""
         scheduler = self.core.scheduler

@@ -15,6 +15,7 @@ import logging
 import signal
 import socket
 import time
+import uuid
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -33,6 +34,7 @@ LOOPBACK = "127.0.0.1"  # every rank is on one node (see the module docstring)
 # Seconds between rank 0's checks that every follower still follows. A follower whose loop ended
 # (an error in its forward) leaves rank 0 waiting in the next broadcast, unless rank 0 looks first.
 FOLLOWER_CHECK_S = 1.0
+FOLLOWER_NAME_PREFIX = "areno-tp-follower-"
 
 log = logging.getLogger(__name__)
 
@@ -132,8 +134,11 @@ class TPExecutor:
             ray.init()
         num_gpus = 1 if torch.device(spec.device).type == "cuda" else 0
         follower = ray.remote(TPFollower)
+        group_id = uuid.uuid4().hex[:8]
         self.followers = [
             follower.options(
+                # `ray list actors` shows which group and rank each follower is.
+                name=f"{FOLLOWER_NAME_PREFIX}{group_id}-rank{rank}",
                 num_cpus=num_cpus_per_rank,
                 num_gpus=num_gpus,
                 scheduling_strategy=_follower_strategy(rank, spec.tp_size),
@@ -177,6 +182,11 @@ class TPExecutor:
         self._check_followers()
         _broadcast(("score", inputs))
         return self.worker.score(inputs)
+
+    def check(self) -> None:
+        """Raise FollowerLostError once a follower has stopped (from any thread: a Serve
+        replica's health check calls it while the engine thread steps)."""
+        self._check_followers(always=True)
 
     def _check_followers(self, *, always: bool = False) -> None:
         """Raise FollowerLostError (with the follower's own error) once a follower's loop has

@@ -269,6 +269,11 @@ class GeneratorServer:
     def stats(self) -> dict[str, int]:
         return self.generator.stats()
 
+    def check_health(self) -> None:
+        """Serve's periodic replica check: an engine that cannot step (a lost tensor-parallel
+        follower) fails it, and Serve replaces this replica, its placement group and followers."""
+        self.generator.check_health()
+
     def __del__(self) -> None:
         generator = getattr(self, "generator", None)
         if generator is not None:

@@ -28,6 +28,7 @@ import openai
 import pytest
 
 from areno.engine.config import EngineConfig
+from areno.engine.tp_executor import FOLLOWER_NAME_PREFIX
 from areno.media.samples import write_image
 from areno.serve.app import build_app
 from areno.serve.config import ServeConfig
@@ -36,6 +37,7 @@ ray = pytest.importorskip("ray")
 serve = pytest.importorskip("ray.serve")
 
 APP = "faults"
+TP_APP = "faults-tp"
 MODEL = "tiny-faults"
 MAX_CONTEXT_LEN = 4096
 LONG_TOKENS = 3000  # with ignore_eos: a request that is surely still decoding at the kill
@@ -135,10 +137,10 @@ def _client(app) -> openai.AsyncOpenAI:
     )
 
 
-def _replica_names(deployment: str) -> list[str]:
+def _replica_names(deployment: str, app: str = APP) -> list[str]:
     """Names of the live replica actors of one deployment of the app (Serve names its
     replicas "SERVE_REPLICA::<app>#<deployment>#<id>" in the "serve" namespace)."""
-    prefix = f"SERVE_REPLICA::{APP}#{deployment}#"
+    prefix = f"SERVE_REPLICA::{app}#{deployment}#"
     named = ray.util.list_named_actors(all_namespaces=True)
     return sorted(a["name"] for a in named if a["name"].startswith(prefix))
 
@@ -216,14 +218,18 @@ class Recovery:
 
 
 async def _recover(
-    ask: Callable[[], Awaitable[Outcome]], deployment: str, old: str, killed_at: float
+    ask: Callable[[], Awaitable[Outcome]],
+    deployment: str,
+    old: str,
+    killed_at: float,
+    app: str = APP,
 ) -> Recovery:
     """Send new requests until one succeeds (clean refusals in between are fine) while
     watching for the replacement replica."""
     replaced_at: list[float] = []
 
     async def watch() -> None:
-        while not [name for name in _replica_names(deployment) if name != old]:
+        while not [name for name in _replica_names(deployment, app) if name != old]:
             await asyncio.sleep(0.05)
         replaced_at.append(time.monotonic())
 
@@ -359,3 +365,57 @@ def test_the_replacements_serve_streaming_and_text(app):
         return list(outcomes)
 
     assert [o.kind for o in asyncio.run(scenario())] == ["ok", "ok"]
+
+
+def _followers() -> list[dict]:
+    named = ray.util.list_named_actors(all_namespaces=True)
+    return [a for a in named if a["name"].startswith(FOLLOWER_NAME_PREFIX)]
+
+
+def test_a_lost_tensor_parallel_follower_gets_its_replica_replaced(app, tiny_path):
+    """A `--tp-size 2` Generator replica loses its follower rank. Its engine can no longer step,
+    so its health check fails and Serve replaces the replica (a new group, a new follower);
+    requests succeed again. Without the check the replica stayed, answering 503 for good."""
+    config = ServeConfig(
+        model_path=str(tiny_path("qwen3_5")),
+        served_model_name=MODEL,
+        engine=EngineConfig(
+            tp_size=2, max_running_prompts=2, max_context_len=1024, num_cpus_per_rank=0.25
+        ),
+        world_size=2,
+        num_cpus_per_deployment=0.1,  # beside the module's app, in its 4 CPUs
+    )
+    serve.run(build_app(config), name=TP_APP, route_prefix="/tp")
+
+    killed: list[str] = []
+
+    async def scenario() -> Recovery:
+        client = openai.AsyncOpenAI(
+            base_url=app.base_url.removesuffix("/v1") + "/tp/v1",
+            api_key="unused",
+            max_retries=0,
+            timeout=RECOVERY_LIMIT_S,
+        )
+        assert (await _ask(client, "Hello?", max_tokens=4)).kind == "ok"
+        (follower,) = _followers()
+        killed.append(follower["name"])
+        (old,) = _replica_names("GeneratorServer", TP_APP)
+        ray.kill(ray.get_actor(follower["name"], namespace=follower["namespace"]), no_restart=True)
+        killed_at = time.monotonic()
+        recovery = await _recover(
+            lambda: _ask(client, "Are you back?", max_tokens=4),
+            "GeneratorServer",
+            old,
+            killed_at,
+            app=TP_APP,
+        )
+        await client.close()
+        return recovery
+
+    try:
+        recovery = asyncio.run(scenario())
+        (new_follower,) = _followers()
+    finally:
+        serve.delete(TP_APP)
+    _report("TP follower killed", [], recovery)
+    assert new_follower["name"] != killed[0]  # the replacement made a group of its own
