@@ -44,6 +44,10 @@ class EngineDeadError(RuntimeError):
     """The engine thread hit an internal error or was shut down; requests cannot proceed."""
 
 
+# The sampling row of a start-up step, whose token nobody reads.
+_DROPPED_ROW = RowSampling(seq_id=-1, params=SamplingParams(temperature=0, max_tokens=1))
+
+
 class StartupRunError(RuntimeError):
     """A start-up prompt (`Generator.warm_up`) failed: the engine cannot serve that input kind."""
 
@@ -92,9 +96,7 @@ class Generator:
         graphs = self.core.executor.worker.runner.graphs
         if graphs is None or not graphs.compiled:
             return
-        greedy = RowSampling(seq_id=-1, params=SamplingParams(temperature=0, max_tokens=1))
-        prompt = PromptInputs([0], {})
-        self.core.executor.execute(StepInput(prefill=[PrefillItem(prompt, [0])], rows=[greedy]))
+        self._prefill_and_drop(PromptInputs([0], {}))
         # One row decodes the smallest bucket; buckets[0] + 1 rows decode the next one.
         row_counts = [1] if len(graphs.buckets) == 1 else [1, graphs.buckets[0] + 1]
         for num_rows in row_counts:
@@ -103,9 +105,15 @@ class Generator:
                     decode_slots=list(range(num_rows)),
                     decode_positions=[1] * num_rows,
                     decode_token_ids=[0] * num_rows,
-                    rows=[greedy] * num_rows,
+                    rows=[_DROPPED_ROW] * num_rows,
                 )
             )
+
+    def _prefill_and_drop(self, prompt: PromptInputs) -> None:
+        """Prefill `prompt` into slot 0, which no request holds yet, and drop its token (the
+        start-up runs; the next real prefill of slot 0 overwrites what it wrote)."""
+        step = StepInput(prefill=[PrefillItem(prompt, [0])], rows=[_DROPPED_ROW])
+        self.core.executor.execute(step)
 
     # ---- construction -------------------------------------------------------------------
 
@@ -287,13 +295,11 @@ class Generator:
         def run() -> None:
             if self.core.has_work:
                 raise RuntimeError("warm_up runs before any request (it prefills into slot 0)")
-            greedy = RowSampling(seq_id=-1, params=SamplingParams(temperature=0, max_tokens=1))
             for name, prompt in prompts.items():
                 if prompt.num_prompt_tokens >= self.max_context_len:
                     continue  # a request like it would be refused: nothing to warm
-                step = StepInput(prefill=[PrefillItem(prompt, [0])], rows=[greedy])
                 try:
-                    self.core.executor.execute(step)
+                    self._prefill_and_drop(prompt)
                 except Exception as error:
                     raise StartupRunError(
                         f"the engine's start-up run of its {name} prompt failed: "

@@ -12,29 +12,32 @@ import torch
 from areno.engine.openmp import _libgomp, release_thread_pool
 
 
-def _os_threads() -> int:
-    return len(os.listdir("/proc/self/task"))
+def _os_threads() -> set[str]:
+    return set(os.listdir("/proc/self/task"))
 
 
 @pytest.mark.skipif(_libgomp() is None, reason="torch here does not run on libgomp")
 @pytest.mark.skipif(torch.get_num_threads() < 2, reason="one intra-op thread opens no pool")
 def test_release_frees_the_calling_threads_openmp_workers():
+    # By thread id, not count: other threads of the test session may come and go meanwhile.
+    workers = torch.get_num_threads() - 1
     seen = {}
 
     def in_a_fresh_thread():
         before = _os_threads()
         torch.ones(1 << 22).mul_(2)  # large enough to open a parallel region: a new pool
-        seen["with_pool"] = _os_threads()
+        seen["new"] = _os_threads() - before
         seen["released"] = release_thread_pool()
         deadline = time.monotonic() + 10
-        while _os_threads() > before and time.monotonic() < deadline:
+        while len(seen["new"] & _os_threads()) > len(seen["new"]) - workers:
+            if time.monotonic() > deadline:
+                break
             time.sleep(0.01)  # the workers exit on their own after the pause
-        seen["after"] = _os_threads()
-        seen["before"] = before
+        seen["left"] = seen["new"] & _os_threads()
 
     thread = threading.Thread(target=in_a_fresh_thread)
     thread.start()
     thread.join()
-    assert seen["with_pool"] == seen["before"] + torch.get_num_threads() - 1
+    assert len(seen["new"]) >= workers  # the pool's workers appeared with the region
     assert seen["released"]
-    assert seen["after"] == seen["before"]
+    assert len(seen["left"]) <= len(seen["new"]) - workers  # and left with the release
