@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import platform
 import random
@@ -40,6 +41,7 @@ import torch
 
 from areno.engine.config import COMPILE_MODES, EngineConfig
 from areno.engine.generator import Generator
+from areno.engine.kernels import references_only
 from areno.engine.sampling import SamplingParams
 from areno.media import MediaDecoder, MediaPolicy
 from areno.media.samples import write_image
@@ -323,12 +325,19 @@ def run_engine(
     concurrency: int,
     decode_compile: str = "auto",
     packed_linear: bool = True,
+    triton_kernels: bool = True,
 ) -> dict:
     """AReno's engine on the same requests: all submitted at once in arrival order, at most
     `concurrency` decoding (the engine's cache slots), greedy, token ids only (no detokenizing,
     as `generate` does none). Useful tokens are counted like `run_hf_generate`: the engine stops
     a request at its first EOS (unless `ignore_eos`) or at max_tokens. The warm-up (where a
-    compiled decode step compiles) is timed separately."""
+    compiled decode step compiles) is timed separately. `triton_kernels=False` runs the engine's
+    PyTorch references instead of its Triton kernels (which run on CUDA only)."""
+    with contextlib.nullcontext() if triton_kernels else references_only():
+        return _run_engine(model, tokenizer, requests, concurrency, decode_compile, packed_linear)
+
+
+def _run_engine(model, tokenizer, requests, concurrency, decode_compile, packed_linear) -> dict:
     max_len = max(r["prompt_inputs"].num_prompt_tokens + r["max_tokens"] for r in requests)
     config = EngineConfig(
         max_running_prompts=concurrency,
@@ -453,16 +462,19 @@ def run_model(name: str, args: argparse.Namespace, bandwidth_gb_s: float) -> dic
         )
     # NOTE: the engine runs last: its runner routes the model's linear-attention layers through
     # the engine's own kernels inside its forwards, and the baseline must be transformers' code.
-    for linear in args.cpu_linear:
-        for mode in args.decode_compile:
-            system = "engine"
-            if len(args.decode_compile) > 1:
-                system += f"-{mode}"
-            if len(args.cpu_linear) > 1:
-                system += f"-{linear}"
-            systems[system] = lambda m=mode, p=linear == "packed": run_engine(
-                model, tokenizer, requests, args.concurrency, m, p
-            )
+    for kernels in args.kernels:
+        for linear in args.cpu_linear:
+            for mode in args.decode_compile:
+                system = "engine"
+                if len(args.decode_compile) > 1:
+                    system += f"-{mode}"
+                if len(args.cpu_linear) > 1:
+                    system += f"-{linear}"
+                if len(args.kernels) > 1:
+                    system += f"-{kernels}"
+                systems[system] = lambda m=mode, p=linear == "packed", k=kernels: run_engine(
+                    model, tokenizer, requests, args.concurrency, m, p, k == "triton"
+                )
     rows = []
     for system, run in systems.items():
         result = run()
@@ -545,6 +557,13 @@ def parse_args() -> argparse.Namespace:
         choices=["packed", "aten"],
         default=["packed"],
         help="the engine's linear layers on CPU (cpu_packed_linear); several give one row each",
+    )
+    parser.add_argument(
+        "--kernels",
+        nargs="+",
+        choices=["triton", "torch"],
+        default=["triton"],
+        help="the engine's CUDA kernels, or their PyTorch references; several give one row each",
     )
     parser.add_argument(
         "--out", help="default: benchmarks/results/engine_throughput_<workload>.json"

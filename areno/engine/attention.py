@@ -1,5 +1,6 @@
 """The engine's attention function: transformers' SDPA, with one-token grouped-query attention
-kept packed under torch.compile.
+kept packed under torch.compile, and on CUDA a one-token decode through the engine's own
+split-key kernel (`kernels/decode_attention.py`), which reads only the keys each row's mask keeps.
 
 For a one-token query, transformers' SDPA path folds a grouped-query model's query heads onto
 their key / value heads, so the (B, H_kv, groups, D) query reads each cached key once. It skips
@@ -18,6 +19,10 @@ import torch.nn.functional as F
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+from areno.engine.kernels import use_triton
+from areno.engine.kernels.decode_attention import decode_attention
+from areno.engine.kernels.decode_attention import fits as decode_attention_fits
 
 ENGINE_SDPA = "areno_sdpa"
 
@@ -38,6 +43,10 @@ def engine_sdpa_forward(
     batch, heads, q_len, _ = query.shape
     mask_is_shared = attention_mask is None or attention_mask.shape[1] == 1
     plain = kwargs.get("position_bias") is None and kwargs.get("softcap") is None
+    if q_len == 1 and plain and _takes_decode_kernel(query, key, attention_mask):
+        scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+        out = decode_attention(query[:, :, 0], key, value, attention_mask[:, 0, 0], scale)
+        return out[:, None], None
     if q_len != 1 or groups == 1 or not mask_is_shared or not plain:
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
@@ -48,6 +57,20 @@ def engine_sdpa_forward(
         packed, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling
     )
     return out.reshape(batch, heads, 1, value.shape[-1]).transpose(1, 2).contiguous(), None
+
+
+def _takes_decode_kernel(
+    query: torch.Tensor, key: torch.Tensor, attention_mask: torch.Tensor | None
+) -> bool:
+    """The runner's decode masks: boolean, one (1, 1, K) row per batch row."""
+    return (
+        use_triton(query)
+        and attention_mask is not None
+        and attention_mask.dtype == torch.bool
+        and attention_mask.shape[0] == query.shape[0]
+        and attention_mask.shape[1:3] == (1, 1)
+        and decode_attention_fits(query[:, :, 0], key)
+    )
 
 
 ALL_ATTENTION_FUNCTIONS.register(ENGINE_SDPA, engine_sdpa_forward)

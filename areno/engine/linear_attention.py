@@ -22,6 +22,10 @@ import types
 import torch
 import torch.nn.functional as F
 
+from areno.engine.kernels import use_triton
+from areno.engine.kernels.gated_delta import fits as gated_delta_fits
+from areno.engine.kernels.gated_delta import gated_delta
+
 # The attributes the step reads from a gated-delta-net module (transformers' Qwen3_5GatedDeltaNet).
 _REQUIRED = (
     "in_proj_qkv",
@@ -106,17 +110,31 @@ def prefill_step(
     beta_BLN = module.in_proj_b(hidden_BLH).sigmoid()
     a_BLN = module.in_proj_a(hidden_BLH).float()
     g_BLN = -module.A_log.float().exp() * F.softplus(a_BLN + module.dt_bias)
-    chunk_rule = sys.modules[type(module).__module__].torch_chunk_gated_delta_rule
-    out_BLNV, state = chunk_rule(
-        query.reshape(batch, length, -1, dk),
-        key.reshape(batch, length, -1, dk),
-        value.reshape(batch, length, -1, dv),
-        g=g_BLN,
-        beta=beta_BLN,
-        initial_state=None,
-        output_final_state=cache_params is not None,
-        use_qk_l2norm_in_kernel=True,
-    )
+    query_BLNK = query.reshape(batch, length, -1, dk)
+    key_BLNK = key.reshape(batch, length, -1, dk)
+    value_BLNV = value.reshape(batch, length, -1, dv)
+    if use_triton(hidden_BLH) and gated_delta_fits(key_BLNK, value_BLNV):
+        out_BLNV, state = gated_delta(
+            None,
+            _l2norm(query_BLNK.float()) * dk**-0.5,
+            _l2norm(key_BLNK.float()),
+            value_BLNV,
+            beta_BLN,
+            g_BLN.exp(),
+        )
+        out_BLNV = out_BLNV.to(value.dtype)
+    else:
+        chunk_rule = sys.modules[type(module).__module__].torch_chunk_gated_delta_rule
+        out_BLNV, state = chunk_rule(
+            query_BLNK,
+            key_BLNK,
+            value_BLNV,
+            g=g_BLN,
+            beta=beta_BLN,
+            initial_state=None,
+            output_final_state=cache_params is not None,
+            use_qk_l2norm_in_kernel=True,
+        )
     if cache_params is not None:
         cache_params.update_recurrent_state(state, module.layer_idx)
     gate = module.in_proj_z(hidden_BLH).reshape(-1, dv)
@@ -166,12 +184,8 @@ def decode_step(
     query, key, value = torch.split(mixed_BC, [module.key_dim, module.key_dim, value_dim], dim=-1)
     dk, dv = module.head_k_dim, module.head_v_dim
     value_BNV = value.reshape(batch, -1, dv).float()
-    num_v = value_BNV.shape[1]
-    query_BNK = _expand_heads(query.reshape(batch, -1, dk).float(), num_v)
-    key_BNK = _expand_heads(key.reshape(batch, -1, dk).float(), num_v)
-    query_BNK = _l2norm(query_BNK)
-    key_BNK = _l2norm(key_BNK)
-    query_BNK = query_BNK * dk**-0.5
+    query_BNK = _l2norm(query.reshape(batch, -1, dk).float()) * dk**-0.5
+    key_BNK = _l2norm(key.reshape(batch, -1, dk).float())
 
     beta_BN = module.in_proj_b(hidden_BH).float().sigmoid()
     a_BN = module.in_proj_a(hidden_BH).float()
@@ -197,8 +211,13 @@ def _recurrent_update(
     beta_BN: torch.Tensor,
 ) -> torch.Tensor:
     """S <- decay * S;  delta = beta * (v - k^T S);  S <- S + k delta^T;  out = q^T S. Updates
-    the state in place in four passes over it; returns out (B, N, d_v)."""
+    the state in place: one pass over it in the Triton kernel (CUDA), four in PyTorch. A key head
+    serves N / N_k consecutive value heads. Returns out (B, N, d_v)."""
+    if use_triton(state_BNKV) and gated_delta_fits(key_BNK, value_BNV):
+        one_token = (t[:, None] for t in (query_BNK, key_BNK, value_BNV, beta_BN, decay_BN))
+        return gated_delta(state_BNKV, *one_token)[0][:, 0]
     batch, num_v, dk, dv = state_BNKV.shape
+    query_BNK, key_BNK = _expand_heads(query_BNK, num_v), _expand_heads(key_BNK, num_v)
     state = state_BNKV.view(batch * num_v, dk, dv)
     state.mul_(decay_BN.reshape(-1, 1, 1))
     key_col = key_BNK.reshape(-1, dk, 1)

@@ -1,0 +1,196 @@
+"""The engine's Triton kernels against the PyTorch paths they replace, at the GPU workload's shapes
+(64 decoding rows, 256-token prompts; Qwen3-1.7B and Qwen3.5-2B heads), on CUDA.
+
+- decode attention: one query token per row over 384 cached keys, each row attending to its own
+  first 257-384 (the runner's per-row mask). Baseline: the engine's packed SDPA call with that
+  mask (memory-efficient attention). Floor: the valid keys and values read once.
+- gated delta, decode: one token per row through the recurrent state (16 heads of 128 x 128
+  fp32). Baseline: the engine's four-pass PyTorch update. Floor: the state read and written once.
+- gated delta, prefill: 32 prompts x 256 tokens from a zero state. Baseline: transformers'
+  chunked PyTorch delta rule (what runs without flash-linear-attention).
+
+Decode kernels are timed as the engine runs them, replayed from a CUDA graph (10 calls per
+replay); the prefill eagerly. Prints a table and writes JSON.
+
+    python benchmarks/engine_kernels.py [--out benchmarks/results/kernels_gpu.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+sys.path.insert(0, str(Path(__file__).parent))
+from engine_throughput import copy_bandwidth_gb_s  # noqa: E402
+
+import areno.engine.kernels.decode_attention as attention_kernel  # noqa: E402
+from areno.engine.kernels import references_only  # noqa: E402
+from areno.engine.kernels.decode_attention import decode_attention  # noqa: E402
+from areno.engine.kernels.gated_delta import gated_delta  # noqa: E402
+from areno.engine.linear_attention import _recurrent_update  # noqa: E402
+
+ROWS, PROMPT, CACHED = 64, 256, 384
+ATTENTION_SHAPES = {"qwen3-1.7b": (16, 8, 128), "qwen3.5-2b": (8, 2, 256)}  # heads, kv, dim
+LINEAR_HEADS, LINEAR_DIM = 16, 128
+SPLITS = (32, 64, 128, 256)  # keys per program of the attention kernel (the engine's: SPLIT_KEYS)
+
+
+def graph_ms(fn, calls: int = 10, replays: int = 20) -> float:
+    """Milliseconds per call of `fn`, replayed from a CUDA graph of `calls` calls."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        for _ in range(calls):
+            fn()
+    return _timed(graph.replay, replays) / calls
+
+
+def _timed(fn, repeats: int) -> float:
+    fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(repeats):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / repeats
+
+
+def attention_rows(bandwidth: float) -> list[dict]:
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    ends = torch.randint(PROMPT + 1, CACHED + 1, (ROWS,), device="cuda", generator=gen)
+    mask = torch.arange(CACHED, device="cuda")[None] < ends[:, None]
+    return [
+        row
+        for model, (heads, kv_heads, dim) in ATTENTION_SHAPES.items()
+        for row in _attention_rows(model, heads, kv_heads, dim, mask, bandwidth)
+    ]
+
+
+def _attention_rows(model, heads, kv_heads, dim, mask, bandwidth: float) -> list[dict]:
+    query = torch.randn(ROWS, heads, dim, device="cuda", dtype=torch.bfloat16)
+    key, value = (
+        torch.randn(ROWS, kv_heads, CACHED, dim, device="cuda", dtype=torch.bfloat16)
+        for _ in range(2)
+    )
+    packed = query.reshape(ROWS, kv_heads, heads // kv_heads, dim)
+
+    def sdpa():
+        with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]):
+            F.scaled_dot_product_attention(packed, key, value, attn_mask=mask[:, None, None])
+
+    floor_ms = int(mask.sum()) * kv_heads * dim * 2 * 2 / bandwidth / 1e6
+    sdpa_ms = graph_ms(sdpa)
+    rows = []
+    default = attention_kernel.SPLIT_KEYS
+    for split in SPLITS:
+        attention_kernel.SPLIT_KEYS = split
+        name = "decode attention" + ("" if split == default else f" split {split}")
+        kernel_ms = graph_ms(lambda: decode_attention(query, key, value, mask, dim**-0.5))
+        rows.append(_row(name, model, sdpa_ms, kernel_ms, floor_ms))
+    attention_kernel.SPLIT_KEYS = default
+    return rows
+
+
+def gated_delta_rows(bandwidth: float) -> list[dict]:
+    torch.manual_seed(0)
+    heads, dim = LINEAR_HEADS, LINEAR_DIM
+    state = torch.randn(ROWS, heads, dim, dim, device="cuda")
+    query, key = (F.normalize(torch.randn(ROWS, heads, dim, device="cuda"), dim=-1) for _ in "qk")
+    value = torch.randn(ROWS, heads, dim, device="cuda")
+    beta, decay = torch.rand(ROWS, heads, device="cuda"), torch.rand(ROWS, heads, device="cuda")
+
+    def torch_step():
+        with references_only():
+            _recurrent_update(state, decay, query, key, value, beta)
+
+    def triton_step():
+        gated_delta(state, *(t[:, None] for t in (query, key, value, beta, decay)))
+
+    decode = _row(
+        "gated delta decode",
+        "qwen3.5-2b",
+        graph_ms(torch_step),
+        graph_ms(triton_step),
+        state.numel() * 4 * 2 / bandwidth / 1e6,
+    )
+
+    from transformers.models.qwen3_5.modeling_qwen3_5 import torch_chunk_gated_delta_rule
+
+    batch = 32
+    q, k = (
+        torch.randn(batch, PROMPT, heads, dim, device="cuda", dtype=torch.bfloat16) for _ in "qk"
+    )
+    v = torch.randn(batch, PROMPT, heads, dim, device="cuda", dtype=torch.bfloat16)
+    b = torch.rand(batch, PROMPT, heads, device="cuda", dtype=torch.bfloat16)
+    g = -torch.rand(batch, PROMPT, heads, device="cuda")
+    chunked = _timed(
+        lambda: torch_chunk_gated_delta_rule(
+            q, k, v, g=g, beta=b, output_final_state=True, use_qk_l2norm_in_kernel=True
+        ),
+        5,
+    )
+
+    def recurrent():
+        nq = F.normalize(q.float(), dim=-1, eps=1e-6) * dim**-0.5
+        gated_delta(None, nq, F.normalize(k.float(), dim=-1, eps=1e-6), v, b, g.exp())
+
+    prefill = _row("gated delta prefill", "qwen3.5-2b", chunked, _timed(recurrent, 5), None)
+    return [decode, prefill]
+
+
+def _row(kernel: str, model: str, torch_ms: float, triton_ms: float, floor_ms) -> dict:
+    return {
+        "kernel": kernel,
+        "shape": model,
+        "pytorch_ms": torch_ms,
+        "triton_ms": triton_ms,
+        "speedup": torch_ms / triton_ms,
+        "floor_ms": floor_ms,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--out", default="benchmarks/results/kernels_gpu.json")
+    args = parser.parse_args()
+    bandwidth = copy_bandwidth_gb_s(torch.device("cuda"), 1 << 30)
+    rows = attention_rows(bandwidth) + gated_delta_rows(bandwidth)
+    print(
+        f"{'kernel':<30} {'shape':<11} {'pytorch ms':>10} {'triton ms':>10} {'x':>6} {'floor ms':>9}"
+    )
+    for r in rows:
+        floor = f"{r['floor_ms']:.4f}" if r["floor_ms"] is not None else "-"
+        print(
+            f"{r['kernel']:<30} {r['shape']:<11} {r['pytorch_ms']:>10.4f} {r['triton_ms']:>10.4f} "
+            f"{r['speedup']:>6.2f} {floor:>9}"
+        )
+    meta = {
+        "machine": platform.platform(),
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "copy_bandwidth_gb_s": bandwidth,
+        "rows": ROWS,
+        "prompt": PROMPT,
+        "cached_keys": CACHED,
+    }
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,158 @@
+"""The engine's Triton kernels against their PyTorch references, alone and inside the runner.
+
+On a GPU the kernels run for real. Elsewhere `test_the_kernels_under_the_triton_interpreter` runs
+this module again in a subprocess with TRITON_INTERPRET=1: Triton reads it when a kernel is
+defined, so it cannot be switched on inside a process that imported the engine already. The
+interpreter has no bfloat16 arithmetic, so bfloat16 is checked on a GPU only.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import areno.engine.attention as engine_attention
+import areno.engine.linear_attention as engine_linear_attention
+from areno.engine.kernels import INTERPRETED, references_only, triton
+from areno.engine.kernels.decode_attention import decode_attention, decode_attention_reference
+from areno.engine.kernels.gated_delta import gated_delta, gated_delta_reference
+from areno.engine.runner import ModelRunner
+from areno.processing.types import PromptInputs
+
+RUNS_KERNELS = triton is not None and (INTERPRETED or torch.cuda.is_available())
+DEVICE = "cuda" if torch.cuda.is_available() and not INTERPRETED else "cpu"
+DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else [])
+TOLERANCE = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
+
+needs_kernels = pytest.mark.skipif(
+    not RUNS_KERNELS, reason="runs on a GPU, or in the interpreter's subprocess"
+)
+
+
+@pytest.mark.skipif(triton is None, reason="this torch build has no Triton")
+def test_the_kernels_under_the_triton_interpreter():
+    if RUNS_KERNELS:
+        pytest.skip("this process runs the kernels itself")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__]
+    proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
+    # Everything ran there but this launcher.
+    assert re.match(r"\d+ passed, 1 skipped in", proc.stdout.splitlines()[-1]), proc.stdout
+
+
+def _slot_rows(batch: int, heads: int, length: int, dim: int, dtype) -> torch.Tensor:
+    """Like the slot cache's view: rows 1..batch of a longer storage, keys cut to `length`."""
+    storage = torch.randn(batch + 2, heads, length + 50, dim, dtype=dtype, device=DEVICE)
+    return storage[1 : batch + 1, :, :length]
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    "heads, kv_heads, dim, window",
+    [(16, 8, 128, None), (8, 2, 256, None), (4, 4, 32, None), (4, 1, 64, 48)],
+)
+def test_decode_attention_matches_its_reference(dtype, heads, kv_heads, dim, window):
+    torch.manual_seed(0)
+    ends = torch.tensor([1, 100, 384, 250, 129], device=DEVICE)  # a row per split boundary
+    kv_len = int(ends.max())
+    query = torch.randn(len(ends), heads, dim, dtype=dtype, device=DEVICE)
+    key, value = (_slot_rows(len(ends), kv_heads, kv_len, dim, dtype) for _ in range(2))
+    keys = torch.arange(kv_len, device=DEVICE)[None]
+    mask = keys < ends[:, None]
+    if window:
+        mask &= keys >= ends[:, None] - window
+    want = decode_attention_reference(query, key, value, mask, dim**-0.5)
+    have = decode_attention(query, key, value, mask, dim**-0.5)
+    assert have.shape == want.shape and have.dtype == dtype
+    torch.testing.assert_close(have.float(), want.float(), atol=TOLERANCE[dtype], rtol=0)
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_tokens", [1, 37])
+def test_gated_delta_matches_its_reference_and_updates_the_state_in_place(dtype, num_tokens):
+    torch.manual_seed(0)
+    batch, num_k, num_v, dk, dv = 3, 2, 4, 128, 64
+    query = F.normalize(torch.randn(batch, num_tokens, num_k, dk, device=DEVICE), dim=-1) * dk**-0.5
+    key = F.normalize(torch.randn(batch, num_tokens, num_k, dk, device=DEVICE), dim=-1)
+    value = torch.randn(batch, num_tokens, num_v, dv, device=DEVICE).to(dtype)
+    beta = torch.rand(batch, num_tokens, num_v, device=DEVICE).to(dtype)
+    decay = torch.rand(batch, num_tokens, num_v, device=DEVICE) * 0.5 + 0.5
+    storage = torch.randn(batch + 2, num_v, dk, dv, device=DEVICE)
+    state = storage[1 : batch + 1]  # the slot cache's rows, a view
+    want_out, want_state = gated_delta_reference(state, query, key, value, beta, decay)
+    have_out, have_state = gated_delta(state, query, key, value, beta, decay)
+    assert have_state is state
+    torch.testing.assert_close(have_out, want_out, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(storage[1 : batch + 1], want_state, atol=1e-4, rtol=1e-4)
+
+    fresh_out, fresh_state = gated_delta(None, query, key, value, beta, decay)
+    want_out, want_state = gated_delta_reference(None, query, key, value, beta, decay)
+    torch.testing.assert_close(fresh_out, want_out, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(fresh_state, want_state, atol=1e-4, rtol=1e-4)
+
+
+def staggered_greedy(model, prompts: list[list[int]], num_new: int) -> list[list[int]]:
+    """Requests join one per step into scattered slots while the others decode."""
+    graphs = "capture" if DEVICE == "cuda" else "off"
+    runner = ModelRunner(model, num_slots=8, max_len=512, graphs=graphs, compile="off")
+    slots, running, done = [7, 2, 5, 0, 3], [], {}
+    for index, ids in [*enumerate(prompts), *[(None, None)] * num_new]:
+        if ids is not None:
+            logits = runner.prefill(PromptInputs(ids, {}), [slots[index]])
+            running.append({"i": index, "pos": len(ids), "out": [int(logits.argmax())]})
+        if not running:
+            break
+        logits = runner.decode(
+            [slots[r["i"]] for r in running],
+            [r["pos"] for r in running],
+            [r["out"][-1] for r in running],
+        )
+        for row, r in enumerate(running):
+            r["out"].append(int(logits[row].argmax()))
+            r["pos"] += 1
+        done.update({r["i"]: r["out"][:num_new] for r in running if len(r["out"]) >= num_new})
+        running = [r for r in running if len(r["out"]) < num_new]
+    return [done[i] for i in range(len(prompts))]
+
+
+def _counted(kernel, name: str, calls: dict[str, int]):
+    def call(*args, **kwargs):
+        calls[name] += 1
+        return kernel(*args, **kwargs)
+
+    return call
+
+
+@needs_kernels
+@pytest.mark.parametrize("family", ["qwen3_5", "gemma4"])
+def test_the_runner_decodes_the_same_tokens_with_its_kernels(tiny_path, family, monkeypatch):
+    from areno.models import get_adapter
+    from areno.models.registry import read_model_type
+
+    calls = {"decode_attention": 0, "gated_delta": 0}
+    for module, name in [
+        (engine_attention, "decode_attention"),
+        (engine_linear_attention, "gated_delta"),
+    ]:
+        monkeypatch.setattr(module, name, _counted(getattr(module, name), name, calls))
+    path = tiny_path(family)
+    model = get_adapter(read_model_type(path)).load_model(path, dtype=torch.float32).to(DEVICE)
+    torch.manual_seed(0)
+    # 140 tokens: that row's keys cross a split of the attention kernel.
+    prompts = [torch.randint(5, 500, (n,)).tolist() for n in (9, 40, 17, 140, 3)]
+    with references_only():
+        want = staggered_greedy(model, prompts, 8)
+    assert calls == {"decode_attention": 0, "gated_delta": 0}
+    have = staggered_greedy(model, prompts, 8)
+    assert have == want
+    assert calls["decode_attention"] > 0  # every family has full-attention layers
+    assert (calls["gated_delta"] > 0) == (family == "qwen3_5")  # Qwen3.5's linear attention
