@@ -108,7 +108,7 @@ if triton is not None:
 
 # Keys per split program: enough splits at the lengths a decode batch reaches to fill an H200's
 # 132 SMs with rows x KV heads x splits programs, few enough that combining them stays cheap.
-SPLIT_KEYS = 64
+SPLIT_KEYS = 128
 
 
 def fits(query_BHD: torch.Tensor, key_BHKD: torch.Tensor) -> bool:
