@@ -12,7 +12,7 @@
 Decode kernels are timed as the engine runs them, replayed from a CUDA graph (10 calls per
 replay); the prefill eagerly. Prints a table and writes JSON.
 
-    python benchmarks/engine_kernels.py [--out benchmarks/results/kernels_gpu.json]
+    python benchmarks/engine_kernels.py [--out benchmarks/results/engine_kernels_gpu.json]
 """
 
 from __future__ import annotations
@@ -97,7 +97,7 @@ def _attention_rows(model, heads, kv_heads, dim, mask, bandwidth: float) -> list
     default = attention_kernel.SPLIT_KEYS
     for split in SPLITS:
         attention_kernel.SPLIT_KEYS = split
-        name = "decode attention" + ("" if split == default else f" split {split}")
+        name = f"decode attention split {split}" + (" (engine)" if split == default else "")
         kernel_ms = graph_ms(lambda: decode_attention(query, key, value, mask, dim**-0.5))
         rows.append(_row(name, model, sdpa_ms, kernel_ms, floor_ms))
     attention_kernel.SPLIT_KEYS = default
@@ -164,17 +164,17 @@ def _row(kernel: str, model: str, torch_ms: float, triton_ms: float, floor_ms) -
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--out", default="benchmarks/results/kernels_gpu.json")
+    parser.add_argument("--out", default="benchmarks/results/engine_kernels_gpu.json")
     args = parser.parse_args()
     bandwidth = copy_bandwidth_gb_s(torch.device("cuda"), 1 << 30)
     rows = attention_rows(bandwidth) + gated_delta_rows(bandwidth)
     print(
-        f"{'kernel':<30} {'shape':<11} {'pytorch ms':>10} {'triton ms':>10} {'x':>6} {'floor ms':>9}"
+        f"{'kernel':<34} {'shape':<11} {'pytorch ms':>10} {'triton ms':>10} {'x':>6} {'floor ms':>9}"
     )
     for r in rows:
         floor = f"{r['floor_ms']:.4f}" if r["floor_ms"] is not None else "-"
         print(
-            f"{r['kernel']:<30} {r['shape']:<11} {r['pytorch_ms']:>10.4f} {r['triton_ms']:>10.4f} "
+            f"{r['kernel']:<34} {r['shape']:<11} {r['pytorch_ms']:>10.4f} {r['triton_ms']:>10.4f} "
             f"{r['speedup']:>6.2f} {floor:>9}"
         )
     meta = {

@@ -3,12 +3,13 @@
 Without the flash-linear-attention / causal-conv1d kernels, transformers runs a one-token decode
 through reference code that makes about a dozen passes over each row's (heads, d_k, d_v)
 recurrent state and a oneDNN grouped convolution for a 4-tap filter. On a 2-core CPU that was
-half of a decode step of the small checkpoint. The step here does the same arithmetic in four
-passes over the state (decay in place, two batched matmuls, one in-place rank-1 update) and the
-conv as a weighted sum, and writes both states in place into the cache's tensors.
+half of a decode step of the small checkpoint. The step here does the same arithmetic in one
+pass over the state on CUDA (the Triton kernel of `kernels/gated_delta.py`), in four elsewhere
+(decay in place, two batched matmuls, one in-place rank-1 update), the conv as a weighted sum,
+and writes both states in place into the cache's tensors.
 
-A prefill (a fresh state, any number of tokens) runs transformers' chunked delta rule (its
-flash-linear-attention kernel where installed) with the conv written as K shifted multiply-adds:
+A prefill (a fresh state, any number of tokens) runs that kernel over the prompt on CUDA, and
+transformers' chunked delta rule elsewhere, with the conv written as K shifted multiply-adds:
 oneDNN's grouped convolution took 2.6 ms for a 160-token prompt of the small checkpoint, these
 take a tenth of that. A multi-token forward that continues a cached state keeps the module's own
 code.
