@@ -57,7 +57,7 @@ def _slot_rows(batch: int, heads: int, length: int, dim: int, dtype) -> torch.Te
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(
     "heads, kv_heads, dim, window",
-    [(16, 8, 128, None), (8, 2, 256, None), (4, 4, 32, None), (4, 1, 64, 48)],
+    [(16, 8, 128, None), (8, 2, 256, None), (4, 4, 32, None), (4, 1, 64, 48), (8, 2, 512, 100)],
 )
 def test_decode_attention_matches_its_reference(dtype, heads, kv_heads, dim, window):
     torch.manual_seed(0)

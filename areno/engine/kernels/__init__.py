@@ -13,6 +13,7 @@ import os
 from collections.abc import Iterator
 
 import torch
+from torch.distributed.tensor import DTensor
 
 try:
     import triton
@@ -26,8 +27,9 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 def use_triton(tensor: torch.Tensor) -> bool:
     """Whether the Triton kernels run for `tensor`: on CUDA, or anywhere under Triton's
-    interpreter (TRITON_INTERPRET=1, how the kernel tests run them on CPU)."""
-    return ENABLED and (INTERPRETED or tensor.is_cuda)
+    interpreter (TRITON_INTERPRET=1, how the kernel tests run them on CPU). Never for a DTensor
+    (a tensor-parallel activation that kept its sharding), which the kernels cannot take."""
+    return ENABLED and (INTERPRETED or tensor.is_cuda) and not isinstance(tensor, DTensor)
 
 
 @contextlib.contextmanager
