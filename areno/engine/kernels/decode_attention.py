@@ -106,8 +106,9 @@ if triton is not None:
         tl.store(Out + b * stride_ob + head * stride_oh + offs_d, out.to(Out.dtype.element_ty))
 
 
-# Keys per split program: enough splits at the lengths a decode batch reaches to fill an H200's
-# 132 SMs with rows x KV heads x splits programs, few enough that combining them stays cheap.
+# Keys per split program. Of 32, 64, 128 and 256, 128 ran fastest at 64 rows of 257-384 keys on
+# an H200 for both benchmarked head shapes (benchmarks/engine_kernels.py): fewer keys a program
+# leave it too little to stream, more leave too few programs to fill the GPU.
 SPLIT_KEYS = 128
 
 
