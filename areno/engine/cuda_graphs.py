@@ -27,7 +27,6 @@ import logging
 from typing import TYPE_CHECKING
 
 import torch
-import torch._dynamo.config as dynamo_config
 import torch.fx.experimental._config as fx_config
 from torch._dynamo.exc import TorchDynamoException
 
@@ -67,11 +66,6 @@ class DecodeGraphs:
         self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._pool = torch.cuda.graph_pool_handle() if capture else None
         self._compiled = None
-        # NOTE: a layer whose step leaves the compiled graph (Qwen3.5's gated-delta-net update)
-        # resumes in a frame that dynamo compiles once per layer (it specializes on the layer
-        # index). Past dynamo's default of 8 frames the remaining layers ran uncompiled.
-        num_layers = runner.text_config.num_hidden_layers
-        self._recompile_limit = max(dynamo_config.recompile_limit, 2 * num_layers + 8)
         if compile_backend is not None:
             self._compiled = torch.compile(runner.model, backend=compile_backend, dynamic=True)
 
@@ -134,10 +128,7 @@ class DecodeGraphs:
                 # key length. With it, an input size equal to another (2 rows and 2 KV heads,
                 # a 128-key bucket and head_dim 128) was made the same symbol and pinned by the
                 # static one, and every other bucket recompiled the step (a minute on a GPU).
-                with (
-                    fx_config.patch(use_duck_shape=False),
-                    dynamo_config.patch(recompile_limit=self._recompile_limit),
-                ):
+                with fx_config.patch(use_duck_shape=False):
                     return self._compiled(**inputs)
             except TorchDynamoException as error:
                 # Compiling happens before the graph runs, so nothing was written yet.

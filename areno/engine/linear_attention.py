@@ -199,10 +199,11 @@ def decode_step(
     return module.out_proj(out.reshape(batch, 1, -1))
 
 
-# NOTE: kept out of torch.compile (the engine's compiled decode step). Compiled, the in-place
-# updates of the cache's state become an out-of-place update plus a copy back, two more passes
-# over the largest tensor of the step; the graph break costs nothing inside a CUDA graph.
-@torch.compiler.disable
+# NOTE: a custom op that mutates the state, so a compiled decode step calls it without a graph
+# break and updates the cache's state in place. Traced as plain operators, the in-place updates
+# became an out-of-place update plus a copy back (two more passes over the largest tensor of the
+# step); behind `torch.compiler.disable`, the frame resuming after it was compiled once per layer.
+@torch.library.custom_op("areno::recurrent_update_", mutates_args=("state_BNKV",))
 def _recurrent_update(
     state_BNKV: torch.Tensor,
     decay_BN: torch.Tensor,
@@ -226,6 +227,11 @@ def _recurrent_update(
     delta = (value_BNV.reshape(-1, 1, dv) - recalled) * beta_BN.reshape(-1, 1, 1)
     state.baddbmm_(key_col, delta)
     return torch.bmm(query_BNK.reshape(-1, 1, dk), state).reshape(batch, num_v, dv)
+
+
+@_recurrent_update.register_fake
+def _(state_BNKV, decay_BN, query_BNK, key_BNK, value_BNV, beta_BN):
+    return value_BNV.new_empty(value_BNV.shape, dtype=torch.float32)
 
 
 def _expand_heads(x_BHD: torch.Tensor, num_heads: int) -> torch.Tensor:

@@ -138,6 +138,23 @@ def test_one_compile_of_the_decode_step_serves_every_row_bucket(tiny_path):
     assert counters["stats"]["unique_graphs"] == compiled
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_compiled_decode_step_is_one_graph(tiny_path, family):
+    # A break (Qwen3.5's gated-delta-net update once left the graph) splits the step into frames
+    # that dynamo compiles once per layer; past its limit of 8 the later layers ran uncompiled.
+    from torch._dynamo.utils import counters
+
+    _, _, model = load(tiny_path, family)
+    runner = ModelRunner(model, num_slots=4, max_len=64, graphs="static", compile="eager")
+    for slot in range(2):
+        runner.prefill(PromptInputs([5 + slot, 9, 11], {}), [slot])
+    counters.clear()
+    runner.decode([0, 1], [3, 3], [7, 8])
+    assert runner.graphs.compiled
+    assert dict(counters["graph_break"]) == {}
+    assert counters["stats"]["unique_graphs"] == 1
+
+
 def test_forked_samples_share_one_prefill(tiny_path, media):
     processor, decoder, model = load(tiny_path, "qwen3_5")
     x = process_messages(processor, decoder, requests(media, {"image"})[1])
