@@ -21,6 +21,9 @@ concurrency * copy bandwidth / weight bytes tokens/s. Prints a table per model a
 
     python benchmarks/engine_throughput.py --workload cpu [--family gemma4] [--threads 1]
     python benchmarks/engine_throughput.py --workload gpu [--model qwen3-1.7b qwen3.5-2b]
+
+`--decode-compile`, `--cpu-linear` and `--kernels` (the engine's Triton kernels or their PyTorch
+references, `areno/engine/kernels/`) each take several values, giving one engine row per value.
 """
 
 from __future__ import annotations
