@@ -148,6 +148,7 @@ def test_the_compiled_decode_step_is_one_graph(tiny_path, family):
     runner = ModelRunner(model, num_slots=4, max_len=64, graphs="static", compile="eager")
     for slot in range(2):
         runner.prefill(PromptInputs([5 + slot, 9, 11], {}), [slot])
+    torch._dynamo.reset()  # an earlier test's compile of this family would be reused, unseen
     counters.clear()
     runner.decode([0, 1], [3, 3], [7, 8])
     assert runner.graphs.compiled
