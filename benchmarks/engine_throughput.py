@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch._dynamo.utils import counters as dynamo_counters
 
 from areno.engine.config import COMPILE_MODES, EngineConfig
 from areno.engine.generator import Generator
@@ -354,7 +355,9 @@ def _run_engine(model, tokenizer, requests, concurrency, decode_compile, packed_
         run_requests(generator, [dict(r, max_tokens=2) for r in requests[:concurrency]])  # warm-up
         _synchronize(model.device)
         warmup_s = time.perf_counter() - start
-        phases = PhaseTimes(generator.core.executor.worker.runner)
+        runner = generator.core.executor.worker.runner
+        phases = PhaseTimes(runner)
+        compiles = _TimedRunCompiles(runner)
         start = time.perf_counter()
         outputs = run_requests(generator, requests)
         _synchronize(model.device)
@@ -367,8 +370,29 @@ def _run_engine(model, tokenizer, requests, concurrency, decode_compile, packed_
         "wall_s": wall_s,
         "tok_s": num_tokens / wall_s,
         "warmup_s": warmup_s,
+        **compiles.report(),
         **phases.report(),
     }
+
+
+class _TimedRunCompiles:
+    """What the timed run compiled or captured after the warm-up (each costs its time inside the
+    window), and whether the compiled decode step stayed compiled: a row's speed is only its
+    engine's when these are small."""
+
+    def __init__(self, runner: Any):
+        self.graphs = runner.graphs
+        self.dynamo_graphs = dynamo_counters["stats"]["unique_graphs"]
+        self.captures = len(self.graphs._graphs) if self.graphs is not None else 0
+
+    def report(self) -> dict:
+        if self.graphs is None:
+            return {}
+        return {
+            "decode_compiled": self.graphs.compiled,
+            "timed_dynamo_graphs": dynamo_counters["stats"]["unique_graphs"] - self.dynamo_graphs,
+            "timed_graph_captures": len(self.graphs._graphs) - self.captures,
+        }
 
 
 class PhaseTimes:
@@ -482,6 +506,12 @@ def run_model(name: str, args: argparse.Namespace, bandwidth_gb_s: float) -> dic
     for system, run in systems.items():
         result = run()
         warmup = f" (warm-up {result['warmup_s']:.1f} s)" if "warmup_s" in result else ""
+        if "decode_compiled" in result:
+            warmup += (
+                f" [compiled {result['decode_compiled']}, in the timed run:"
+                f" {result['timed_dynamo_graphs']} compiles,"
+                f" {result['timed_graph_captures']} graph captures]"
+            )
         print(f"{system}: {result['tok_s']:.1f} tok/s{warmup}", flush=True)
         rows.append({"system": system, "requests": len(requests), **result})
     _add_ratios(rows, roofline)
