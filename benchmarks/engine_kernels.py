@@ -18,8 +18,6 @@ replay); the prefill eagerly. Prints a table and writes JSON.
 from __future__ import annotations
 
 import argparse
-import json
-import platform
 import sys
 from pathlib import Path
 
@@ -28,7 +26,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, str(Path(__file__).parent))
-from engine_throughput import copy_bandwidth_gb_s  # noqa: E402
+from engine_workloads import copy_bandwidth_gb_s, write_results  # noqa: E402
 
 import areno.engine.kernels.decode_attention as attention_kernel  # noqa: E402
 from areno.engine.kernels import references_only  # noqa: E402
@@ -177,19 +175,8 @@ def main() -> None:
             f"{r['kernel']:<34} {r['shape']:<11} {r['pytorch_ms']:>10.4f} {r['triton_ms']:>10.4f} "
             f"{r['speedup']:>6.2f} {floor:>9}"
         )
-    meta = {
-        "machine": platform.platform(),
-        "device": torch.cuda.get_device_name(),
-        "torch": torch.__version__,
-        "copy_bandwidth_gb_s": bandwidth,
-        "rows": ROWS,
-        "prompt": PROMPT,
-        "cached_keys": CACHED,
-    }
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
-    print(f"wrote {out}")
+    meta = {"copy_bandwidth_gb_s": bandwidth, "rows": ROWS, "prompt": PROMPT, "cached_keys": CACHED}
+    write_results(args.out, meta, {"rows": rows})
 
 
 if __name__ == "__main__":

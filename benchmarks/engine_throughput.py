@@ -31,16 +31,22 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import json
-import platform
-import random
 import statistics
-import tempfile
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
+from engine_workloads import (
+    MODELS,
+    copy_bandwidth_gb_s,
+    load_small,
+    make_random_id_workload,
+    make_workload,
+    random_model,
+    synchronize,
+    weight_bytes,
+    write_results,
+)
 from torch._dynamo.utils import counters as dynamo_counters
 
 from areno.engine.config import COMPILE_MODES, EngineConfig
@@ -48,10 +54,8 @@ from areno.engine.generator import Generator
 from areno.engine.kernels import references_only
 from areno.engine.sampling import SamplingParams
 from areno.media import MediaDecoder, MediaPolicy
-from areno.media.samples import write_image
-from areno.models.tiny import TINY_FAMILIES, tiny_checkpoint
-from areno.models.tiny.corpus import corpus
-from areno.processing import Processor, PromptInputs, process_messages
+from areno.models.tiny import TINY_FAMILIES
+from areno.processing import PromptInputs
 
 WORKLOADS = {
     "cpu": {
@@ -74,139 +78,6 @@ WORKLOADS = {
         "dtype": "bfloat16",
     },
 }
-MODELS = ("small", "qwen3-1.7b", "qwen3.5-2b")
-_FIT_ROUNDS = 4  # encode / adjust rounds to bring a prompt to its target token count
-
-
-# --- workloads ------------------------------------------------------------------------------------
-
-
-def _messages(words: list[str], image: Path | None) -> list[dict]:
-    content: list[dict] = [{"type": "text", "text": " ".join(words)}]
-    if image is not None:
-        content.insert(0, {"type": "image_url", "image_url": {"url": str(image)}})
-    return [{"role": "user", "content": content}]
-
-
-def _fit_prompt(
-    processor: Processor,
-    decoder: MediaDecoder,
-    rng: random.Random,
-    pool: list[str],
-    target: int,
-    image: Path | None,
-) -> PromptInputs:
-    """Random words, as many as bring the encoded prompt close to `target` tokens.
-
-    The template and image placeholders count too, so a prompt can exceed a small target.
-    """
-    words = rng.choices(pool, k=1)
-    inputs = process_messages(processor, decoder, _messages(words, image))
-    base = inputs.num_prompt_tokens  # template + image + one word
-    tokens_per_word = 1.5  # a first guess for the small BPE vocab, measured after one round
-    for _ in range(_FIT_ROUNDS):
-        missing = target - inputs.num_prompt_tokens
-        num_words = max(1, len(words) + round(missing / tokens_per_word))
-        if num_words == len(words):
-            break
-        words = words[:num_words] + rng.choices(pool, k=max(0, num_words - len(words)))
-        inputs = process_messages(processor, decoder, _messages(words, image))
-        if len(words) > 1:
-            tokens_per_word = max(0.5, (inputs.num_prompt_tokens - base) / (len(words) - 1))
-    return inputs
-
-
-def make_workload(
-    seed: int,
-    num_requests: int,
-    prompt_len_range: tuple[int, int],
-    max_tokens_range: tuple[int, int],
-    image_fraction: float,
-    processor: Processor,
-    decoder: MediaDecoder,
-) -> list[dict]:
-    """Chat requests: {"prompt_inputs": PromptInputs, "max_tokens": int, "ignore_eos": False}."""
-    rng = random.Random(seed)
-    pool = sorted({w for line in corpus(num_lines=300, seed=seed) for w in line.split()})
-    with_image = set(rng.sample(range(num_requests), round(num_requests * image_fraction)))
-    requests = []
-    with tempfile.TemporaryDirectory() as tmp:
-        for i in range(num_requests):
-            image = None
-            if i in with_image:
-                w, h = rng.randint(64, 320), rng.randint(64, 320)
-                image = write_image(Path(tmp) / f"{i}.png", w, h, seed=seed + i)
-            target = rng.randint(*prompt_len_range)
-            inputs = _fit_prompt(processor, decoder, rng, pool, target, image)
-            max_tokens = rng.randint(*max_tokens_range)
-            requests.append(
-                {"prompt_inputs": inputs, "max_tokens": max_tokens, "ignore_eos": False}
-            )
-    return requests
-
-
-def make_random_id_workload(
-    seed: int, num_requests: int, prompt_len: int, max_tokens: int, vocab_size: int
-) -> list[dict]:
-    """Text-only requests of random token ids that must generate exactly `max_tokens`."""
-    gen = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, vocab_size, (num_requests, prompt_len), generator=gen)
-    return [
-        {
-            "prompt_inputs": PromptInputs(input_ids=row, mm_inputs={}),
-            "max_tokens": max_tokens,
-            "ignore_eos": True,
-        }
-        for row in ids.tolist()
-    ]
-
-
-# --- models ---------------------------------------------------------------------------------------
-
-
-def random_model(name: str, device: str, dtype: torch.dtype) -> torch.nn.Module:
-    """Random weights in a real model's shapes, initialized directly on `device`."""
-    import transformers as tf
-
-    if name == "qwen3-1.7b":
-        config = tf.Qwen3Config(
-            vocab_size=151936,
-            hidden_size=2048,
-            intermediate_size=6144,
-            num_hidden_layers=28,
-            num_attention_heads=16,
-            num_key_value_heads=8,
-            head_dim=128,
-            tie_word_embeddings=True,
-        )
-    elif name == "qwen3.5-2b":
-        # Default layer_types: every 4th layer full attention, the rest gated delta net.
-        config = tf.Qwen3_5TextConfig(
-            vocab_size=248320,
-            hidden_size=2048,
-            intermediate_size=6144,
-            num_hidden_layers=24,
-            num_attention_heads=8,
-            num_key_value_heads=2,
-            head_dim=256,
-            linear_num_key_heads=16,
-            linear_num_value_heads=16,
-            linear_key_head_dim=128,
-            linear_value_head_dim=128,
-            tie_word_embeddings=True,
-        )
-    else:
-        raise ValueError(f"no random model named {name!r}")
-    with torch.device(device):
-        return tf.AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
-
-
-def load_small(family: str, device: str, dtype: torch.dtype) -> tuple[torch.nn.Module, Processor]:
-    """The `make-tiny --size small` checkpoint of `family` (cached) and its processor."""
-    path = tiny_checkpoint(family, size="small")
-    processor = Processor(path)
-    model = processor.adapter.load_model(path, dtype=dtype).to(device).eval()
-    return model, processor
 
 
 # --- Hugging Face baseline ------------------------------------------------------------------------
@@ -266,11 +137,6 @@ def _generate(model, batch: dict, max_new_tokens: int, ignore_eos: bool, cache: 
     )
 
 
-def _synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 @torch.inference_mode()
 def run_hf_generate(
     model: torch.nn.Module, requests: list[dict], batch_size: int, cache_implementation: str
@@ -286,7 +152,7 @@ def run_hf_generate(
     first = batches[0]
     warm_tokens = max(r["max_tokens"] for r in first) if device.type == "cuda" else 2
     _generate(model, pad_batch(first, pad, device), warm_tokens, True, cache_implementation, pad)
-    _synchronize(device)
+    synchronize(device)
     num_tokens = 0
     start = time.perf_counter()
     for batch in batches:
@@ -298,7 +164,7 @@ def run_hf_generate(
         for r, row in zip(batch, generated, strict=True):
             limit_eos = set() if r["ignore_eos"] else eos_ids
             num_tokens += useful_tokens(row, r["max_tokens"], limit_eos)
-    _synchronize(device)
+    synchronize(device)
     wall_s = time.perf_counter() - start
     return {"output_tokens": num_tokens, "wall_s": wall_s, "tok_s": num_tokens / wall_s}
 
@@ -353,14 +219,14 @@ def _run_engine(model, tokenizer, requests, concurrency, decode_compile, packed_
     generator = Generator.from_model(model, tokenizer, config)
     try:
         run_requests(generator, [dict(r, max_tokens=2) for r in requests[:concurrency]])  # warm-up
-        _synchronize(model.device)
+        synchronize(model.device)
         warmup_s = time.perf_counter() - start
         runner = generator.core.executor.worker.runner
         phases = PhaseTimes(runner)
         compiles = _TimedRunCompiles(runner)
         start = time.perf_counter()
         outputs = run_requests(generator, requests)
-        _synchronize(model.device)
+        synchronize(model.device)
         wall_s = time.perf_counter() - start
     finally:
         generator.shutdown()
@@ -383,7 +249,7 @@ class _TimedRunCompiles:
     def __init__(self, runner: Any):
         self.graphs = runner.graphs
         self.dynamo_graphs = dynamo_counters["stats"]["unique_graphs"]
-        self.captures = len(self.graphs._graphs) if self.graphs is not None else 0
+        self.captures = self.graphs.num_captured if self.graphs is not None else 0
 
     def report(self) -> dict:
         if self.graphs is None:
@@ -391,7 +257,7 @@ class _TimedRunCompiles:
         return {
             "decode_compiled": self.graphs.compiled,
             "timed_dynamo_graphs": dynamo_counters["stats"]["unique_graphs"] - self.dynamo_graphs,
-            "timed_graph_captures": len(self.graphs._graphs) - self.captures,
+            "timed_graph_captures": self.graphs.num_captured - self.captures,
         }
 
 
@@ -434,25 +300,6 @@ class PhaseTimes:
 
 
 # --- roofline and report --------------------------------------------------------------------------
-
-
-def copy_bandwidth_gb_s(device: torch.device, num_bytes: int, repeats: int = 5) -> float:
-    """Median device copy bandwidth; a copy reads and writes, so it moves 2x the tensor's bytes."""
-    src = torch.ones(num_bytes // 4, dtype=torch.float32, device=device)
-    dst = torch.empty_like(src)
-    dst.copy_(src)  # warm-up: page in both buffers
-    times = []
-    for _ in range(repeats):
-        _synchronize(device)
-        start = time.perf_counter()
-        dst.copy_(src)
-        _synchronize(device)
-        times.append(time.perf_counter() - start)
-    return 2 * num_bytes / statistics.median(times) / 1e9
-
-
-def weight_bytes(model: torch.nn.Module) -> int:
-    return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
 def run_model(name: str, args: argparse.Namespace, bandwidth_gb_s: float) -> dict:
@@ -623,7 +470,6 @@ def main() -> None:
     for report in reports:
         print_report(report, bandwidth)
     meta = {
-        "machine": platform.platform(),
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "threads": torch.get_num_threads(),
         "workload": args.workload,
@@ -633,10 +479,7 @@ def main() -> None:
         "dtype": args.dtype,
         "copy_bandwidth_gb_s": bandwidth,
     }
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"meta": meta, "models": reports}, indent=2))
-    print(f"wrote {out}")
+    write_results(args.out, meta, {"models": reports})
 
 
 if __name__ == "__main__":

@@ -25,7 +25,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).parent))
-from engine_throughput import copy_bandwidth_gb_s, load_small, random_model, weight_bytes  # noqa: E402
+from engine_workloads import copy_bandwidth_gb_s, load_small, random_model, weight_bytes  # noqa: E402
 
 from areno.engine.runner import ModelRunner  # noqa: E402
 from areno.processing.types import PromptInputs  # noqa: E402

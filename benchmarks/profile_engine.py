@@ -21,12 +21,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from engine_throughput import (  # noqa: E402
-    MODELS,
-    make_random_id_workload,
-    random_model,
-    run_requests,
-)
+from engine_throughput import run_requests  # noqa: E402
+from engine_workloads import MODELS, make_random_id_workload, random_model  # noqa: E402
 
 from areno.engine.config import COMPILE_MODES, EngineConfig  # noqa: E402
 from areno.engine.generator import Generator  # noqa: E402

@@ -74,6 +74,11 @@ class DecodeGraphs:
         """Whether the step runs compiled (False after a compile error fell back)."""
         return self._compiled is not None
 
+    @property
+    def num_captured(self) -> int:
+        """How many (rows, key length) buckets have a captured graph."""
+        return len(self._graphs)
+
     def release(self) -> None:
         """Drop the captured graphs once the device is idle; later decodes capture afresh.
 

@@ -36,9 +36,8 @@ needs_kernels = pytest.mark.skipif(
 
 
 @pytest.mark.skipif(triton is None, reason="this torch build has no Triton")
+@pytest.mark.skipif(RUNS_KERNELS, reason="this process runs the kernels itself")
 def test_the_kernels_under_the_triton_interpreter():
-    if RUNS_KERNELS:
-        pytest.skip("this process runs the kernels itself")
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__]
     proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900)

@@ -1,0 +1,193 @@
+"""What the engine benchmarks share: their requests (encoded chat prompts, random token ids), their
+models (random weights in real models' shapes, the `make-tiny --size small` checkpoints), the
+device copy bandwidth behind every roofline, and how results are written.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import random
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from areno.media import MediaDecoder
+from areno.media.samples import write_image
+from areno.models.tiny import tiny_checkpoint
+from areno.models.tiny.corpus import corpus
+from areno.processing import Processor, PromptInputs, process_messages
+
+MODELS = ("small", "qwen3-1.7b", "qwen3.5-2b")
+_FIT_ROUNDS = 4  # encode / adjust rounds to bring a prompt to its target token count
+
+
+# --- workloads ------------------------------------------------------------------------------------
+
+
+def _messages(words: list[str], image: Path | None) -> list[dict]:
+    content: list[dict] = [{"type": "text", "text": " ".join(words)}]
+    if image is not None:
+        content.insert(0, {"type": "image_url", "image_url": {"url": str(image)}})
+    return [{"role": "user", "content": content}]
+
+
+def _fit_prompt(
+    processor: Processor,
+    decoder: MediaDecoder,
+    rng: random.Random,
+    pool: list[str],
+    target: int,
+    image: Path | None,
+) -> PromptInputs:
+    """Random words, as many as bring the encoded prompt close to `target` tokens.
+
+    The template and image placeholders count too, so a prompt can exceed a small target.
+    """
+    words = rng.choices(pool, k=1)
+    inputs = process_messages(processor, decoder, _messages(words, image))
+    base = inputs.num_prompt_tokens  # template + image + one word
+    tokens_per_word = 1.5  # a first guess for the small BPE vocab, measured after one round
+    for _ in range(_FIT_ROUNDS):
+        missing = target - inputs.num_prompt_tokens
+        num_words = max(1, len(words) + round(missing / tokens_per_word))
+        if num_words == len(words):
+            break
+        words = words[:num_words] + rng.choices(pool, k=max(0, num_words - len(words)))
+        inputs = process_messages(processor, decoder, _messages(words, image))
+        if len(words) > 1:
+            tokens_per_word = max(0.5, (inputs.num_prompt_tokens - base) / (len(words) - 1))
+    return inputs
+
+
+def make_workload(
+    seed: int,
+    num_requests: int,
+    prompt_len_range: tuple[int, int],
+    max_tokens_range: tuple[int, int],
+    image_fraction: float,
+    processor: Processor,
+    decoder: MediaDecoder,
+) -> list[dict]:
+    """Chat requests: {"prompt_inputs": PromptInputs, "max_tokens": int, "ignore_eos": False}."""
+    rng = random.Random(seed)
+    pool = sorted({w for line in corpus(num_lines=300, seed=seed) for w in line.split()})
+    with_image = set(rng.sample(range(num_requests), round(num_requests * image_fraction)))
+    requests = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for i in range(num_requests):
+            image = None
+            if i in with_image:
+                w, h = rng.randint(64, 320), rng.randint(64, 320)
+                image = write_image(Path(tmp) / f"{i}.png", w, h, seed=seed + i)
+            target = rng.randint(*prompt_len_range)
+            inputs = _fit_prompt(processor, decoder, rng, pool, target, image)
+            max_tokens = rng.randint(*max_tokens_range)
+            requests.append(
+                {"prompt_inputs": inputs, "max_tokens": max_tokens, "ignore_eos": False}
+            )
+    return requests
+
+
+def make_random_id_workload(
+    seed: int, num_requests: int, prompt_len: int, max_tokens: int, vocab_size: int
+) -> list[dict]:
+    """Text-only requests of random token ids that must generate exactly `max_tokens`."""
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab_size, (num_requests, prompt_len), generator=gen)
+    return [
+        {
+            "prompt_inputs": PromptInputs(input_ids=row, mm_inputs={}),
+            "max_tokens": max_tokens,
+            "ignore_eos": True,
+        }
+        for row in ids.tolist()
+    ]
+
+
+# --- models ---------------------------------------------------------------------------------------
+
+
+def random_model(name: str, device: str, dtype: torch.dtype) -> torch.nn.Module:
+    """Random weights in a real model's shapes, initialized directly on `device`."""
+    import transformers as tf
+
+    if name == "qwen3-1.7b":
+        config = tf.Qwen3Config(
+            vocab_size=151936,
+            hidden_size=2048,
+            intermediate_size=6144,
+            num_hidden_layers=28,
+            num_attention_heads=16,
+            num_key_value_heads=8,
+            head_dim=128,
+            tie_word_embeddings=True,
+        )
+    elif name == "qwen3.5-2b":
+        # Default layer_types: every 4th layer full attention, the rest gated delta net.
+        config = tf.Qwen3_5TextConfig(
+            vocab_size=248320,
+            hidden_size=2048,
+            intermediate_size=6144,
+            num_hidden_layers=24,
+            num_attention_heads=8,
+            num_key_value_heads=2,
+            head_dim=256,
+            linear_num_key_heads=16,
+            linear_num_value_heads=16,
+            linear_key_head_dim=128,
+            linear_value_head_dim=128,
+            tie_word_embeddings=True,
+        )
+    else:
+        raise ValueError(f"no random model named {name!r}")
+    with torch.device(device):
+        return tf.AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
+
+
+def load_small(family: str, device: str, dtype: torch.dtype) -> tuple[torch.nn.Module, Processor]:
+    """The `make-tiny --size small` checkpoint of `family` (cached) and its processor."""
+    path = tiny_checkpoint(family, size="small")
+    processor = Processor(path)
+    model = processor.adapter.load_model(path, dtype=dtype).to(device).eval()
+    return model, processor
+
+
+# --- bandwidth and results -------------------------------------------------------------------------
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def copy_bandwidth_gb_s(device: torch.device, num_bytes: int, repeats: int = 5) -> float:
+    """Median device copy bandwidth; a copy reads and writes, so it moves 2x the tensor's bytes."""
+    src = torch.ones(num_bytes // 4, dtype=torch.float32, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)  # warm-up: page in both buffers
+    times = []
+    for _ in range(repeats):
+        synchronize(device)
+        start = time.perf_counter()
+        dst.copy_(src)
+        synchronize(device)
+        times.append(time.perf_counter() - start)
+    return 2 * num_bytes / statistics.median(times) / 1e9
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def write_results(path: str, meta: dict, results: dict) -> None:
+    """`results` as JSON at `path`, under a "meta" that also names the machine and device."""
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    meta = {"machine": platform.platform(), "device": device, "torch": torch.__version__, **meta}
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"meta": meta, **results}, indent=2))
+    print(f"wrote {out}")
