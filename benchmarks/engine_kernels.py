@@ -32,7 +32,7 @@ import areno.engine.kernels.decode_attention as attention_kernel  # noqa: E402
 from areno.engine.kernels import references_only  # noqa: E402
 from areno.engine.kernels.decode_attention import decode_attention  # noqa: E402
 from areno.engine.kernels.gated_delta import gated_delta  # noqa: E402
-from areno.engine.linear_attention import _recurrent_update  # noqa: E402
+from areno.engine.linear_attention import recurrent_update  # noqa: E402
 
 ROWS, PROMPT, CACHED = 64, 256, 384
 ATTENTION_SHAPES = {"qwen3-1.7b": (16, 8, 128), "qwen3.5-2b": (8, 2, 256)}  # heads, kv, dim
@@ -112,7 +112,7 @@ def gated_delta_rows(bandwidth: float) -> list[dict]:
 
     def torch_step():
         with references_only():
-            _recurrent_update(state, decay, query, key, value, beta)
+            recurrent_update(state, decay, query, key, value, beta)
 
     def triton_step():
         gated_delta(state, *(t[:, None] for t in (query, key, value, beta, decay)))

@@ -192,7 +192,7 @@ def decode_step(
     a_BN = module.in_proj_a(hidden_BH).float()
     decay_BN = torch.exp(-module.A_log.float().exp() * F.softplus(a_BN + module.dt_bias))
 
-    out_BNV = _recurrent_update(state_BNKV, decay_BN, query_BNK, key_BNK, value_BNV, beta_BN)
+    out_BNV = recurrent_update(state_BNKV, decay_BN, query_BNK, key_BNK, value_BNV, beta_BN)
 
     gate = module.in_proj_z(hidden_BH).reshape(-1, dv)
     out = module.norm(out_BNV.to(hidden_B1H.dtype).reshape(-1, dv), gate)
@@ -204,7 +204,7 @@ def decode_step(
 # became an out-of-place update plus a copy back (two more passes over the largest tensor of the
 # step); behind `torch.compiler.disable`, the frame resuming after it was compiled once per layer.
 @torch.library.custom_op("areno::recurrent_update_", mutates_args=("state_BNKV",))
-def _recurrent_update(
+def recurrent_update(
     state_BNKV: torch.Tensor,
     decay_BN: torch.Tensor,
     query_BNK: torch.Tensor,
@@ -229,7 +229,7 @@ def _recurrent_update(
     return torch.bmm(query_BNK.reshape(-1, 1, dk), state).reshape(batch, num_v, dv)
 
 
-@_recurrent_update.register_fake
+@recurrent_update.register_fake
 def _(state_BNKV, decay_BN, query_BNK, key_BNK, value_BNV, beta_BN):
     return value_BNV.new_empty(value_BNV.shape, dtype=torch.float32)
 
