@@ -15,6 +15,8 @@ from dataclasses import dataclass
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, LinearAttentionLayer
 
+from areno.engine.transfer import to_device
+
 
 @dataclass
 class BatchBinding:
@@ -148,10 +150,12 @@ def copy_slot(cache: SlotCache, src: int, dsts: list[int]) -> None:
     index = torch.tensor(dsts)
     for layer in cache.attention.values():
         if layer.is_initialized:
+            index = to_device(index, layer.keys.device)  # once; then already there
             layer.keys[index] = layer.keys[src].clone()
             layer.values[index] = layer.values[src].clone()
     for state in cache.linear.values():
         if state.conv is not None:
+            index = to_device(index, state.conv.device)
             state.conv[index] = state.conv[src].clone()
             state.recurrent[index] = state.recurrent[src].clone()
 

@@ -1,4 +1,5 @@
-"""The engine core: one synchronous step is schedule -> execute -> update.
+"""The engine core: one step is schedule -> execute -> update (or, overlapped, schedule ->
+launch -> update of the step before; see `EngineCore.step`).
 
 `EngineCore` owns the scheduler and the per-sequence output text; the executor owns every tensor.
 It is single-threaded by design: the async `Generator` calls it from one engine thread only.
@@ -21,7 +22,7 @@ from areno.engine.scheduler import (
     check_stop,
 )
 from areno.engine.sequence import Sequence, SequenceGroup
-from areno.engine.worker import PrefillItem, RowSampling, StepInput, StepOutput
+from areno.engine.worker import PendingStep, PrefillItem, RowSampling, StepInput, StepOutput
 from areno.processing.types import PromptInputs
 
 
@@ -76,18 +77,30 @@ class EngineCore:
         tokenizer: Any,
         scheduler_config: SchedulerConfig,
         eos_token_ids: Collection[int],
+        *,
+        overlap: bool = False,
     ):
+        """`overlap`: launch each step before reading the previous one's tokens (see `step`);
+        needs an executor with `launch` whose worker keeps the sampled tokens (one process)."""
         self.executor = executor
         self.tokenizer = tokenizer
         self.scheduler = Scheduler(scheduler_config)
         self.eos_token_ids = frozenset(eos_token_ids)
         self.policy_version = 0
+        self.overlap = overlap
         self._texts: dict[int, OutputText] = {}
         self._freed_seq_ids: list[int] = []
+        # The launched step whose tokens the host has not read: its rows' sequences, in order.
+        self._in_flight: tuple[list[Sequence], PendingStep] | None = None
 
     @property
     def has_work(self) -> bool:
-        return self.scheduler.has_work
+        return self.scheduler.has_work or self._in_flight is not None
+
+    @property
+    def in_flight(self) -> bool:
+        """Whether a launched step's tokens are still unread (`flush` reads them)."""
+        return self._in_flight is not None
 
     def check_request(self, inputs: PromptInputs, params: SamplingParams) -> None:
         """Raise the error `add_request` would raise for a request that can never run."""
@@ -113,13 +126,42 @@ class EngineCore:
         return self._output(group, deltas)
 
     def step(self) -> list[RequestOutput]:
-        """Run one engine step and return the news of every request that had any."""
+        """Run one engine step and return the news of every request that had any.
+
+        With `overlap`, the step is launched on the device first and the news returned are the
+        previous step's: the host reads and processes its tokens (stops, text, outputs) while
+        the device runs this one, whose decode rows take their input tokens from the device.
+        A sequence that drew a stop token therefore decodes one step more, and that token is
+        dropped; max_tokens and the context length are known ahead and cost no extra step.
+        """
         scheduled = self.scheduler.schedule()
         if scheduled.is_empty:
-            return []
+            return self.flush()
         step = self._step_input(scheduled)
-        result = self.executor.execute(step)
-        return self._update(scheduled, result)
+        decode = sorted(scheduled.decode, key=lambda seq: seq.slot)  # the rows' order
+        seqs = [seq for group in scheduled.prefill for seq in group.seqs] + decode
+        if not self.overlap:
+            outputs = self._update(seqs, self.executor.execute(step))
+        else:
+            pending = self.executor.launch(step)
+            for seq in seqs:
+                seq.num_in_flight += 1
+            outputs = self.flush()
+            self._in_flight = (seqs, pending)
+        for group in scheduled.prefill:
+            group.inputs = None  # the media tensors are in the cache now; let them go
+        return outputs
+
+    def flush(self) -> list[RequestOutput]:
+        """Wait for the step in flight, if any, and return its news."""
+        if self._in_flight is None:
+            return []
+        seqs, pending = self._in_flight
+        self._in_flight = None
+        result = pending.result()
+        for seq in seqs:
+            seq.num_in_flight -= 1
+        return self._update(seqs, result)
 
     def _step_input(self, scheduled: SchedulerOutput) -> StepInput:
         step = StepInput(finished_seq_ids=self._freed_seq_ids)
@@ -131,24 +173,27 @@ class EngineCore:
         # through views instead of gathering copies.
         for seq in sorted(scheduled.decode, key=lambda seq: seq.slot):
             step.decode_slots.append(seq.slot)
-            step.decode_positions.append(seq.num_tokens - 1)
+            step.decode_positions.append(seq.next_position)
             step.decode_token_ids.append(seq.last_token_id)
             step.rows.append(RowSampling(seq.seq_id, seq.params, seq.seed))
+        if self.overlap:
+            step.decode_token_ids = None  # the worker's own, on the device (see `step`)
         return step
 
-    def _update(self, scheduled: SchedulerOutput, result: StepOutput) -> list[RequestOutput]:
-        decode = sorted(scheduled.decode, key=lambda seq: seq.slot)  # the rows' order
-        seqs = [seq for group in scheduled.prefill for seq in group.seqs] + decode
-        for group in scheduled.prefill:
-            group.inputs = None  # the media tensors are in the cache now; let them go
+    def _update(self, seqs: list[Sequence], result: StepOutput) -> list[RequestOutput]:
+        """Append each row's token to its sequence (`seqs` in row order) and check its stops.
+        A row whose sequence finished meanwhile (a stop read after this step was launched, or
+        an abort) is dropped."""
         deltas: dict[str, list[SampleDelta]] = {}
         finished: list[Sequence] = []
         for row, seq in enumerate(seqs):
+            if seq.is_finished:
+                continue
             delta = self._append(seq, row, result)
             deltas.setdefault(seq.request_id, []).append(delta)
             if delta.finish_reason is not None:
                 finished.append(seq)
-        groups = {seq.request_id: self.scheduler.find(seq.request_id) for seq in seqs}
+        groups = {rid: self.scheduler.find(rid) for rid in deltas}
         self.scheduler.update(finished)
         self._forget(finished)
         return [self._output(groups[rid], request_deltas) for rid, request_deltas in deltas.items()]

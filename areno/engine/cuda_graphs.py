@@ -60,9 +60,13 @@ class DecodeGraphs:
         self.buckets = row_buckets(max_rows, min_rows=1 if compile_backend is None else 2)
         device = runner.device
         self.slots_B = torch.arange(max_rows, device=device)
-        self.positions_B = torch.zeros(max_rows, dtype=torch.long, device=device)
-        self.token_ids_B = torch.zeros(max_rows, dtype=torch.long, device=device)
-        self.rope_delta_B = torch.zeros(max_rows, dtype=torch.long, device=device)
+        # The step's inputs travel in one host-to-device copy of a pinned buffer: rows of
+        # positions, token ids, rope deltas, and the decoding slots (to pick their logits).
+        self._inputs_4R = torch.zeros((4, max_rows), dtype=torch.long, device=device)
+        self.positions_B, self.token_ids_B, self.rope_delta_B, self._row_slots_B = self._inputs_4R
+        on_cuda = device.type == "cuda"
+        self._host_4R = torch.zeros((4, max_rows), dtype=torch.long, pin_memory=on_cuda)
+        self._copied = torch.cuda.Event() if on_cuda else None
         self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._pool = torch.cuda.graph_pool_handle() if capture else None
         self._compiled = None
@@ -89,26 +93,36 @@ class DecodeGraphs:
             torch.cuda.synchronize(self.runner.device)
             self._graphs.clear()
 
-    def decode(self, slots: list[int], positions: list[int], token_ids: list[int]) -> torch.Tensor:
+    def decode(
+        self, slots: list[int], positions: list[int], token_ids: list[int] | torch.Tensor
+    ) -> torch.Tensor:
         """Like `ModelRunner.decode`; returns logits (B, V)."""
         rows = next(b for b in self.buckets if b > max(slots))
         kv_len = min(-(-(max(positions) + 1) // KV_BUCKET) * KV_BUCKET, self.runner.max_len)
-        host = torch.zeros((3, rows), dtype=torch.long)
+        if self._copied is not None:
+            self._copied.synchronize()  # the last step's copy has left the pinned buffer
+        host = self._host_4R
+        host[:, :rows] = 0  # rows not decoding read position 0 (see the module docstring)
         index = torch.tensor(slots)
         host[0, index] = torch.tensor(positions)
-        host[1, index] = torch.tensor(token_ids)
+        by_slot = isinstance(token_ids, torch.Tensor)
+        if not by_slot:
+            host[1, index] = torch.tensor(token_ids)
         host[2, index] = torch.tensor([self.runner.rope_delta[s] for s in slots])
-        staged = host.to(self.runner.device, non_blocking=True)
-        for buffer, values in zip(
-            (self.positions_B, self.token_ids_B, self.rope_delta_B), staged, strict=True
-        ):
-            buffer[:rows].copy_(values)
+        host[3, : len(slots)] = index
+        self._inputs_4R.copy_(host, non_blocking=True)
+        if self._copied is not None:
+            self._copied.record()
+        if by_slot:  # row i is slot i: the first rows of the per-slot tokens, on the device
+            self.token_ids_B[:rows].copy_(token_ids[:rows])
         if self.capture:
             graph, logits = self._graphs.get((rows, kv_len)) or self._capture(rows, kv_len)
             graph.replay()
         else:
             logits = self._forward(rows, kv_len)
-        return logits[index.to(logits.device)]
+        if len(slots) == rows and slots == list(range(rows)):
+            return logits  # every row decodes, in slot order (a full batch)
+        return logits[self._row_slots_B[: len(slots)]]
 
     def _forward(self, rows: int, kv_len: int) -> torch.Tensor:
         runner = self.runner

@@ -11,7 +11,7 @@ from typing import Protocol
 
 import torch
 
-from areno.engine.worker import StepInput, StepOutput, Worker
+from areno.engine.worker import PendingStep, StepInput, StepOutput, Worker
 from areno.processing.types import PromptInputs
 
 
@@ -39,6 +39,10 @@ class LocalExecutor:
 
     def execute(self, step: StepInput) -> StepOutput:
         return self.worker.execute(step)
+
+    def launch(self, step: StepInput) -> PendingStep:
+        """The step queued on the device; its result is read later (overlapped steps)."""
+        return self.worker.launch(step)
 
     def score(self, inputs: PromptInputs) -> list[float]:
         return self.worker.score(inputs)

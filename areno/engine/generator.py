@@ -72,8 +72,18 @@ class Generator:
             max_context_len=max_context_len,
             max_prefill_tokens_per_step=config.max_prefill_tokens_per_step,
         )
-        self.core = EngineCore(executor, tokenizer, scheduler_config, eos_token_ids)
-        self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        overlap = config.overlap_steps == "on" or (
+            config.overlap_steps == "auto"
+            and isinstance(executor, LocalExecutor)
+            and executor.worker.device.type == "cuda"
+        )
+        self.core = EngineCore(
+            executor, tokenizer, scheduler_config, eos_token_ids, overlap=overlap
+        )
+        # request id -> (its caller's loop, its queue, whether it wants only the final output)
+        self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue, bool]] = {}
+        # The outputs so far of final-only requests (the engine thread's; shutdown clears it after).
+        self._collected: dict[str, list[RequestOutput]] = {}
         self._commands: list[tuple[Callable[[], Any], concurrent.futures.Future]] = []
         self._wake = threading.Condition()
         self._paused = False
@@ -205,21 +215,31 @@ class Generator:
         n over the slot count, duplicate id). Leaving the iteration early (client gone, task
         cancelled) aborts the request and frees its cache slots.
         """
+        async for output in self._outputs(inputs, params, request_id, final_only=False):
+            yield output
+
+    async def _outputs(
+        self, inputs: PromptInputs, params: SamplingParams, request_id: str | None, final_only: bool
+    ) -> AsyncIterator[RequestOutput]:
+        """`generate`'s stream. `final_only`: the engine thread keeps the deltas and hands them
+        over together when the request finishes, so the caller's thread is not woken (and does
+        not contend for the GIL with the engine thread) at every step."""
         request_id = request_id or uuid.uuid4().hex
         self.core.check_request(inputs, params)
         if request_id in self._queues:
             raise DuplicateRequestError(f"request id {request_id!r} is already in use")
         queue: asyncio.Queue = asyncio.Queue()
-        self._queues[request_id] = (asyncio.get_running_loop(), queue)
+        self._queues[request_id] = (asyncio.get_running_loop(), queue, final_only)
         finished = False
         try:
             await self._call(lambda: self.core.add_request(request_id, inputs, params))
             while not finished:
-                output = await queue.get()
-                if isinstance(output, BaseException):
-                    raise output
-                finished = output.finished
-                yield output
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                for output in item if isinstance(item, list) else [item]:
+                    finished = output.finished
+                    yield output
         finally:
             self._queues.pop(request_id, None)
             if not finished and not self._stopped:
@@ -229,7 +249,8 @@ class Generator:
         self, inputs: PromptInputs, params: SamplingParams, request_id: str | None = None
     ) -> RequestOutput:
         """Run a request to the end and return its samples merged (one delta per sample)."""
-        return merge_outputs([out async for out in self.generate(inputs, params, request_id)])
+        outputs = self._outputs(inputs, params, request_id, final_only=True)
+        return merge_outputs([out async for out in outputs])
 
     async def abort(self, request_id: str) -> None:
         """Stop a request; its stream ends with finish_reason "abort"."""
@@ -372,6 +393,8 @@ class Generator:
                 if self._stopped:
                     return
                 commands, self._commands = self._commands, []
+            if commands and self.core.in_flight:
+                self._step(flush_only=True)  # commands (aborts, weights, pauses) see none
             for fn, future in commands:
                 _run_command(fn, future)
             if self._can_step():
@@ -382,11 +405,12 @@ class Generator:
                 self._idle_waiters = []
 
     def _can_step(self) -> bool:
-        return not self._paused and self.core.has_work
+        # Paused, the engine still reads the step it had in flight, and schedules nothing new.
+        return self.core.in_flight if self._paused else self.core.has_work
 
-    def _step(self) -> None:
+    def _step(self, flush_only: bool = False) -> None:
         try:
-            outputs = self.core.step()
+            outputs = self.core.flush() if flush_only or self._paused else self.core.step()
         except Exception as e:  # noqa: BLE001 - fail the requests, keep the engine alive
             self._fail_all(EngineDeadError(f"engine step failed: {type(e).__name__}: {e}"), e)
             self._abort_all()
@@ -398,10 +422,20 @@ class Generator:
         # thread contend for the GIL with this one.
         batches: dict[asyncio.AbstractEventLoop, list] = {}
         for output in outputs:
-            entry = self._queues.get(output.request_id) if output is not None else None
-            if entry is not None:
-                loop, queue = entry
-                batches.setdefault(loop, []).append((queue, output))
+            if output is None:
+                continue
+            entry = self._queues.get(output.request_id)
+            if entry is None:  # its caller is gone
+                self._collected.pop(output.request_id, None)
+                continue
+            loop, queue, final_only = entry
+            if final_only:
+                collected = self._collected.setdefault(output.request_id, [])
+                collected.append(output)
+                if not output.finished:
+                    continue
+                output = self._collected.pop(output.request_id)
+            batches.setdefault(loop, []).append((queue, output))
         for loop, batch in batches.items():
             loop.call_soon_threadsafe(_put_all, batch)
 
@@ -412,7 +446,8 @@ class Generator:
     def _fail_all(self, error: Exception, cause: Exception | None = None) -> None:
         if cause is not None:
             error.__cause__ = cause
-        for loop, queue in list(self._queues.values()):
+        self._collected.clear()
+        for loop, queue, _ in list(self._queues.values()):
             loop.call_soon_threadsafe(queue.put_nowait, error)
 
 

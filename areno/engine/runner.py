@@ -18,6 +18,7 @@ from areno.engine.config import COMPILE_MODES, GRAPH_MODES
 from areno.engine.cpu_linear import PackedLinears, can_pack
 from areno.engine.cuda_graphs import DecodeGraphs
 from areno.engine.linear_attention import EngineKernels
+from areno.engine.transfer import to_device
 from areno.processing.types import PromptInputs
 
 # NOTE: not cuDNN: with a per-row mask it re-plans its graph whenever the key length changes,
@@ -103,11 +104,11 @@ class ModelRunner:
         and return the last position's logits (V,)."""
         n = inputs.num_prompt_tokens
         positions = torch.arange(n, device=self.device)[None]
-        first_slot = torch.tensor(slots[:1], device=self.device)
+        first_slot = to_device(torch.tensor(slots[:1]), self.device)
         self.cache.bind(BatchBinding(first_slot, positions, n), is_prefill=True)
         if self.uses_mrope:
             self.model.model.rope_deltas = None
-        model_inputs = {k: v.to(self.device) for k, v in inputs.model_inputs().items()}
+        model_inputs = {k: to_device(v, self.device) for k, v in inputs.model_inputs().items()}
         with self._engine_context():
             out = self.model(
                 **model_inputs, past_key_values=self.cache, use_cache=True, logits_to_keep=1
@@ -127,13 +128,13 @@ class ModelRunner:
         """Prefill equal-length prompts without media in one forward (`can_batch_prefill`);
         prompt i goes into `slots[i][0]` and is forked into the rest. Returns logits (B, V)."""
         num_tokens = prompts[0].num_prompt_tokens
-        first_slots = torch.tensor([s[0] for s in slots], device=self.device)
+        first_slots = to_device(torch.tensor([s[0] for s in slots]), self.device)
         positions = torch.arange(num_tokens, device=self.device).expand(len(prompts), -1)
         self.cache.bind(BatchBinding(first_slots, positions, num_tokens), is_prefill=True)
         if self.uses_mrope:
             self.model.model.rope_deltas = None
         model_inputs = {
-            key: torch.cat([p.model_inputs()[key] for p in prompts]).to(self.device)
+            key: to_device(torch.cat([p.model_inputs()[key] for p in prompts]), self.device)
             for key in prompts[0].model_inputs()
         }
         with self._engine_context():
@@ -152,16 +153,19 @@ class ModelRunner:
         return out.logits[:, -1].float()
 
     @torch.inference_mode()
-    def decode(self, slots: list[int], positions: list[int], token_ids: list[int]) -> torch.Tensor:
+    def decode(
+        self, slots: list[int], positions: list[int], token_ids: list[int] | torch.Tensor
+    ) -> torch.Tensor:
         """One token for each row: `token_ids[i]` sits at cache position `positions[i]` of
-        `slots[i]`. Returns logits (B, V)."""
+        `slots[i]`. Returns logits (B, V). A tensor `token_ids` is indexed by slot instead, on
+        the device: (num_slots,), row i feeds `token_ids[slots[i]]`."""
         with self._engine_context():
             if self.graphs is not None:
                 return self.graphs.decode(slots, positions, token_ids)
             return self._decode_eager(slots, positions, token_ids)
 
     def _decode_eager(
-        self, slots: list[int], positions: list[int], token_ids: list[int]
+        self, slots: list[int], positions: list[int], token_ids: list[int] | torch.Tensor
     ) -> torch.Tensor:
         slots_B = torch.tensor(slots, device=self.device)
         pos_B = torch.tensor(positions, device=self.device)
@@ -171,8 +175,12 @@ class ModelRunner:
         binding = BatchBinding(slots_B, pos_B[:, None], kv_len, min(positions), slot_range)
         self.cache.bind(binding, is_prefill=False)
         delta_B = torch.tensor([self.rope_delta[s] for s in slots], device=self.device)
+        if isinstance(token_ids, torch.Tensor):
+            ids_B = token_ids[slots_B]
+        else:
+            ids_B = torch.tensor(token_ids, device=self.device)
         out = self.model(
-            input_ids=torch.tensor(token_ids, device=self.device)[:, None],
+            input_ids=ids_B[:, None],
             position_ids=self.position_ids(pos_B, delta_B),
             attention_mask=self.masks(pos_B, kv_len),
             past_key_values=self.cache,

@@ -14,12 +14,13 @@ filters, which is what a GRPO trainer recomputes (as verl does) when rollouts sa
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 from areno.engine.sampling import MAX_SEED, SamplingParams
+from areno.engine.transfer import to_device
 
 
 def generator_for(seed: int, device: torch.device | str = "cpu") -> torch.Generator:
@@ -59,7 +60,7 @@ class SamplingTensors:
         sampled = [p for p in params_list if not p.is_greedy]  # filters matter only for these
 
         def column(values: list, dtype: torch.dtype) -> Tensor:
-            return torch.tensor(values, dtype=dtype, device=device)
+            return to_device(torch.tensor(values, dtype=dtype), device)
 
         return cls(
             temperature_B=column([p.temperature or 1.0 for p in params_list], torch.float32),
@@ -100,13 +101,30 @@ class SamplerOutput:
     top_logprobs_ids_BK: Tensor
     top_logprobs_BK: Tensor
 
-    def to(self, device: torch.device | str, non_blocking: bool = False) -> SamplerOutput:
-        """A copy on `device` (the engine's one host copy per step)."""
-        moved = {
-            f.name: getattr(self, f.name).to(device, non_blocking=non_blocking)
-            for f in fields(self)
-        }
-        return SamplerOutput(**moved)
+    def packed(self) -> Tensor:
+        """The four fields side by side in one float64 (B, 2 + 2K) tensor (token ids are exact
+        in it), so the step's host copy is one transfer, not four; `unpack` reads it back."""
+        return torch.cat(
+            [
+                self.token_ids_B[:, None].double(),
+                self.logprobs_B[:, None].double(),
+                self.top_logprobs_ids_BK.double(),
+                self.top_logprobs_BK.double(),
+            ],
+            dim=1,
+        )
+
+    @staticmethod
+    def unpack(packed_BC: Tensor) -> tuple[list[int], list[float], list[list[int]], list[list]]:
+        """(token ids, logprobs, top ids, top logprobs) as lists from a host copy of `packed`."""
+        k = (packed_BC.shape[1] - 2) // 2
+        token_ids = packed_BC[:, 0].long().tolist()
+        top_ids = packed_BC[:, 2 : 2 + k].long().tolist()
+        return token_ids, packed_BC[:, 1].tolist(), top_ids, packed_BC[:, 2 + k :].tolist()
+
+    def to_host(self) -> tuple[list[int], list[float], list[list[int]], list[list]]:
+        """`unpack` of `packed`, copied to the host now."""
+        return self.unpack(self.packed().cpu())
 
 
 def sample(
@@ -138,7 +156,11 @@ def sample(
         sampled_B = _exponential_race(filtered_BV, generators)
         token_ids_B = torch.where(tensors.greedy_B, greedy_B, sampled_B)
     logprobs_B = logprobs_BV.gather(-1, token_ids_B[:, None]).squeeze(-1)
-    top_logprobs_BK, top_ids_BK = logprobs_BV.topk(tensors.num_top_logprobs, dim=-1)
+    if tensors.num_top_logprobs:
+        top_logprobs_BK, top_ids_BK = logprobs_BV.topk(tensors.num_top_logprobs, dim=-1)
+    else:
+        top_ids_BK = token_ids_B.new_empty((len(token_ids_B), 0))
+        top_logprobs_BK = logprobs_B.new_empty((len(token_ids_B), 0))
     return SamplerOutput(token_ids_B, logprobs_B, top_ids_BK, top_logprobs_BK)
 
 

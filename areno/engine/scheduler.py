@@ -214,10 +214,23 @@ class Scheduler:
             seq
             for group in self._running.values()
             for seq in group.seqs
-            if seq.status is SequenceStatus.RUNNING
+            if seq.status is SequenceStatus.RUNNING and self._may_decode(seq)
         ]
         prefill = [] if self.hold_admission else self._admit()
         return SchedulerOutput(prefill, decode, self.num_waiting, self.num_running)
+
+    def _may_decode(self, seq: Sequence) -> bool:
+        """False for a sequence whose in-flight token is sure to be its last (by max_tokens or
+        the context length): another step would be wasted, or write past its cache slot. A stop
+        token it may have drawn is only known once the host reads it, so such a sequence
+        decodes one step more and the engine drops that token."""
+        if not seq.num_in_flight:
+            return True
+        num_output = seq.num_output_tokens + seq.num_in_flight
+        max_tokens = seq.params.max_tokens
+        return (max_tokens is None or num_output < max_tokens) and (
+            seq.num_tokens + seq.num_in_flight < self.config.max_context_len
+        )
 
     def _admit(self) -> list[SequenceGroup]:
         # NOTE: strict FCFS: the head of the queue blocks later groups, even smaller ones, so that

@@ -68,6 +68,9 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     slot: int | None = None
     finish_reason: str | None = None
+    # Tokens sampled on the device that the host has not read yet (0 or 1: an overlapped step
+    # runs while the previous one's tokens are read; see areno/engine/core.py).
+    num_in_flight: int = 0
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -81,6 +84,12 @@ class Sequence:
     def num_tokens(self) -> int:
         """Prompt plus generated tokens: the context length this sequence occupies."""
         return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def next_position(self) -> int:
+        """The cache position of the next token fed to the model (its in-flight token's, when
+        there is one)."""
+        return self.num_tokens + self.num_in_flight - 1
 
     @property
     def last_token_id(self) -> int:

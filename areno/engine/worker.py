@@ -15,8 +15,9 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from areno.engine.runner import ModelRunner, can_batch_prefill
-from areno.engine.sampler import SamplingTensors, generator_for, sample
+from areno.engine.sampler import SamplerOutput, SamplingTensors, generator_for, sample
 from areno.engine.sampling import SamplingParams
+from areno.engine.transfer import to_device
 from areno.errors import ArenoError
 from areno.processing.types import PromptInputs
 
@@ -46,12 +47,16 @@ class RowSampling:
 
 @dataclass
 class StepInput:
-    """One engine step. Output rows: each prefill item's slots in order, then the decode rows."""
+    """One engine step. Output rows: each prefill item's slots in order, then the decode rows.
+
+    `decode_token_ids` None: each decode row feeds the token last sampled into its slot, which
+    the sampling worker keeps on the device (how a step runs before the host has read the
+    previous step's tokens)."""
 
     prefill: list[PrefillItem] = field(default_factory=list)
     decode_slots: list[int] = field(default_factory=list)
     decode_positions: list[int] = field(default_factory=list)
-    decode_token_ids: list[int] = field(default_factory=list)
+    decode_token_ids: list[int] | None = field(default_factory=list)
     rows: list[RowSampling] = field(default_factory=list)
     finished_seq_ids: list[int] = field(default_factory=list)  # drop their generators
 
@@ -73,6 +78,26 @@ class StepOutput:
     token_ids: list[int]
     logprobs: list[float]
     top_logprobs: list[list[tuple[int, float]]]
+
+
+@dataclass
+class PendingStep:
+    """A launched step's sampled tokens on their way to the host (`Worker.launch`)."""
+
+    packed_BC: torch.Tensor  # SamplerOutput.packed(), in (pinned) host memory once `copied`
+    copied: torch.cuda.Event | None  # None on CPU, where the copy was synchronous
+    params: list[SamplingParams]
+
+    def result(self) -> StepOutput:
+        """Wait for the copy and read it."""
+        if self.copied is not None:
+            self.copied.synchronize()
+        token_ids, logprobs, top_ids, top_lps = SamplerOutput.unpack(self.packed_BC)
+        top = [
+            list(zip(top_ids[i][: p.top_logprobs], top_lps[i][: p.top_logprobs], strict=True))
+            for i, p in enumerate(self.params)
+        ]
+        return StepOutput(token_ids, logprobs, top)
 
 
 class Worker:
@@ -103,6 +128,10 @@ class Worker:
         self.samples = sample
         self.tensor_parallel = tensor_parallel
         self._generators: dict[int, torch.Generator] = {}
+        # The token last sampled into each slot, on the device (see `launch`).
+        self._last_tokens = torch.zeros(num_slots, dtype=torch.long, device=self.device)
+        # The last step's rows' parameters (held, so their identities stay theirs) and tensors.
+        self._last_sampling: tuple[list[SamplingParams], SamplingTensors] | None = None
         banned = media_placeholder_ids(model.config)
         self._banned_ids = (
             torch.tensor(banned, dtype=torch.long, device=self.device) if banned else None
@@ -123,19 +152,31 @@ class Worker:
 
     def execute(self, step: StepInput) -> StepOutput | None:
         """Run the step's forwards and (on the sampling rank) sample one token per row."""
+        pending = self.launch(step)
+        return pending.result() if pending is not None else None
+
+    def launch(self, step: StepInput) -> PendingStep | None:
+        """`execute` without waiting: the forwards and sampling are queued on the device and the
+        sampled tokens start their copy to the host (None on a following rank). Each row's
+        token also stays on the device in its slot, for a next step launched before this one's
+        result is read (`StepInput.decode_token_ids` None)."""
         for seq_id in step.finished_seq_ids:
             self._generators.pop(seq_id, None)
         # NOTE: decode before prefill: a graphed decode may scribble on slots that are not
         # decoding (see areno/engine/cuda_graphs.py), which the prefill then overwrites.
         decoded = []
         if step.decode_slots:
-            decoded.append(
-                self.runner.decode(step.decode_slots, step.decode_positions, step.decode_token_ids)
-            )
+            token_ids = step.decode_token_ids
+            if token_ids is None:
+                assert self.samples, "only the sampling worker keeps the last tokens"
+                token_ids = self._last_tokens
+            decoded.append(self.runner.decode(step.decode_slots, step.decode_positions, token_ids))
         logits = self._prefill(step.prefill) + decoded
         if not self.samples or not logits:
             return None
-        return self._sample(torch.cat(logits), step.rows)
+        logits_BV = logits[0] if len(logits) == 1 else torch.cat(logits)
+        row_slots = [slot for item in step.prefill for slot in item.slots] + step.decode_slots
+        return self._sample(logits_BV, step.rows, row_slots)
 
     def _prefill(self, items: list[PrefillItem]) -> list[torch.Tensor]:
         """Each item's last logits, repeated for its n rows, in item order. Prompts without
@@ -160,18 +201,41 @@ class Worker:
                 last[i] = logits_BV[row]
         return [v.expand(len(item.slots), -1) for v, item in zip(last, items, strict=True)]
 
-    def _sample(self, logits_BV: torch.Tensor, rows: list[RowSampling]) -> StepOutput:
+    def _sample(
+        self, logits_BV: torch.Tensor, rows: list[RowSampling], row_slots: list[int]
+    ) -> PendingStep:
         params = [row.params for row in rows]
-        tensors = SamplingTensors.from_params(params, self.device)
+        tensors = self._sampling_tensors(params)
         generators = [self._generator(row) for row in rows]
-        out = sample(logits_BV, tensors, generators, self._banned_ids).to("cpu")
-        token_ids = out.token_ids_B.tolist()
-        top_ids, top_lps = out.top_logprobs_ids_BK.tolist(), out.top_logprobs_BK.tolist()
-        top = [
-            list(zip(top_ids[i][: p.top_logprobs], top_lps[i][: p.top_logprobs], strict=True))
-            for i, p in enumerate(params)
-        ]
-        return StepOutput(token_ids, out.logprobs_B.tolist(), top)
+        out = sample(logits_BV, tensors, generators, self._banned_ids)
+        if row_slots == list(range(len(row_slots))):
+            self._last_tokens[: len(row_slots)] = out.token_ids_B
+        else:
+            self._last_tokens[to_device(torch.tensor(row_slots), self.device)] = out.token_ids_B
+        packed = out.packed()
+        on_cuda = self.device.type == "cuda"
+        host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=on_cuda)
+        host.copy_(packed, non_blocking=on_cuda)
+        copied = None
+        if on_cuda:
+            copied = torch.cuda.Event()
+            copied.record()
+        return PendingStep(host, copied, params)
+
+    def _sampling_tensors(self, params: list[SamplingParams]) -> SamplingTensors:
+        """The rows' parameters as device tensors, rebuilt only when the rows changed: in a
+        steady decode they are the same requests step after step, and building them costs six
+        small host-to-device copies."""
+        cached = self._last_sampling
+        if (
+            cached is not None
+            and len(cached[0]) == len(params)
+            and all(a is b for a, b in zip(cached[0], params, strict=True))
+        ):
+            return cached[1]
+        tensors = SamplingTensors.from_params(params, self.device)
+        self._last_sampling = (params, tensors)
+        return tensors
 
     def _generator(self, row: RowSampling) -> torch.Generator | None:
         if row.seed is None or row.params.is_greedy:

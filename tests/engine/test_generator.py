@@ -8,8 +8,10 @@ import asyncio
 import pytest
 import torch
 
+from areno.engine import generator as generator_module
 from areno.engine.config import EngineConfig
 from areno.engine.generator import Generator
+from areno.engine.outputs import merge_outputs
 from areno.engine.sampling import SamplingParams
 from areno.engine.scheduler import SequenceTooLongError, TooManySamplesError
 from areno.engine.worker import WeightUpdateError
@@ -80,6 +82,13 @@ def setups(tiny_path):
     return get
 
 
+@pytest.fixture(params=["off", "on"])
+def overlap(request) -> str:
+    """Both step loops: each step read before the next (CPU's default), and overlapped (CUDA's
+    default: a step launched before the previous one's tokens are read)."""
+    return request.param
+
+
 def run(coro):
     return asyncio.run(coro)
 
@@ -111,13 +120,16 @@ def mixed_requests(setup: Setup, media) -> list:
     [(f, "off", "off") for f in FAMILIES]
     + [("qwen3_5", "static", "off"), ("gemma4", "static", "off"), ("qwen3_5", "static", "eager")],
 )
-def test_staggered_greedy_equals_generate(setups, media, family, graphs, compile):
+@pytest.mark.parametrize("overlap", ["off", "on"])
+def test_staggered_greedy_equals_generate(setups, media, family, graphs, compile, overlap):
     setup = setups(family)
     inputs = mixed_requests(setup, media)
     expected = [setup.reference(x, GREEDY.max_tokens) for x in inputs]
     # Fewer slots than requests: some queue. "static" runs the CUDA-graph step eagerly; compile
     # "eager" traces that step with torch.compile (dynamo only, no kernel generation, on CPU).
-    gen = setup.generator(max_running_prompts=3, decode_graphs=graphs, decode_compile=compile)
+    gen = setup.generator(
+        max_running_prompts=3, decode_graphs=graphs, decode_compile=compile, overlap_steps=overlap
+    )
 
     async def main():
         started = [asyncio.Event() for _ in inputs]
@@ -141,6 +153,7 @@ def test_staggered_greedy_equals_generate(setups, media, family, graphs, compile
         gen.shutdown()
     for i, (want, have) in enumerate(zip(expected, got, strict=True)):
         assert have == want, (i, have, want)
+    assert gen.core.overlap is (overlap == "on")
     if compile != "off":  # the compiled step ran: it never fell back to the uncompiled one
         assert gen.core.executor.worker.runner.graphs.compiled
 
@@ -168,11 +181,11 @@ def test_a_compiled_decode_compiles_only_while_the_engine_starts(setups):
     assert counters["frames"]["ok"] == compiled_at_start
 
 
-def test_logprobs_match_a_full_forward_and_score(setups, media):
+def test_logprobs_match_a_full_forward_and_score(setups, overlap, media):
     setup = setups("gemma4")
     x = setup.encode(with_media("image", media["image"], "Describe."))
     params = SamplingParams(temperature=0, max_tokens=6, logprobs=True, top_logprobs=3)
-    gen = setup.generator()
+    gen = setup.generator(overlap_steps=overlap)
     try:
         output = run(gen.generate_all(x, params))
         sample = output.samples[0]
@@ -193,11 +206,11 @@ def test_logprobs_match_a_full_forward_and_score(setups, media):
         assert torch.allclose(torch.tensor(lps), want_lps, atol=1e-4)
 
 
-def test_n_samples_share_a_prefill_and_match_separate_seeded_requests(setups, media):
+def test_n_samples_share_a_prefill_and_match_separate_seeded_requests(setups, overlap, media):
     setup = setups("qwen3_5")
     x = setup.encode(with_media("image", media["image"], "Describe."))
     params = SamplingParams(temperature=1.0, max_tokens=8, seed=7, n=3, ignore_eos=True)
-    gen = setup.generator()
+    gen = setup.generator(overlap_steps=overlap)
     prefills = []
     runner = gen.core.executor.worker.runner
     original = runner.prefill
@@ -217,10 +230,10 @@ def test_n_samples_share_a_prefill_and_match_separate_seeded_requests(setups, me
     assert len({tuple(s.token_ids) for s in together.samples}) > 1
 
 
-def test_stop_strings_end_the_text_and_never_leak_into_the_stream(setups):
+def test_stop_strings_end_the_text_and_never_leak_into_the_stream(setups, overlap):
     setup = setups("qwen3_5")
     x = setup.encode(text("Tell me a story about a cat."))
-    gen = setup.generator()
+    gen = setup.generator(overlap_steps=overlap)
     try:
         base = run(gen.generate_all(x, SamplingParams(temperature=0, max_tokens=24)))
         full_text = base.samples[0].text
@@ -247,10 +260,10 @@ def test_stop_strings_end_the_text_and_never_leak_into_the_stream(setups):
     assert kept.samples[0].text == full_text[: cut + len(stop)]
 
 
-def test_max_tokens_and_context_limit(setups):
+def test_max_tokens_and_context_limit(setups, overlap):
     setup = setups("qwen3_5")
     x = setup.encode(text("Count with me."))
-    gen = setup.generator(max_context_len=x.num_prompt_tokens + 5)
+    gen = setup.generator(overlap_steps=overlap, max_context_len=x.num_prompt_tokens + 5)
     try:
         short = run(gen.generate_all(x, SamplingParams(max_tokens=3, ignore_eos=True, seed=1)))
         capped = run(gen.generate_all(x, SamplingParams(max_tokens=50, ignore_eos=True, seed=1)))
@@ -264,10 +277,10 @@ def test_max_tokens_and_context_limit(setups):
     assert len(capped.samples[0].token_ids) == 5 and capped.samples[0].finish_reason == "length"
 
 
-def test_leaving_a_stream_cancels_it_and_frees_its_slots(setups):
+def test_leaving_a_stream_cancels_it_and_frees_its_slots(setups, overlap):
     setup = setups("qwen3_5")
     x = setup.encode(text("Go on forever."))
-    gen = setup.generator(max_running_prompts=2)
+    gen = setup.generator(overlap_steps=overlap, max_running_prompts=2)
     long = SamplingParams(max_tokens=500, ignore_eos=True, n=2, seed=0)
 
     async def main():
@@ -296,10 +309,53 @@ def test_leaving_a_stream_cancels_it_and_frees_its_slots(setups):
     assert {d.finish_reason for d in deltas if d.finish_reason} == {"abort"}
 
 
-def test_more_requests_than_slots_queue_and_all_finish(setups):
+def test_a_whole_request_is_handed_over_once_and_equals_its_stream(setups, overlap):
+    """generate_all's deltas wait in the engine thread until the request ends: its caller's loop
+    gets one hand-over, not one per step. Cancelling it frees the slots and what was kept."""
+    setup = setups("qwen3_5")
+    x = setup.encode(text("Count slowly."))
+    gen = setup.generator(overlap_steps=overlap, max_running_prompts=2)
+    params = SamplingParams(max_tokens=12, ignore_eos=True, n=2, seed=3, logprobs=True)
+    long = SamplingParams(max_tokens=500, ignore_eos=True)
+
+    async def main():
+        streamed = [out async for out in gen.generate(x, params)]
+        handed_over = []
+        put_all = generator_module._put_all
+
+        def counting(batch):
+            handed_over.extend(item for _, item in batch)
+            put_all(batch)
+
+        generator_module._put_all = counting
+        try:
+            whole = await gen.generate_all(x, params, request_id="whole")
+        finally:
+            generator_module._put_all = put_all
+        task = asyncio.create_task(gen.generate_all(x, long, request_id="left"))
+        while not gen._collected.get("left"):
+            await asyncio.sleep(0.01)
+        task.cancel()
+        for _ in range(200):
+            if gen.stats()["num_free_slots"] == 2 and not gen._collected:
+                break
+            await asyncio.sleep(0.01)
+        return streamed, whole, handed_over, gen.stats()
+
+    try:
+        streamed, whole, handed_over, stats = run(main())
+    finally:
+        gen.shutdown()
+    assert len(handed_over) == 1 and isinstance(handed_over[0], list)
+    assert len(handed_over[0]) >= 12  # every step's delta, in one hand-over
+    assert whole.samples == merge_outputs(streamed).samples and whole.finished
+    assert stats["num_free_slots"] == 2 and not gen._collected
+
+
+def test_more_requests_than_slots_queue_and_all_finish(setups, overlap):
     setup = setups("qwen3_5")
     inputs = [setup.encode(text(f"Request number {i}.")) for i in range(6)]
-    gen = setup.generator(max_running_prompts=2)
+    gen = setup.generator(overlap_steps=overlap, max_running_prompts=2)
 
     async def main():
         return await asyncio.gather(*(gen.generate_all(x, GREEDY) for x in inputs))
@@ -313,10 +369,10 @@ def test_more_requests_than_slots_queue_and_all_finish(setups):
         assert output.samples[0].token_ids == setup.reference(x, GREEDY.max_tokens)
 
 
-def test_pause_keep_holds_requests_and_resume_finishes_them(setups):
+def test_pause_keep_holds_requests_and_resume_finishes_them(setups, overlap):
     setup = setups("qwen3_5")
     x = setup.encode(text("Pause me."))
-    gen = setup.generator()
+    gen = setup.generator(overlap_steps=overlap)
     params = SamplingParams(max_tokens=40, ignore_eos=True, seed=3)
 
     async def main():
@@ -345,10 +401,10 @@ def test_pause_keep_holds_requests_and_resume_finishes_them(setups):
     assert late.finished
 
 
-def test_pause_drain_waits_for_running_requests(setups):
+def test_pause_drain_waits_for_running_requests(setups, overlap):
     setup = setups("qwen3_5")
     x = setup.encode(text("Drain me."))
-    gen = setup.generator()
+    gen = setup.generator(overlap_steps=overlap)
 
     async def main():
         task = asyncio.create_task(
@@ -368,7 +424,7 @@ def test_pause_drain_waits_for_running_requests(setups):
     assert done_at_pause and len(output.samples[0].token_ids) == 20
 
 
-def test_update_weights_changes_outputs_and_policy_version(setups, tiny_path):
+def test_update_weights_changes_outputs_and_policy_version(setups, tiny_path, overlap):
     from areno.models.tiny import build_tiny
 
     setup = setups("qwen3_5")
@@ -379,7 +435,7 @@ def test_update_weights_changes_outputs_and_policy_version(setups, tiny_path):
     gen = Generator.from_model(
         Setup(tiny_path("qwen3_5")).model,  # a private copy: the update writes in place
         setup.processor.tokenizer,
-        EngineConfig(max_running_prompts=2, max_context_len=512),
+        EngineConfig(max_running_prompts=2, max_context_len=512, overlap_steps=overlap),
     )
     try:
         before = run(gen.generate_all(x, GREEDY))

@@ -189,4 +189,18 @@ def test_sample_accepts_low_precision_logits() -> None:
     out = run(logits, [SamplingParams(temperature=0.8, top_k=10)] * 6)
     assert out.token_ids_B.dtype == torch.int64
     assert torch.all(torch.isfinite(out.logprobs_B)) and math.isfinite(out.logprobs_B.sum())
-    assert out.to("cpu").token_ids_B.device.type == "cpu"
+
+
+def test_the_host_copy_unpacks_every_field_exactly() -> None:
+    params = [SamplingParams(logprobs=True, top_logprobs=k) for k in (0, 2, 3)]
+    out = run(random_logits()[:3], params)
+    token_ids, logprobs, top_ids, top_logprobs = out.to_host()
+    assert token_ids == out.token_ids_B.tolist() and all(type(t) is int for t in token_ids)
+    assert logprobs == out.logprobs_B.tolist()
+    assert (
+        top_ids == out.top_logprobs_ids_BK.tolist() and top_logprobs == out.top_logprobs_BK.tolist()
+    )
+    # Large ids survive the float64 packing (Gemma's vocabulary is 262k).
+    wide = type(out)(*(t.clone() for t in vars(out).values()))
+    wide.token_ids_B += 262_000
+    assert wide.to_host()[0] == [t + 262_000 for t in token_ids]

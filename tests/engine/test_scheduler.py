@@ -189,6 +189,25 @@ def test_finished_group_leaves_and_has_work_ends() -> None:
     assert not sched.has_work and sched.schedule().is_empty
 
 
+def test_a_token_in_flight_that_must_be_the_last_is_not_decoded_again() -> None:
+    sched = scheduler(max_context_len=8)
+    sched.add(g := group("a", num_prompt_tokens=4, max_tokens=2))
+    sched.add(h := group("b", num_prompt_tokens=6, max_tokens=10))
+    assert ids(sched.schedule().prefill) == ["a", "b"]
+    a, b = g.seqs[0], h.seqs[0]
+    for seq in (a, b):  # the prefill's token is in flight: both may decode
+        seq.num_in_flight = 1
+    assert sched.schedule().decode == [a, b]
+    assert (a.next_position, b.next_position) == (4, 6)
+    # Their first tokens are read and their next ones in flight: a's is its max_tokens-th, and
+    # b's fills the context (6 + 1 + 1 = 8 tokens). Neither may decode after it.
+    a.append_token(5)
+    b.append_token(5)
+    assert sched.schedule().decode == []
+    a.num_in_flight = b.num_in_flight = 0  # nothing in flight: the engine decides on reading
+    assert sched.schedule().decode == [a, b]
+
+
 def test_too_long_prompt_is_rejected_with_lengths() -> None:
     sched = scheduler(max_context_len=16)
     with pytest.raises(SequenceTooLongError) as info:
