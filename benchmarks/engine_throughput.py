@@ -22,8 +22,9 @@ concurrency * copy bandwidth / weight bytes tokens/s. Prints a table per model a
     python benchmarks/engine_throughput.py --workload cpu [--family gemma4] [--threads 1]
     python benchmarks/engine_throughput.py --workload gpu [--model qwen3-1.7b qwen3.5-2b]
 
-`--decode-compile`, `--cpu-linear` and `--kernels` (the engine's Triton kernels or their PyTorch
-references, `areno/engine/kernels/`) each take several values, giving one engine row per value.
+`--decode-compile`, `--cpu-linear`, `--kernels` (the engine's Triton kernels or their PyTorch
+references, `areno/engine/kernels/`) and `--overlap-steps` (`EngineConfig.overlap_steps`) each take
+several values, giving one engine row per value.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import itertools
 import statistics
 import time
 from typing import Any
@@ -196,6 +198,7 @@ def run_engine(
     decode_compile: str = "auto",
     packed_linear: bool = True,
     triton_kernels: bool = True,
+    overlap_steps: bool = False,
 ) -> dict:
     """AReno's engine on the same requests: all submitted at once in arrival order, at most
     `concurrency` decoding (the engine's cache slots), greedy, token ids only (no detokenizing,
@@ -203,18 +206,19 @@ def run_engine(
     a request at its first EOS (unless `ignore_eos`) or at max_tokens. The warm-up (where a
     compiled decode step compiles) is timed separately. `triton_kernels=False` runs the engine's
     PyTorch references instead of its Triton kernels (which run on CUDA only)."""
-    with contextlib.nullcontext() if triton_kernels else references_only():
-        return _run_engine(model, tokenizer, requests, concurrency, decode_compile, packed_linear)
-
-
-def _run_engine(model, tokenizer, requests, concurrency, decode_compile, packed_linear) -> dict:
     max_len = max(r["prompt_inputs"].num_prompt_tokens + r["max_tokens"] for r in requests)
     config = EngineConfig(
         max_running_prompts=concurrency,
         max_context_len=max_len + 1,
         decode_compile=decode_compile,
         cpu_packed_linear=packed_linear,
+        overlap_steps=overlap_steps,
     )
+    with contextlib.nullcontext() if triton_kernels else references_only():
+        return _run_engine(model, tokenizer, requests, concurrency, config)
+
+
+def _run_engine(model, tokenizer, requests, concurrency, config: EngineConfig) -> dict:
     start = time.perf_counter()  # construction included: a compiled decode compiles there
     generator = Generator.from_model(model, tokenizer, config)
     try:
@@ -336,19 +340,22 @@ def run_model(name: str, args: argparse.Namespace, bandwidth_gb_s: float) -> dic
         )
     # NOTE: the engine runs last: its runner routes the model's linear-attention layers through
     # the engine's own kernels inside its forwards, and the baseline must be transformers' code.
-    for kernels in args.kernels:
-        for linear in args.cpu_linear:
-            for mode in args.decode_compile:
-                system = "engine"
-                if len(args.decode_compile) > 1:
-                    system += f"-{mode}"
-                if len(args.cpu_linear) > 1:
-                    system += f"-{linear}"
-                if len(args.kernels) > 1:
-                    system += f"-{kernels}"
-                systems[system] = lambda m=mode, p=linear == "packed", k=kernels: run_engine(
-                    model, tokenizer, requests, args.concurrency, m, p, k == "triton"
-                )
+    variants = itertools.product(
+        args.overlap_steps, args.kernels, args.cpu_linear, args.decode_compile
+    )
+    for overlap, kernels, linear, mode in variants:
+        system = "engine"
+        for value, choices in (
+            (mode, args.decode_compile),
+            (linear, args.cpu_linear),
+            (kernels, args.kernels),
+            (f"overlap-{overlap}", args.overlap_steps),
+        ):
+            if len(choices) > 1:
+                system += f"-{value}"
+        systems[system] = lambda m=mode, p=linear == "packed", k=kernels, o=overlap: run_engine(
+            model, tokenizer, requests, args.concurrency, m, p, k == "triton", o == "on"
+        )
     rows = []
     for system, run in systems.items():
         result = run()
@@ -444,6 +451,13 @@ def parse_args() -> argparse.Namespace:
         choices=["triton", "torch"],
         default=["triton"],
         help="the engine's CUDA kernels, or their PyTorch references; several give one row each",
+    )
+    parser.add_argument(
+        "--overlap-steps",
+        nargs="+",
+        choices=["off", "on"],
+        default=["off"],
+        help="EngineConfig.overlap_steps; several give one row each",
     )
     parser.add_argument(
         "--out", help="default: benchmarks/results/engine_throughput_<workload>.json"

@@ -81,10 +81,15 @@ class GraphReplayTimer:
             self.ms = sum(start.elapsed_time(end) for start, end in self.events)
 
 
-def profile_one(model, requests, concurrency: int, compile_mode: str, device) -> dict:
+def profile_one(
+    model, requests, concurrency: int, compile_mode: str, device, overlap: bool = False
+) -> dict:
     max_len = max(r["prompt_inputs"].num_prompt_tokens + r["max_tokens"] for r in requests)
     config = EngineConfig(
-        max_running_prompts=concurrency, max_context_len=max_len + 1, decode_compile=compile_mode
+        max_running_prompts=concurrency,
+        max_context_len=max_len + 1,
+        decode_compile=compile_mode,
+        overlap_steps=overlap,
     )
     start = time.perf_counter()
     generator = Generator.from_model(model, None, config)
@@ -117,6 +122,7 @@ def profile_one(model, requests, concurrency: int, compile_mode: str, device) ->
     steps = timer.calls["step (all)"]
     return {
         "decode_compile": compile_mode,
+        "overlap_steps": overlap,
         "warmup_s": warmup_s,
         "wall_s": wall_s,
         "tok_s": tokens / wall_s,
@@ -153,6 +159,11 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", choices=MODELS[1:], default="qwen3-1.7b")
     parser.add_argument("--decode-compile", nargs="+", choices=COMPILE_MODES, default=["off"])
+    parser.add_argument(
+        "--overlap-steps",
+        action="store_true",
+        help="EngineConfig.overlap_steps (the parts then overlap: read only the step and GPU rows)",
+    )
     parser.add_argument("--num-requests", type=int, default=256)
     parser.add_argument("--concurrency", type=int, default=64)
     parser.add_argument("--out", default="benchmarks/results/profile_engine.json")
@@ -165,7 +176,7 @@ def main() -> None:
     requests = make_random_id_workload(0, args.num_requests, 256, 128, vocab)
     results = []
     for mode in args.decode_compile:
-        result = profile_one(model, requests, args.concurrency, mode, device)
+        result = profile_one(model, requests, args.concurrency, mode, device, args.overlap_steps)
         results.append(result)
         print(
             f"\n{args.model} decode_compile={mode}: {result['tok_s']:.0f} tok/s, "

@@ -10,7 +10,6 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 GRAPH_MODES = ("auto", "off", "static", "capture")
 COMPILE_MODES = ("auto", "off", "inductor", "aot_eager", "eager")
-OVERLAP_MODES = ("auto", "on", "off")
 
 
 @dataclass(frozen=True)
@@ -38,10 +37,10 @@ class EngineConfig:
         layers through oneDNN with prepacked weights (areno/engine/cpu_linear.py); False keeps
         aten's matmul.
     overlap_steps: launch each step before the host reads the previous step's tokens, so the
-        host's bookkeeping runs while the device computes (see EngineCore.step). "auto" is on
-        for a one-process engine on CUDA; "on" needs tp_size 1 (the followers of a
-        tensor-parallel group take each step's tokens from the host). A sequence that stops on
-        a token then decodes one wasted step; its output is the same.
+        host's bookkeeping runs while the device computes (see EngineCore.step). Needs tp_size 1
+        (the followers of a tensor-parallel group take each step's tokens from the host). A
+        sequence that stops on a token then decodes one wasted step; its output is the same.
+        Off by default until it is measured on a GPU.
     """
 
     tp_size: int = 1
@@ -54,7 +53,7 @@ class EngineConfig:
     decode_graphs: str = "auto"
     decode_compile: str = "auto"
     cpu_packed_linear: bool = True
-    overlap_steps: str = "auto"
+    overlap_steps: bool = False
 
     def __post_init__(self) -> None:
         for name in ("tp_size", "max_running_prompts", "max_prefill_tokens_per_step"):
@@ -88,15 +87,15 @@ class EngineConfig:
                 f"cpu_packed_linear must be true or false; got {self.cpu_packed_linear!r}",
                 param="cpu_packed_linear",
             )
-        if self.overlap_steps not in OVERLAP_MODES:
+        if not isinstance(self.overlap_steps, bool):
             raise ConfigError(
-                f"overlap_steps must be one of {OVERLAP_MODES}; got {self.overlap_steps!r}",
+                f"overlap_steps must be true or false; got {self.overlap_steps!r}",
                 param="overlap_steps",
             )
-        if self.overlap_steps == "on" and self.tp_size > 1:
+        if self.overlap_steps and self.tp_size > 1:
             raise ConfigError(
-                "overlap_steps 'on' needs tp_size 1: the followers of a tensor-parallel group "
-                "take each step's input tokens from the host",
+                "overlap_steps needs tp_size 1: the followers of a tensor-parallel group take "
+                "each step's input tokens from the host",
                 param="overlap_steps",
             )
         if self.dtype not in DTYPES:

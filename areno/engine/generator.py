@@ -72,13 +72,8 @@ class Generator:
             max_context_len=max_context_len,
             max_prefill_tokens_per_step=config.max_prefill_tokens_per_step,
         )
-        overlap = config.overlap_steps == "on" or (
-            config.overlap_steps == "auto"
-            and isinstance(executor, LocalExecutor)
-            and executor.worker.device.type == "cuda"
-        )
         self.core = EngineCore(
-            executor, tokenizer, scheduler_config, eos_token_ids, overlap=overlap
+            executor, tokenizer, scheduler_config, eos_token_ids, overlap=config.overlap_steps
         )
         # request id -> (its caller's loop, its queue, whether it wants only the final output)
         self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue, bool]] = {}

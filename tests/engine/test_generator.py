@@ -82,10 +82,10 @@ def setups(tiny_path):
     return get
 
 
-@pytest.fixture(params=["off", "on"])
-def overlap(request) -> str:
-    """Both step loops: each step read before the next (CPU's default), and overlapped (CUDA's
-    default: a step launched before the previous one's tokens are read)."""
+@pytest.fixture(params=[False, True], ids=["steps", "overlapped"])
+def overlap(request) -> bool:
+    """Both step loops: each step read before the next, and overlapped (a step launched before
+    the previous one's tokens are read)."""
     return request.param
 
 
@@ -120,7 +120,7 @@ def mixed_requests(setup: Setup, media) -> list:
     [(f, "off", "off") for f in FAMILIES]
     + [("qwen3_5", "static", "off"), ("gemma4", "static", "off"), ("qwen3_5", "static", "eager")],
 )
-@pytest.mark.parametrize("overlap", ["off", "on"])
+@pytest.mark.parametrize("overlap", [False, True], ids=["steps", "overlapped"])
 def test_staggered_greedy_equals_generate(setups, media, family, graphs, compile, overlap):
     setup = setups(family)
     inputs = mixed_requests(setup, media)
@@ -153,7 +153,7 @@ def test_staggered_greedy_equals_generate(setups, media, family, graphs, compile
         gen.shutdown()
     for i, (want, have) in enumerate(zip(expected, got, strict=True)):
         assert have == want, (i, have, want)
-    assert gen.core.overlap is (overlap == "on")
+    assert gen.core.overlap is overlap
     if compile != "off":  # the compiled step ran: it never fell back to the uncompiled one
         assert gen.core.executor.worker.runner.graphs.compiled
 

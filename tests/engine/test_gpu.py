@@ -102,6 +102,57 @@ def test_generator_on_cuda_bf16(tiny_path):
     assert all(lp <= 0 for s in out.samples for lp in s.logprobs)
 
 
+def test_overlapped_steps_give_the_steps_own_outputs(tiny_path):
+    """A step launched before the host reads the previous one's tokens (`overlap_steps`) gives
+    what reading each step first gives: greedy and seeded rows, n > 1, staggered lengths, and
+    a stop token read one step late (its sequence decodes a dropped extra step)."""
+    prompts = [PromptInputs(list(range(10 + i, 40 + 3 * i)), {}) for i in range(5)]
+
+    def run(overlap: bool, stop_token_ids=()) -> list:
+        config = EngineConfig(
+            max_running_prompts=4,
+            max_context_len=256,
+            dtype="float32",
+            decode_compile="off",
+            overlap_steps=overlap,
+        )
+        gen = Generator.from_config(tiny_path("qwen3_5"), config)
+        params = [
+            SamplingParams(
+                max_tokens=6 + 4 * i,
+                temperature=0.8 if i % 2 else 0.0,
+                seed=i,
+                n=2 if i == 3 else 1,
+                ignore_eos=True,
+                stop_token_ids=list(stop_token_ids),
+                logprobs=True,
+            )
+            for i in range(len(prompts))
+        ]
+
+        async def main():
+            return await asyncio.gather(
+                *(gen.generate_all(x, p) for x, p in zip(prompts, params, strict=True))
+            )
+
+        try:
+            outputs = asyncio.run(main())
+        finally:
+            gen.shutdown()
+        assert gen.core.overlap is overlap
+        return [s for out in outputs for s in out.samples]
+
+    plain = run(False)
+    stop = plain[2].token_ids[3]  # a token the third request draws mid-way
+    for stops in ((), (stop,)):
+        want, have = run(False, stops), run(True, stops)
+        assert [s.token_ids for s in have] == [s.token_ids for s in want]
+        assert [s.finish_reason for s in have] == [s.finish_reason for s in want]
+        for a, b in zip(have, want, strict=True):
+            assert torch.allclose(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-4)
+    assert want[2].finish_reason == "stop" and want[2].token_ids[-1] == stop
+
+
 def _share_weights(shapes, queue, done) -> None:
     """Child process: random CUDA tensors of `shapes`, shared by IPC handle, kept alive until
     the parent has loaded them."""
