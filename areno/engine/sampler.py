@@ -45,6 +45,7 @@ class SamplingTensors:
     top_p_B: Tensor
     min_p_B: Tensor
     num_top_logprobs: int
+    any_logprobs: bool
     all_greedy: bool
     use_top_k: bool
     use_top_p: bool
@@ -72,6 +73,7 @@ class SamplingTensors:
             top_p_B=column([p.top_p for p in params_list], torch.float32),
             min_p_B=column([p.min_p for p in params_list], torch.float32),
             num_top_logprobs=max((p.top_logprobs for p in params_list), default=0),
+            any_logprobs=any(p.logprobs for p in params_list),
             all_greedy=all(greedy),
             use_top_k=any(p.top_k > 0 for p in sampled),
             use_top_p=any(p.top_p < 1 for p in sampled),
@@ -93,7 +95,8 @@ class SamplerOutput:
     """One step's sampled tokens and their logprobs (raw, or tempered per row), still on the device.
 
     top_logprobs_ids_BK / top_logprobs_BK hold K = the largest `top_logprobs` in the batch,
-    sorted by descending logprob; a row that asked for fewer uses its first entries.
+    sorted by descending logprob; a row that asked for fewer uses its first entries. When no
+    row asked for logprobs (and none reports tempered ones), logprobs_B is all zeros.
     """
 
     token_ids_B: Tensor
@@ -142,9 +145,10 @@ def sample(
     """
     assert len(generators) == logits_BV.shape[0], "one generator (or None) per row"
     logits_BV = logits_BV.float()
+    logprobs_BV = None  # no row asked: skip a (rows x vocab) write and read, report zeros
     if tensors.tempered_logprobs:
         logprobs_BV = torch.log_softmax(logits_BV / tensors.logprob_temperature_B[:, None], dim=-1)
-    else:
+    elif tensors.any_logprobs:
         logprobs_BV = torch.log_softmax(logits_BV, dim=-1)
     if banned_ids is not None:
         logits_BV = logits_BV.index_fill(-1, banned_ids, float("-inf"))
@@ -155,7 +159,10 @@ def sample(
         filtered_BV = _filter(logits_BV / tensors.temperature_B[:, None], tensors)
         sampled_B = _exponential_race(filtered_BV, generators)
         token_ids_B = torch.where(tensors.greedy_B, greedy_B, sampled_B)
-    logprobs_B = logprobs_BV.gather(-1, token_ids_B[:, None]).squeeze(-1)
+    if logprobs_BV is None:
+        logprobs_B = torch.zeros_like(token_ids_B, dtype=torch.float32)
+    else:
+        logprobs_B = logprobs_BV.gather(-1, token_ids_B[:, None]).squeeze(-1)
     if tensors.num_top_logprobs:
         top_logprobs_BK, top_ids_BK = logprobs_BV.topk(tensors.num_top_logprobs, dim=-1)
     else:

@@ -44,11 +44,21 @@ def test_greedy_rows_in_a_mixed_batch() -> None:
 
 def test_logprobs_are_log_softmax_of_raw_logits() -> None:
     logits = random_logits()
-    params = [SamplingParams(temperature=0.7, top_k=5, top_p=0.8, min_p=0.05)] * 6
+    params = [SamplingParams(temperature=0.7, top_k=5, top_p=0.8, min_p=0.05, logprobs=True)] * 6
     out = run(logits, params)
     expected = torch.log_softmax(logits, -1).gather(-1, out.token_ids_B[:, None]).squeeze(-1)
     assert torch.allclose(out.logprobs_B, expected, atol=1e-6, rtol=0)
     assert out.logprobs_B.dtype == torch.float32
+
+
+def test_logprobs_are_computed_only_when_a_row_asks() -> None:
+    logits = random_logits()
+    params = [SamplingParams(temperature=0), SamplingParams(temperature=0.7)] * 3
+    out = run(logits, params)
+    assert torch.equal(out.logprobs_B, torch.zeros(6))  # nobody asked: no log-softmax pass
+    out = run(logits, params[:5] + [SamplingParams(logprobs=True)])
+    expected = torch.log_softmax(logits, -1).gather(-1, out.token_ids_B[:, None]).squeeze(-1)
+    assert torch.allclose(out.logprobs_B, expected, atol=1e-6, rtol=0)
 
 
 def test_tempered_logprobs_divide_by_each_rows_temperature() -> None:
@@ -110,7 +120,7 @@ def test_banned_ids_are_never_chosen_and_logprobs_stay_raw() -> None:
     logits = random_logits(rows=200)
     banned = logits[:, :10].argmax(-1).unique()  # tokens that win many rows
     logits[:, banned] += 20.0
-    params = [SamplingParams(temperature=0 if i % 2 else 1.0) for i in range(200)]
+    params = [SamplingParams(temperature=0 if i % 2 else 1.0, logprobs=True) for i in range(200)]
     tensors = SamplingTensors.from_params(params, "cpu")
     out = sample(logits, tensors, [None] * 200, banned_ids=banned)
     assert not torch.isin(out.token_ids_B, banned).any()
