@@ -53,6 +53,7 @@ def _serve(args: argparse.Namespace) -> None:
         dtype=args.dtype,
         device=args.device,
         decode_compile=args.decode_compile,
+        overlap_steps=args.overlap_steps,
     )
     config = ServeConfig(
         model_path=model_path,
@@ -118,6 +119,11 @@ def _add_serve_parser(sub) -> None:
         default="auto",
         choices=["auto", "off", "inductor"],
         help="torch.compile the decode step (auto: on CUDA; costs about a minute at start-up)",
+    )
+    serve.add_argument(
+        "--overlap-steps",
+        action="store_true",
+        help="launch each engine step before reading the previous one's tokens (--tp-size 1)",
     )
     serve.add_argument(
         "--allowed-local-media-path",
