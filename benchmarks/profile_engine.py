@@ -52,12 +52,14 @@ class PartTimer:
 
 
 class GraphReplayTimer:
-    """Within the block, CUDA events around every CUDA graph replay: their summed GPU time."""
+    """Within the block, CUDA events around every CUDA graph replay: their summed GPU time, and
+    the host time the replay calls themselves took (the graph launch)."""
 
     def __init__(self, device: torch.device):
         self.enabled = device.type == "cuda"
         self.events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
         self.ms = 0.0
+        self.launch_s = 0.0
 
     def __enter__(self) -> GraphReplayTimer:
         if self.enabled:
@@ -67,7 +69,9 @@ class GraphReplayTimer:
             def timed(graph):
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(True)
                 start.record()
+                launched = time.perf_counter()
                 replay(graph)
+                self.launch_s += time.perf_counter() - launched
                 end.record()
                 events.append((start, end))
 
@@ -113,8 +117,10 @@ def profile_one(
             outputs = run_requests(generator, requests)
         wall_s = time.perf_counter() - start
         if replays.ms:
-            # GPU time of the decode graphs alone; "decode forward" less this is host time.
+            # GPU time of the decode graphs alone; "decode forward" less this is host time, of
+            # which "graph launch (host)" is the replay calls'.
             timer.seconds["decode graph (GPU)"] = replays.ms / 1000
+            timer.seconds["graph launch (host)"] = replays.launch_s
         kernels = kernel_profile(generator, requests[:concurrency], device)
     finally:
         generator.shutdown()
