@@ -17,7 +17,6 @@ from areno.engine.sampling import SamplingParams
 from areno.engine.scheduler import (
     Scheduler,
     SchedulerConfig,
-    SchedulerOutput,
     StopCheck,
     check_stop,
 )
@@ -137,8 +136,10 @@ class EngineCore:
         scheduled = self.scheduler.schedule()
         if scheduled.is_empty:
             return self.flush()
-        step = self._step_input(scheduled)
-        decode = sorted(scheduled.decode, key=lambda seq: seq.slot)  # the rows' order
+        # Decode rows in slot order: running slots are mostly a packed range, which the runner
+        # reads through views instead of gathering copies.
+        decode = sorted(scheduled.decode, key=lambda seq: seq.slot)
+        step = self._step_input(scheduled.prefill, decode)
         seqs = [seq for group in scheduled.prefill for seq in group.seqs] + decode
         if not self.overlap:
             outputs = self._update(seqs, self.executor.execute(step))
@@ -163,15 +164,13 @@ class EngineCore:
             seq.num_in_flight -= 1
         return self._update(seqs, result)
 
-    def _step_input(self, scheduled: SchedulerOutput) -> StepInput:
+    def _step_input(self, prefill: list[SequenceGroup], decode: list[Sequence]) -> StepInput:
         step = StepInput(finished_seq_ids=self._freed_seq_ids)
         self._freed_seq_ids = []
-        for group in scheduled.prefill:
+        for group in prefill:
             step.prefill.append(PrefillItem(group.inputs, [seq.slot for seq in group.seqs]))
             step.rows += [RowSampling(seq.seq_id, seq.params, seq.seed) for seq in group.seqs]
-        # Rows in slot order: running slots are mostly a packed range, which the runner reads
-        # through views instead of gathering copies.
-        for seq in sorted(scheduled.decode, key=lambda seq: seq.slot):
+        for seq in decode:
             step.decode_slots.append(seq.slot)
             step.decode_positions.append(seq.next_position)
             step.decode_token_ids.append(seq.last_token_id)

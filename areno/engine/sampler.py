@@ -125,10 +125,6 @@ class SamplerOutput:
         top_ids = packed_BC[:, 2 : 2 + k].long().tolist()
         return token_ids, packed_BC[:, 1].tolist(), top_ids, packed_BC[:, 2 + k :].tolist()
 
-    def to_host(self) -> tuple[list[int], list[float], list[list[int]], list[list]]:
-        """`unpack` of `packed`, copied to the host now."""
-        return self.unpack(self.packed().cpu())
-
 
 def sample(
     logits_BV: Tensor,

@@ -224,12 +224,8 @@ class Scheduler:
         the context length): another step would be wasted, or write past its cache slot. A stop
         token it may have drawn is only known once the host reads it, so such a sequence
         decodes one step more and the engine drops that token."""
-        if not seq.num_in_flight:
-            return True
-        num_output = seq.num_output_tokens + seq.num_in_flight
-        max_tokens = seq.params.max_tokens
-        return (max_tokens is None or num_output < max_tokens) and (
-            seq.num_tokens + seq.num_in_flight < self.config.max_context_len
+        return not seq.num_in_flight or not reaches_length_limit(
+            seq, self.config.max_context_len, ahead=seq.num_in_flight
         )
 
     def _admit(self) -> list[SequenceGroup]:
@@ -331,11 +327,18 @@ def check_stop(
             start, stop_str = found
             end = start + len(stop_str) if params.include_stop_str_in_output else start
             return StopCheck("stop", stop_str, start, end)
-    if params.max_tokens is not None and seq.num_output_tokens >= params.max_tokens:
-        return StopCheck("length")
-    if seq.num_tokens >= max_context_len:
+    if reaches_length_limit(seq, max_context_len):
         return StopCheck("length")
     return None
+
+
+def reaches_length_limit(seq: Sequence, max_context_len: int, ahead: int = 0) -> bool:
+    """Whether `seq`, with `ahead` more tokens than it has read, is at max_tokens or fills the
+    context: its last token then is its final one."""
+    max_tokens = seq.params.max_tokens
+    if max_tokens is not None and seq.num_output_tokens + ahead >= max_tokens:
+        return True
+    return seq.num_tokens + ahead >= max_context_len
 
 
 def _find_stop_string(stops: tuple[str, ...], text: str) -> tuple[int, str] | None:

@@ -15,6 +15,7 @@ from areno.engine.outputs import merge_outputs
 from areno.engine.sampling import SamplingParams
 from areno.engine.scheduler import SequenceTooLongError, TooManySamplesError
 from areno.engine.worker import WeightUpdateError
+from areno.errors import ConfigError
 from areno.media import MediaDecoder, MediaPolicy
 from areno.media.samples import write_audio, write_image, write_video
 from areno.processing import Processor, process_messages
@@ -350,6 +351,14 @@ def test_a_whole_request_is_handed_over_once_and_equals_its_stream(setups, overl
     assert len(handed_over[0]) >= 12  # every step's delta, in one hand-over
     assert whole.samples == merge_outputs(streamed).samples and whole.finished
     assert stats["num_free_slots"] == 2 and not gen._collected
+
+
+def test_overlapped_steps_are_refused_for_a_tensor_parallel_group() -> None:
+    with pytest.raises(ConfigError, match="overlap_steps needs tp_size 1"):
+        EngineConfig(tp_size=2, overlap_steps=True)
+    with pytest.raises(ConfigError, match="overlap_steps must be true or false; got 'on'"):
+        EngineConfig(overlap_steps="on")
+    assert not EngineConfig().overlap_steps  # off until measured on a GPU
 
 
 def test_more_requests_than_slots_queue_and_all_finish(setups, overlap):

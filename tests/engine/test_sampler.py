@@ -204,7 +204,7 @@ def test_sample_accepts_low_precision_logits() -> None:
 def test_the_host_copy_unpacks_every_field_exactly() -> None:
     params = [SamplingParams(logprobs=True, top_logprobs=k) for k in (0, 2, 3)]
     out = run(random_logits()[:3], params)
-    token_ids, logprobs, top_ids, top_logprobs = out.to_host()
+    token_ids, logprobs, top_ids, top_logprobs = type(out).unpack(out.packed().cpu())
     assert token_ids == out.token_ids_B.tolist() and all(type(t) is int for t in token_ids)
     assert logprobs == out.logprobs_B.tolist()
     assert (
@@ -213,4 +213,4 @@ def test_the_host_copy_unpacks_every_field_exactly() -> None:
     # Large ids survive the float64 packing (Gemma's vocabulary is 262k).
     wide = type(out)(*(t.clone() for t in vars(out).values()))
     wide.token_ids_B += 262_000
-    assert wide.to_host()[0] == [t + 262_000 for t in token_ids]
+    assert type(out).unpack(wide.packed())[0] == [t + 262_000 for t in token_ids]

@@ -49,16 +49,6 @@ def test_config_is_validated() -> None:
         SchedulerConfig(4, 64, 0)
 
 
-def test_overlapped_steps_are_refused_for_a_tensor_parallel_group() -> None:
-    from areno.engine.config import EngineConfig
-
-    with pytest.raises(ConfigError, match="overlap_steps needs tp_size 1"):
-        EngineConfig(tp_size=2, overlap_steps=True)
-    with pytest.raises(ConfigError, match="overlap_steps must be true or false; got 'on'"):
-        EngineConfig(overlap_steps="on")
-    assert not EngineConfig().overlap_steps  # off until measured on a GPU
-
-
 def test_slot_allocator_hands_out_lowest_free_slots() -> None:
     slots = SlotAllocator(4)
     assert slots.allocate(3) == [0, 1, 2]
