@@ -122,8 +122,10 @@ def _add_serve_parser(sub) -> None:
     )
     serve.add_argument(
         "--overlap-steps",
-        action="store_true",
-        help="launch each engine step before reading the previous one's tokens (--tp-size 1)",
+        default="auto",
+        choices=["auto", "on", "off"],
+        help="launch each engine step before reading the previous one's tokens (auto: on CUDA "
+        "with --tp-size 1)",
     )
     serve.add_argument(
         "--allowed-local-media-path",

@@ -198,7 +198,7 @@ def run_engine(
     decode_compile: str = "auto",
     packed_linear: bool = True,
     triton_kernels: bool = True,
-    overlap_steps: bool = False,
+    overlap_steps: str = "auto",
 ) -> dict:
     """AReno's engine on the same requests: all submitted at once in arrival order, at most
     `concurrency` decoding (the engine's cache slots), greedy, token ids only (no detokenizing,
@@ -354,7 +354,7 @@ def run_model(name: str, args: argparse.Namespace, bandwidth_gb_s: float) -> dic
             if len(choices) > 1:
                 system += f"-{value}"
         systems[system] = lambda m=mode, p=linear == "packed", k=kernels, o=overlap: run_engine(
-            model, tokenizer, requests, args.concurrency, m, p, k == "triton", o == "on"
+            model, tokenizer, requests, args.concurrency, m, p, k == "triton", o
         )
     rows = []
     for system, run in systems.items():
@@ -455,9 +455,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--overlap-steps",
         nargs="+",
-        choices=["off", "on"],
-        default=["off"],
-        help="EngineConfig.overlap_steps; several give one row each",
+        choices=["auto", "off", "on"],
+        default=["auto"],
+        help="EngineConfig.overlap_steps (auto: on CUDA); several give one row each",
     )
     parser.add_argument(
         "--out", help="default: benchmarks/results/engine_throughput_<workload>.json"

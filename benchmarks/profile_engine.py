@@ -86,7 +86,7 @@ class GraphReplayTimer:
 
 
 def profile_one(
-    model, requests, concurrency: int, compile_mode: str, device, overlap: bool = False
+    model, requests, concurrency: int, compile_mode: str, device, overlap: str = "off"
 ) -> dict:
     max_len = max(r["prompt_inputs"].num_prompt_tokens + r["max_tokens"] for r in requests)
     config = EngineConfig(
@@ -167,8 +167,9 @@ def main() -> None:
     parser.add_argument("--decode-compile", nargs="+", choices=COMPILE_MODES, default=["off"])
     parser.add_argument(
         "--overlap-steps",
-        action="store_true",
-        help="EngineConfig.overlap_steps (the parts then overlap: read only the step and GPU rows)",
+        choices=["off", "on"],
+        default="off",
+        help="EngineConfig.overlap_steps; on: the parts overlap (read only the step and GPU rows)",
     )
     parser.add_argument("--num-requests", type=int, default=256)
     parser.add_argument("--concurrency", type=int, default=64)

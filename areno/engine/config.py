@@ -10,6 +10,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 GRAPH_MODES = ("auto", "off", "static", "capture")
 COMPILE_MODES = ("auto", "off", "inductor", "aot_eager", "eager")
+OVERLAP_MODES = ("auto", "on", "off")
 
 
 @dataclass(frozen=True)
@@ -36,11 +37,13 @@ class EngineConfig:
     cpu_packed_linear: on CPU in float32 without tensor parallelism, run the model's linear
         layers through oneDNN with prepacked weights (areno/engine/cpu_linear.py); False keeps
         aten's matmul.
-    overlap_steps: launch each step before the host reads the previous step's tokens, so the
-        host's bookkeeping runs while the device computes (see EngineCore.step). Needs tp_size 1
-        (the followers of a tensor-parallel group take each step's tokens from the host). A
-        sequence that stops on a token then decodes one wasted step; its output is the same.
-        Off by default until it is measured on a GPU.
+    overlap_steps: "on" launches each step before the host reads the previous step's tokens,
+        so the host's bookkeeping runs while the device computes (see EngineCore.step); "auto"
+        is "on" on CUDA with tp_size 1 and "off" elsewhere ("on" needs tp_size 1: the followers
+        of a tensor-parallel group take each step's tokens from the host). A sequence that stops
+        on a token then decodes one wasted step; its output is the same. On an H200 it took the
+        Qwen3-1.7B shape from 9.9k to 13.4k tok/s (README, "Engine speed"); on CPU, where
+        nothing overlaps, it gains nothing.
     """
 
     tp_size: int = 1
@@ -53,7 +56,7 @@ class EngineConfig:
     decode_graphs: str = "auto"
     decode_compile: str = "auto"
     cpu_packed_linear: bool = True
-    overlap_steps: bool = False
+    overlap_steps: str = "auto"
 
     def __post_init__(self) -> None:
         for name in ("tp_size", "max_running_prompts", "max_prefill_tokens_per_step"):
@@ -87,12 +90,12 @@ class EngineConfig:
                 f"cpu_packed_linear must be true or false; got {self.cpu_packed_linear!r}",
                 param="cpu_packed_linear",
             )
-        if not isinstance(self.overlap_steps, bool):
+        if self.overlap_steps not in OVERLAP_MODES:
             raise ConfigError(
-                f"overlap_steps must be true or false; got {self.overlap_steps!r}",
+                f"overlap_steps must be one of {OVERLAP_MODES}; got {self.overlap_steps!r}",
                 param="overlap_steps",
             )
-        if self.overlap_steps and self.tp_size > 1:
+        if self.overlap_steps == "on" and self.tp_size > 1:
             raise ConfigError(
                 "overlap_steps needs tp_size 1: the followers of a tensor-parallel group take "
                 "each step's input tokens from the host",
@@ -118,6 +121,13 @@ def resolve_device(device: str) -> str:
     if device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("device 'cuda' was asked for but no GPU is visible", param="device")
     return device
+
+
+def resolve_overlap(config: EngineConfig, device: str) -> bool:
+    """Whether the engine overlaps its steps: "auto" is on for a one-process CUDA engine."""
+    if config.overlap_steps == "auto":
+        return config.tp_size == 1 and device.startswith("cuda")
+    return config.overlap_steps == "on"
 
 
 def resolve_dtype(dtype: str, device: str):

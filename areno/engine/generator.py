@@ -23,6 +23,7 @@ from areno.engine.config import (
     EngineConfig,
     resolve_device,
     resolve_dtype,
+    resolve_overlap,
 )
 from areno.engine.core import EngineCore
 from areno.engine.executor import Executor, LocalExecutor
@@ -73,7 +74,11 @@ class Generator:
             max_prefill_tokens_per_step=config.max_prefill_tokens_per_step,
         )
         self.core = EngineCore(
-            executor, tokenizer, scheduler_config, eos_token_ids, overlap=config.overlap_steps
+            executor,
+            tokenizer,
+            scheduler_config,
+            eos_token_ids,
+            overlap=resolve_overlap(config, executor.worker.device.type),
         )
         # request id -> (its caller's loop, its queue, whether it wants only the final output)
         self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue, bool]] = {}

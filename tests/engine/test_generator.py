@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from areno.engine import generator as generator_module
-from areno.engine.config import EngineConfig
+from areno.engine.config import EngineConfig, resolve_overlap
 from areno.engine.generator import Generator
 from areno.engine.outputs import merge_outputs
 from areno.engine.sampling import SamplingParams
@@ -83,8 +83,8 @@ def setups(tiny_path):
     return get
 
 
-@pytest.fixture(params=[False, True], ids=["steps", "overlapped"])
-def overlap(request) -> bool:
+@pytest.fixture(params=["off", "on"], ids=["steps", "overlapped"])
+def overlap(request) -> str:
     """Both step loops: each step read before the next, and overlapped (a step launched before
     the previous one's tokens are read)."""
     return request.param
@@ -121,7 +121,7 @@ def mixed_requests(setup: Setup, media) -> list:
     [(f, "off", "off") for f in FAMILIES]
     + [("qwen3_5", "static", "off"), ("gemma4", "static", "off"), ("qwen3_5", "static", "eager")],
 )
-@pytest.mark.parametrize("overlap", [False, True], ids=["steps", "overlapped"])
+@pytest.mark.parametrize("overlap", ["off", "on"], ids=["steps", "overlapped"])
 def test_staggered_greedy_equals_generate(setups, media, family, graphs, compile, overlap):
     setup = setups(family)
     inputs = mixed_requests(setup, media)
@@ -154,7 +154,7 @@ def test_staggered_greedy_equals_generate(setups, media, family, graphs, compile
         gen.shutdown()
     for i, (want, have) in enumerate(zip(expected, got, strict=True)):
         assert have == want, (i, have, want)
-    assert gen.core.overlap is overlap
+    assert gen.core.overlap is (overlap == "on")
     if compile != "off":  # the compiled step ran: it never fell back to the uncompiled one
         assert gen.core.executor.worker.runner.graphs.compiled
 
@@ -353,12 +353,16 @@ def test_a_whole_request_is_handed_over_once_and_equals_its_stream(setups, overl
     assert stats["num_free_slots"] == 2 and not gen._collected
 
 
-def test_overlapped_steps_are_refused_for_a_tensor_parallel_group() -> None:
+def test_overlapped_steps_are_on_for_one_cuda_process_and_refused_for_a_tp_group() -> None:
     with pytest.raises(ConfigError, match="overlap_steps needs tp_size 1"):
-        EngineConfig(tp_size=2, overlap_steps=True)
-    with pytest.raises(ConfigError, match="overlap_steps must be true or false; got 'on'"):
-        EngineConfig(overlap_steps="on")
-    assert not EngineConfig().overlap_steps  # off until measured on a GPU
+        EngineConfig(tp_size=2, overlap_steps="on")
+    with pytest.raises(ConfigError, match=r"overlap_steps must be one of .*; got True"):
+        EngineConfig(overlap_steps=True)
+    assert resolve_overlap(EngineConfig(), "cuda")
+    assert not resolve_overlap(EngineConfig(), "cpu")
+    assert not resolve_overlap(EngineConfig(tp_size=2), "cuda")
+    assert resolve_overlap(EngineConfig(overlap_steps="on"), "cpu")
+    assert not resolve_overlap(EngineConfig(overlap_steps="off"), "cuda")
 
 
 def test_more_requests_than_slots_queue_and_all_finish(setups, overlap):

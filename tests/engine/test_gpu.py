@@ -114,7 +114,7 @@ def test_overlapped_steps_give_the_steps_own_outputs(tiny_path):
             max_context_len=256,
             dtype="float32",
             decode_compile="off",
-            overlap_steps=overlap,
+            overlap_steps="on" if overlap else "off",
         )
         gen = Generator.from_config(tiny_path("qwen3_5"), config)
         params = [
