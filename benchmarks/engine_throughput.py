@@ -40,6 +40,7 @@ from typing import Any
 import torch
 from engine_workloads import (
     MODELS,
+    GcPauses,
     copy_bandwidth_gb_s,
     load_small,
     make_random_id_workload,
@@ -156,19 +157,25 @@ def run_hf_generate(
     _generate(model, pad_batch(first, pad, device), warm_tokens, True, cache_implementation, pad)
     synchronize(device)
     num_tokens = 0
-    start = time.perf_counter()
-    for batch in batches:
-        inputs = pad_batch(batch, pad, device)
-        max_new = max(r["max_tokens"] for r in batch)
-        ignore_eos = all(r["ignore_eos"] for r in batch)
-        out = _generate(model, inputs, max_new, ignore_eos, cache_implementation, pad)
-        generated = out[:, inputs["input_ids"].shape[1] :].tolist()
-        for r, row in zip(batch, generated, strict=True):
-            limit_eos = set() if r["ignore_eos"] else eos_ids
-            num_tokens += useful_tokens(row, r["max_tokens"], limit_eos)
-    synchronize(device)
-    wall_s = time.perf_counter() - start
-    return {"output_tokens": num_tokens, "wall_s": wall_s, "tok_s": num_tokens / wall_s}
+    with GcPauses() as pauses:
+        start = time.perf_counter()
+        for batch in batches:
+            inputs = pad_batch(batch, pad, device)
+            max_new = max(r["max_tokens"] for r in batch)
+            ignore_eos = all(r["ignore_eos"] for r in batch)
+            out = _generate(model, inputs, max_new, ignore_eos, cache_implementation, pad)
+            generated = out[:, inputs["input_ids"].shape[1] :].tolist()
+            for r, row in zip(batch, generated, strict=True):
+                limit_eos = set() if r["ignore_eos"] else eos_ids
+                num_tokens += useful_tokens(row, r["max_tokens"], limit_eos)
+        synchronize(device)
+        wall_s = time.perf_counter() - start
+    return {
+        "output_tokens": num_tokens,
+        "wall_s": wall_s,
+        "tok_s": num_tokens / wall_s,
+        **pauses.report(),
+    }
 
 
 # --- AReno engine ---------------------------------------------------------------------------------
@@ -228,10 +235,11 @@ def _run_engine(model, tokenizer, requests, concurrency, config: EngineConfig) -
         runner = generator.core.executor.worker.runner
         phases = PhaseTimes(runner)
         compiles = _TimedRunCompiles(runner)
-        start = time.perf_counter()
-        outputs = run_requests(generator, requests)
-        synchronize(model.device)
-        wall_s = time.perf_counter() - start
+        with GcPauses() as pauses:
+            start = time.perf_counter()
+            outputs = run_requests(generator, requests)
+            synchronize(model.device)
+            wall_s = time.perf_counter() - start
     finally:
         generator.shutdown()
     num_tokens = sum(len(out.samples[0].token_ids) for out in outputs)
@@ -242,6 +250,7 @@ def _run_engine(model, tokenizer, requests, concurrency, config: EngineConfig) -
         "warmup_s": warmup_s,
         **compiles.report(),
         **phases.report(),
+        **pauses.report(),
     }
 
 
@@ -397,7 +406,7 @@ def print_report(report: dict, bandwidth_gb_s: float) -> None:
     )
     header = (
         f"{'system':<16} {'requests':>8} {'output tok':>10} {'wall s':>8} {'tok/s':>9} "
-        f"{'vs HF static':>12} {'% roofline':>10}"
+        f"{'vs HF static':>12} {'% roofline':>10} {'max gc ms':>9}"
     )
     print(header)
     print("-" * len(header))
@@ -405,7 +414,8 @@ def print_report(report: dict, bandwidth_gb_s: float) -> None:
         ratio = f"{r['vs_hf_static']:.2f}" if r["vs_hf_static"] else "-"
         print(
             f"{r['system']:<16} {r['requests']:>8} {r['output_tokens']:>10} {r['wall_s']:>8.1f} "
-            f"{r['tok_s']:>9.1f} {ratio:>12} {r['pct_roofline']:>10.1f}"
+            f"{r['tok_s']:>9.1f} {ratio:>12} {r['pct_roofline']:>10.1f} "
+            f"{r['gc_max_pause_ms']:>9.1f}"
         )
     for r in report["rows"]:
         if "prefill_s" in r:  # the engine's own split (CPU)

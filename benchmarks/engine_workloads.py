@@ -5,6 +5,7 @@ device copy bandwidth behind every roofline, and how results are written.
 
 from __future__ import annotations
 
+import gc
 import json
 import platform
 import random
@@ -177,6 +178,38 @@ def copy_bandwidth_gb_s(device: torch.device, num_bytes: int, repeats: int = 5) 
         synchronize(device)
         times.append(time.perf_counter() - start)
     return 2 * num_bytes / statistics.median(times) / 1e9
+
+
+class GcPauses:
+    """The garbage collector's pauses inside a timed window. Entering collects first, so no
+    system pays for the garbage of the one timed before it: a full collection of a process that
+    ran torch.compile walks millions of objects (about 0.5 s on the H200), and where one falls
+    moves a row by a sixth. `report()` after the window: count, longest and total pause."""
+
+    def __init__(self) -> None:
+        self.pauses: list[float] = []
+        self._start = 0.0
+
+    def _callback(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._start = time.perf_counter()
+        else:
+            self.pauses.append(time.perf_counter() - self._start)
+
+    def __enter__(self) -> GcPauses:
+        gc.collect()
+        gc.callbacks.append(self._callback)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        gc.callbacks.remove(self._callback)
+
+    def report(self) -> dict:
+        return {
+            "gc_collections": len(self.pauses),
+            "gc_max_pause_ms": 1e3 * max(self.pauses, default=0.0),
+            "gc_total_s": sum(self.pauses),
+        }
 
 
 def weight_bytes(model: torch.nn.Module) -> int:

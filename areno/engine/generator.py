@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import gc
 import os
 import threading
 import uuid
@@ -90,6 +91,12 @@ class Generator:
         self._stopped = False
         self._idle_waiters: list[concurrent.futures.Future] = []
         self._warm_up_compiled_decode()
+        # A full garbage collection walks every object the process tracks, and torch.compile
+        # leaves millions: on the H200 one collection stalled a step for about a second, with the
+        # GIL held. What lives now (model, compiled code, graphs) is frozen out of collections;
+        # the garbage of earlier engines is collected first, and shutdown unfreezes.
+        gc.collect()
+        gc.freeze()
         if executor.worker.device.type == "cpu":
             # The engine thread must own the process's only OpenMP pool (areno/engine/openmp.py).
             release_thread_pool()
@@ -358,6 +365,7 @@ class Generator:
         self._thread.join(timeout=30)
         self._fail_all(EngineDeadError("the engine was shut down"))
         self.core.executor.shutdown()
+        gc.unfreeze()  # this engine's objects may be collected again
 
     # ---- the engine thread ----------------------------------------------------------------
 
