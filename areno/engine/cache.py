@@ -29,6 +29,10 @@ class BatchBinding:
     # (lo, hi) when the rows are exactly slots lo..hi-1 in order: state is then read and written
     # through views of the slot storage, without gathering copies.
     slot_range: tuple[int, int] | None = None
+    # A prefill of prompts of unequal lengths, right-padded to the longest: each row's real
+    # token count (B,). Pad positions write keys that no query reads before its own decode
+    # overwrites them; linear-attention layers keep each row's state at its last real token.
+    lengths_B: torch.Tensor | None = None
 
     def rows(self, storage: torch.Tensor) -> torch.Tensor:
         """The batch's rows of a per-slot `storage` tensor: a view when the slots are a range."""
@@ -135,6 +139,11 @@ class SlotCache(Cache):
             self.layers[i] = layer
         for i, state in self.linear.items():
             self.layers[i] = state.bind(binding, is_prefill)
+
+    @property
+    def binding(self) -> BatchBinding | None:
+        """The batch of the forward in progress (see `bind`)."""
+        return self._binding
 
     def commit(self) -> None:
         """Write the linear-attention states of the bound batch back to their slots."""

@@ -78,7 +78,9 @@ class EngineKernels:
             conv_state = cache_params.get_conv_state(module.layer_idx, state_idx=0)
             recurrent_state = cache_params.get_recurrent_state(module.layer_idx, state_idx=0)
             if conv_state is None or recurrent_state is None:
-                return prefill_step(module, hidden_states, cache_params, attention_mask)
+                binding = getattr(cache_params, "binding", None)
+                lengths_B = binding.lengths_B if binding is not None else None
+                return prefill_step(module, hidden_states, cache_params, attention_mask, lengths_B)
             if hidden_states.shape[1] == 1 and attention_mask is None:
                 return decode_step(module, hidden_states, conv_state, recurrent_state)
             return original(hidden_states, cache_params, attention_mask, **kwargs)
@@ -91,18 +93,24 @@ def prefill_step(
     hidden_BLH: torch.Tensor,
     cache_params,
     padding_mask_BL: torch.Tensor | None,
+    lengths_B: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """A whole prompt from a fresh state; leaves the conv and recurrent states in `cache_params`
-    (when given). `padding_mask_BL` zeroes padded positions (left padding), as transformers does."""
+    (when given). `padding_mask_BL` zeroes padded positions (left padding), as transformers does.
+
+    `lengths_B`: right-padded prompts, row b real up to `lengths_B[b]`. Every operation is causal,
+    so the real positions' outputs ignore the pads; the states are taken at each row's last real
+    token: the conv keeps that token's last K inputs, and at pad positions the delta rule gets
+    beta 0 and decay 1, which leaves the recurrent state as it was."""
     if padding_mask_BL is not None:
         hidden_BLH = (hidden_BLH * padding_mask_BL[:, :, None]).to(hidden_BLH.dtype)
     batch, length, _ = hidden_BLH.shape
     mixed_BCL = module.in_proj_qkv(hidden_BLH).transpose(1, 2)
     weight_CK = module.conv1d.weight[:, 0]
     if cache_params is not None:
-        cache_params.update_conv_state(
-            mixed_BCL, module.layer_idx, conv_kernel_size=weight_CK.shape[-1]
-        )
+        kernel = weight_CK.shape[-1]
+        last_inputs = mixed_BCL if lengths_B is None else _last_inputs(mixed_BCL, lengths_B, kernel)
+        cache_params.update_conv_state(last_inputs, module.layer_idx, conv_kernel_size=kernel)
     mixed_BLC = F.silu(_causal_conv(mixed_BCL, weight_CK, module.conv1d.bias)).transpose(1, 2)
 
     value_dim = mixed_BLC.shape[-1] - 2 * module.key_dim
@@ -111,6 +119,10 @@ def prefill_step(
     beta_BLN = module.in_proj_b(hidden_BLH).sigmoid()
     a_BLN = module.in_proj_a(hidden_BLH).float()
     g_BLN = -module.A_log.float().exp() * F.softplus(a_BLN + module.dt_bias)
+    if lengths_B is not None:
+        real_BL1 = (torch.arange(length, device=lengths_B.device) < lengths_B[:, None])[..., None]
+        beta_BLN = beta_BLN * real_BL1
+        g_BLN = g_BLN * real_BL1
     query_BLNK = query.reshape(batch, length, -1, dk)
     key_BLNK = key.reshape(batch, length, -1, dk)
     value_BLNV = value.reshape(batch, length, -1, dv)
@@ -141,6 +153,13 @@ def prefill_step(
     gate = module.in_proj_z(hidden_BLH).reshape(-1, dv)
     out = module.norm(out_BLNV.reshape(-1, dv), gate)
     return module.out_proj(out.reshape(batch, length, -1))
+
+
+def _last_inputs(x_BCL: torch.Tensor, lengths_B: torch.Tensor, kernel: int) -> torch.Tensor:
+    """Each row's last `kernel` real inputs (B, C, kernel), zeros before a short row's first."""
+    index_BK = lengths_B[:, None] - kernel + torch.arange(kernel, device=lengths_B.device)
+    index_BCK = index_BK.clamp(min=0)[:, None, :].expand(-1, x_BCL.shape[1], -1)
+    return x_BCL.gather(-1, index_BCK) * (index_BK >= 0)[:, None, :].to(x_BCL.dtype)
 
 
 def _causal_conv(x_BCL: torch.Tensor, weight_CK: torch.Tensor, bias_C) -> torch.Tensor:

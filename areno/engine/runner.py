@@ -61,6 +61,7 @@ class ModelRunner:
         )
         self.sliding_window = getattr(self.text_config, "sliding_window", None)
         self.cache = SlotCache(self.layer_types, num_slots=num_slots, max_len=max_len)
+        self._final_norm = getattr(model.get_decoder(), "norm", None)
         # Qwen-style multimodal rope: text positions after media are offset by a per-request delta.
         self.uses_mrope = hasattr(model.model, "rope_deltas")
         self.rope_delta = [0] * num_slots
@@ -125,19 +126,34 @@ class ModelRunner:
 
     @torch.inference_mode()
     def prefill_batch(self, prompts: list[PromptInputs], slots: list[list[int]]) -> torch.Tensor:
-        """Prefill equal-length prompts without media in one forward (`can_batch_prefill`);
-        prompt i goes into `slots[i][0]` and is forked into the rest. Returns logits (B, V)."""
-        num_tokens = prompts[0].num_prompt_tokens
+        """Prefill prompts without media in one forward (`can_batch_prefill`); prompt i goes into
+        `slots[i][0]` and is forked into the rest. Returns logits (B, V).
+
+        Prompts of unequal lengths are right-padded to the longest (`can_pad_prefill`): causal
+        attention keeps the pads out of every real position, the pads' keys sit past each row's
+        prompt until its decode overwrites them, linear-attention layers keep each row's state
+        at its last real token (see BatchBinding.lengths_B), and the logits are each row's last
+        real position's."""
+        lengths = [p.num_prompt_tokens for p in prompts]
+        num_tokens = max(lengths)
+        ragged = min(lengths) != num_tokens
+        assert not ragged or self.can_pad_prefill, "unequal lengths need can_pad_prefill"
         first_slots = to_device(torch.tensor([s[0] for s in slots]), self.device)
         positions = torch.arange(num_tokens, device=self.device).expand(len(prompts), -1)
-        self.cache.bind(BatchBinding(first_slots, positions, num_tokens), is_prefill=True)
+        lengths_B = to_device(torch.tensor(lengths), self.device) if ragged else None
+        binding = BatchBinding(first_slots, positions, num_tokens, lengths_B=lengths_B)
+        self.cache.bind(binding, is_prefill=True)
         if self.uses_mrope:
             self.model.model.rope_deltas = None
         model_inputs = {
-            key: to_device(torch.cat([p.model_inputs()[key] for p in prompts]), self.device)
+            key: to_device(
+                torch.cat([_pad_tokens(key, p.model_inputs()[key], num_tokens) for p in prompts]),
+                self.device,
+            )
             for key in prompts[0].model_inputs()
         }
-        with self._engine_context():
+        keep_last = self._keep_positions(lengths_B - 1) if ragged else contextlib.nullcontext()
+        with self._engine_context(), keep_last:
             out = self.model(
                 **model_inputs, past_key_values=self.cache, use_cache=True, logits_to_keep=1
             )
@@ -151,6 +167,27 @@ class ModelRunner:
             if len(row_slots) > 1:
                 copy_slot(self.cache, row_slots[0], row_slots[1:])
         return out.logits[:, -1].float()
+
+    @property
+    def can_pad_prefill(self) -> bool:
+        """Whether prompts of unequal lengths may share a prefill: the text stack ends in a
+        final norm, whose output `_keep_positions` narrows to each row's last real token."""
+        return self._final_norm is not None
+
+    @contextlib.contextmanager
+    def _keep_positions(self, positions_B: torch.Tensor):
+        """Within the block, the text stack's final hidden states are row b's at
+        `positions_B[b]` only, (B, 1, H): the model's `logits_to_keep=1` then projects those."""
+        rows_B = torch.arange(len(positions_B), device=positions_B.device)
+
+        def narrow(module, args, hidden_BLH):
+            return hidden_BLH[rows_B, positions_B][:, None]
+
+        handle = self._final_norm.register_forward_hook(narrow)
+        try:
+            yield
+        finally:
+            handle.remove()
 
     @torch.inference_mode()
     def decode(
@@ -219,9 +256,20 @@ class ModelRunner:
         return torch.log_softmax(logits_NV, dim=-1).gather(-1, targets_N[:, None]).squeeze(-1)
 
 
+def _pad_tokens(key: str, value_1L: torch.Tensor, length: int) -> torch.Tensor:
+    """A per-token input (1, L) right-padded to `length`: token ids and token types with 0 (the
+    pads' outputs are never read), the attention mask with 1 (a 0 would make the pads padding,
+    whose fully masked queries turn to NaN in SDPA and leave NaN keys in the cache)."""
+    extra = length - value_1L.shape[1]
+    if not extra:
+        return value_1L
+    return torch.nn.functional.pad(value_1L, (0, extra), value=int(key == "attention_mask"))
+
+
 def can_batch_prefill(inputs: PromptInputs) -> bool:
-    """Whether a prompt may share a prefill forward with others of its length: no media, and
-    only per-token tensors (like `mm_token_type_ids`) besides its ids."""
+    """Whether a prompt may share a prefill forward with other prompts (of its length, or any
+    length where the runner `can_pad_prefill`): no media, and only per-token tensors (like
+    `mm_token_type_ids`) besides its ids."""
     n = inputs.num_prompt_tokens
     return not inputs.mm_spans and all(
         v.ndim == 2 and v.shape == (1, n) for v in inputs.mm_inputs.values()

@@ -100,6 +100,30 @@ class PendingStep:
         return StepOutput(token_ids, logprobs, top)
 
 
+# A padded prefill group computes at most this many tokens per real one.
+MAX_PREFILL_PADDING = 1.25
+
+
+def prefill_groups(lengths: list[int], *, pad: bool) -> list[list[int]]:
+    """Indices into `lengths` (prompt lengths), grouped to share prefill forwards. Without `pad`
+    a group holds equal lengths; with it, lengths in ascending order join a group while its
+    padded size (rows x longest) stays within MAX_PREFILL_PADDING of its real tokens."""
+    groups: list[list[int]] = []
+    real = 0
+    for i in sorted(range(len(lengths)), key=lengths.__getitem__):
+        group = groups[-1] if groups else None
+        if group is not None and (
+            lengths[i] == lengths[group[-1]]
+            or (pad and (len(group) + 1) * lengths[i] <= MAX_PREFILL_PADDING * (real + lengths[i]))
+        ):
+            group.append(i)
+            real += lengths[i]
+        else:
+            groups.append([i])
+            real = lengths[i]
+    return groups
+
+
 class Worker:
     """Runs steps for one model replica shard; see the module docstring."""
 
@@ -180,15 +204,17 @@ class Worker:
 
     def _prefill(self, items: list[PrefillItem]) -> list[torch.Tensor]:
         """Each item's last logits, repeated for its n rows, in item order. Prompts without
-        media of equal length share one forward."""
+        media share forwards (`prefill_groups`)."""
         last: list[torch.Tensor | None] = [None] * len(items)
-        batches: dict[int, list[int]] = {}
+        batchable = []
         for i, item in enumerate(items):
             if can_batch_prefill(item.inputs):
-                batches.setdefault(item.inputs.num_prompt_tokens, []).append(i)
+                batchable.append(i)
             else:
                 last[i] = self.runner.prefill(item.inputs, item.slots)
-        for indices in batches.values():
+        lengths = [items[i].inputs.num_prompt_tokens for i in batchable]
+        for group in prefill_groups(lengths, pad=self.runner.can_pad_prefill):
+            indices = [batchable[g] for g in group]
             if len(indices) == 1:
                 last[indices[0]] = self.runner.prefill(
                     items[indices[0]].inputs, items[indices[0]].slots

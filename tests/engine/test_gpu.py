@@ -63,6 +63,32 @@ def test_cuda_graph_decode_equals_eager(tiny_path, family):
     assert graphed == eager
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_padded_prefill_equals_one_at_a_time_on_cuda(tiny_path, family):
+    """Prompts of unequal lengths in one right-padded prefill (the Triton gated-delta kernel
+    for Qwen3.5's linear attention) give each prompt's own logits and decode steps."""
+    from areno.models import get_adapter
+    from areno.models.registry import read_model_type
+
+    path = tiny_path(family)
+    model = get_adapter(read_model_type(path)).load_model(path, dtype=torch.float32).cuda()
+    torch.manual_seed(0)
+    prompts = [PromptInputs(torch.randint(5, 500, (n,)).tolist(), {}) for n in (9, 40, 17, 300, 3)]
+    alone = ModelRunner(model, num_slots=8, max_len=512, graphs="off")
+    together = ModelRunner(model, num_slots=8, max_len=512, graphs="off")
+    slots = [[s] for s in SLOTS]
+    want = torch.stack([alone.prefill(p, s) for p, s in zip(prompts, slots, strict=True)])
+    have = together.prefill_batch(prompts, slots)
+    assert torch.allclose(have, want, atol=1e-3)
+    positions = [p.num_prompt_tokens for p in prompts]
+    tokens = want.argmax(-1).tolist()
+    for _ in range(4):
+        step = alone.decode(SLOTS, positions, tokens)
+        assert torch.allclose(together.decode(SLOTS, positions, tokens), step, atol=1e-3)
+        positions = [n + 1 for n in positions]
+        tokens = step.argmax(-1).tolist()
+
+
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
 def test_cuda_graphs_on_a_second_gpu_after_the_first_captured(tiny_path):
     # torch.cuda.graph's default capture stream belongs to the GPU that captured first; a runner

@@ -7,6 +7,7 @@ import torch
 
 from areno.engine.cuda_graphs import row_buckets
 from areno.engine.runner import ModelRunner, can_batch_prefill
+from areno.engine.worker import MAX_PREFILL_PADDING, prefill_groups
 from areno.media import MediaDecoder, MediaPolicy
 from areno.media.samples import write_audio, write_image, write_video
 from areno.processing import Processor, process_messages
@@ -208,6 +209,48 @@ def test_batched_prefill_equals_one_at_a_time(tiny_path, family):
     forked = together.decode([0, 2, 3, 4], [n] * 4, [5, 6, 6, 7])
     assert torch.allclose(forked[[0, 1, 3]], step, atol=1e-4)
     assert torch.allclose(forked[2], forked[1], atol=1e-5)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_padded_prefill_of_unequal_lengths_equals_one_at_a_time(tiny_path, family):
+    """Right-padded prompts of unequal lengths in one forward: the same last logits, and the
+    same decode steps after (the pads' keys are overwritten before any query reads them; a
+    linear-attention layer's conv and recurrent states are its last real token's, also for a
+    prompt shorter than the conv)."""
+    processor, decoder, model = load(tiny_path, family)
+    chat = [{"role": "user", "content": "Count to ten, slowly, and then back down to one."}]
+    long = process_messages(processor, decoder, chat)
+    mid = PromptInputs(long.input_ids[:-7], {})
+    short = PromptInputs(long.input_ids[:3], {})
+    prompts = [mid, long, short]
+    if long.mm_inputs:  # Gemma's token types: text (0) throughout
+        prompts = [PromptInputs(p.input_ids, {}) for p in prompts]
+    alone = ModelRunner(model, num_slots=6, max_len=256)
+    together = ModelRunner(model, num_slots=6, max_len=256)
+    assert together.can_pad_prefill
+    want = torch.stack([alone.prefill(p, [2 * i]) for i, p in enumerate(prompts)])
+    have = together.prefill_batch(prompts, [[0], [2, 3], [4]])
+    assert torch.allclose(have, want, atol=1e-4)
+    positions = [p.num_prompt_tokens for p in prompts]
+    tokens = have.argmax(-1).tolist()
+    for _ in range(3):
+        step = alone.decode([0, 2, 4], positions, tokens)
+        forked = together.decode(
+            [0, 2, 3, 4], positions[:2] + positions[1:], tokens[:2] + tokens[1:]
+        )
+        assert torch.allclose(forked[[0, 1, 3]], step, atol=1e-4)
+        assert torch.allclose(forked[2], forked[1], atol=1e-5)
+        positions = [n + 1 for n in positions]
+        tokens = step.argmax(-1).tolist()
+
+
+def test_prefill_groups_pad_within_a_bound():
+    # Equal lengths only, without padding.
+    assert prefill_groups([5, 7, 5, 7, 9], pad=False) == [[0, 2], [1, 3], [4]]
+    # With it: ascending, while rows x longest <= 1.25 x the real tokens.
+    assert prefill_groups([100, 110, 120, 300, 90, 310], pad=True) == [[4, 0, 1, 2], [3, 5]]
+    assert MAX_PREFILL_PADDING == 1.25
+    assert prefill_groups([], pad=True) == []
 
 
 def test_row_buckets():
