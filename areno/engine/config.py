@@ -38,7 +38,8 @@ class EngineConfig:
         layers through oneDNN with prepacked weights (areno/engine/cpu_linear.py); False keeps
         aten's matmul.
     overlap_steps: "on" launches each step before the host reads the previous step's tokens,
-        so the host's bookkeeping runs while the device computes (see EngineCore.step); "auto"
+        so the host's bookkeeping runs while the device computes (see EngineCore.step; true and
+        false mean "on" and "off", as a YAML config's bare on / off arrive); "auto"
         is "on" on CUDA with tp_size 1 and "off" elsewhere ("on" needs tp_size 1: the followers
         of a tensor-parallel group take each step's tokens from the host). A sequence that stops
         on a token then decodes one wasted step; its output is the same. On an H200 it took the
@@ -90,6 +91,8 @@ class EngineConfig:
                 f"cpu_packed_linear must be true or false; got {self.cpu_packed_linear!r}",
                 param="cpu_packed_linear",
             )
+        if isinstance(self.overlap_steps, bool):  # YAML reads a bare on / off as a boolean
+            object.__setattr__(self, "overlap_steps", "on" if self.overlap_steps else "off")
         if self.overlap_steps not in OVERLAP_MODES:
             raise ConfigError(
                 f"overlap_steps must be one of {OVERLAP_MODES}; got {self.overlap_steps!r}",

@@ -357,8 +357,11 @@ def test_a_whole_request_is_handed_over_once_and_equals_its_stream(setups, overl
 def test_overlapped_steps_are_on_for_one_cuda_process_and_refused_for_a_tp_group() -> None:
     with pytest.raises(ConfigError, match="overlap_steps needs tp_size 1"):
         EngineConfig(tp_size=2, overlap_steps="on")
-    with pytest.raises(ConfigError, match=r"overlap_steps must be one of .*; got True"):
-        EngineConfig(overlap_steps=True)
+    with pytest.raises(ConfigError, match=r"overlap_steps must be one of .*; got 'yes'"):
+        EngineConfig(overlap_steps="yes")
+    # A Ray Serve config's bare `on` / `off` arrives as a YAML boolean.
+    assert EngineConfig(overlap_steps=True).overlap_steps == "on"
+    assert EngineConfig(overlap_steps=False).overlap_steps == "off"
     assert resolve_overlap(EngineConfig(), "cuda")
     assert not resolve_overlap(EngineConfig(), "cpu")
     assert not resolve_overlap(EngineConfig(tp_size=2), "cuda")
