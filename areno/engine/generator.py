@@ -92,9 +92,10 @@ class Generator:
         self._idle_waiters: list[concurrent.futures.Future] = []
         self._warm_up_compiled_decode()
         # A full garbage collection walks every object the process tracks, and torch.compile
-        # leaves millions: on the H200 one collection stalled a step for about a second, with the
-        # GIL held. What lives now (model, compiled code, graphs) is frozen out of collections;
-        # the garbage of earlier engines is collected first, and shutdown unfreezes.
+        # leaves many (740,000 after the 2B hybrid's): on the H200 one collection stalled a step
+        # for 0.5 to 1.2 s, with the GIL held. What lives now (model, compiled code, graphs) is
+        # frozen out of collections; the garbage of earlier engines is collected first, and
+        # shutdown unfreezes.
         gc.collect()
         gc.freeze()
         if executor.worker.device.type == "cpu":
