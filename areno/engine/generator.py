@@ -50,6 +50,28 @@ class EngineDeadError(RuntimeError):
 _DROPPED_ROW = RowSampling(seq_id=-1, params=SamplingParams(temperature=0, max_tokens=1))
 
 
+# Engines alive in this process: the objects alive when one started stay frozen out of garbage
+# collection until the last one shuts down (see Generator.__init__).
+_live_engines = 0
+_live_engines_lock = threading.Lock()
+
+
+def _freeze_garbage_collection() -> None:
+    global _live_engines
+    with _live_engines_lock:
+        gc.collect()
+        gc.freeze()
+        _live_engines += 1
+
+
+def _release_garbage_collection() -> None:
+    global _live_engines
+    with _live_engines_lock:
+        _live_engines -= 1
+        if _live_engines == 0:
+            gc.unfreeze()
+
+
 class StartupRunError(RuntimeError):
     """A start-up prompt (`Generator.warm_up`) failed: the engine cannot serve that input kind."""
 
@@ -94,10 +116,10 @@ class Generator:
         # A full garbage collection walks every object the process tracks, and torch.compile
         # leaves many (740,000 after the 2B hybrid's): on the H200 one collection stalled a step
         # for 0.5 to 1.2 s, with the GIL held. What lives now (model, compiled code, graphs) is
-        # frozen out of collections; the garbage of earlier engines is collected first, and
-        # shutdown unfreezes.
-        gc.collect()
-        gc.freeze()
+        # frozen out of collections; the garbage of earlier engines is collected first, and the
+        # last engine of the process to shut down unfreezes.
+        _freeze_garbage_collection()
+        self._holds_gc_freeze = True
         if executor.worker.device.type == "cpu":
             # The engine thread must own the process's only OpenMP pool (areno/engine/openmp.py).
             release_thread_pool()
@@ -366,7 +388,9 @@ class Generator:
         self._thread.join(timeout=30)
         self._fail_all(EngineDeadError("the engine was shut down"))
         self.core.executor.shutdown()
-        gc.unfreeze()  # this engine's objects may be collected again
+        if self._holds_gc_freeze:
+            self._holds_gc_freeze = False
+            _release_garbage_collection()
 
     # ---- the engine thread ----------------------------------------------------------------
 

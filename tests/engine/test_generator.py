@@ -371,15 +371,23 @@ def test_overlapped_steps_are_on_for_one_cuda_process_and_refused_for_a_tp_group
 
 def test_the_engine_freezes_what_lives_at_start_out_of_garbage_collection(setups):
     """A full collection walks every tracked object, and a compiled step leaves millions: the
-    engine freezes what lives once it has started (a step stalled ~0.5 s on the H200 without)
-    and unfreezes at shutdown, so a later engine's start collects this one's garbage."""
+    engine freezes what lives once it has started (a step stalled ~0.5 s on the H200 without);
+    the last engine of the process to shut down unfreezes, so later garbage is collected."""
+    assert generator_module._live_engines == 0, "an earlier test left an engine running"
     setup = setups("qwen3_5")
-    gen = setup.generator()
+    first = setup.generator()
     try:
         frozen = gc.get_freeze_count()
-        out = run(gen.generate_all(setup.encode(text("Still serving.")), GREEDY))
+        second = setup.generator()
+        try:
+            assert gc.get_freeze_count() >= frozen
+            out = run(second.generate_all(setup.encode(text("Still serving.")), GREEDY))
+        finally:
+            second.shutdown()
+        second.shutdown()  # a second shutdown releases nothing more
+        assert gc.get_freeze_count() >= frozen  # the first engine is still running
     finally:
-        gen.shutdown()
+        first.shutdown()
     assert frozen > 10_000  # the model, tokenizer and engine, at least
     assert out.finished and gc.get_freeze_count() == 0
 
