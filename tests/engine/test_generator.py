@@ -392,6 +392,44 @@ def test_the_engine_freezes_what_lives_at_start_out_of_garbage_collection(setups
     assert out.finished and gc.get_freeze_count() == 0
 
 
+@pytest.mark.parametrize("family", ["qwen3_5", "gemma4"])
+def test_text_prompts_of_unequal_lengths_arriving_together_equal_generate(setups, family, overlap):
+    """Prompts admitted in one step share a padded prefill (`worker.prefill_groups`); each gives
+    what transformers' generate gives it alone."""
+    setup = setups(family)
+    inputs = [
+        setup.encode(text(t))
+        for t in ("Name a color.", "Name a color you like.", "Name a color you like a lot.")
+    ]
+    assert len({x.num_prompt_tokens for x in inputs}) == 3
+    expected = [setup.reference(x, GREEDY.max_tokens) for x in inputs]
+    gen = setup.generator(overlap_steps=overlap)
+    runner = gen.core.executor.worker.runner
+    batched: list[list[int]] = []
+    prefill_batch = runner.prefill_batch
+
+    def recording(prompts, slots):
+        batched.append([p.num_prompt_tokens for p in prompts])
+        return prefill_batch(prompts, slots)
+
+    runner.prefill_batch = recording
+
+    async def main():
+        await gen.pause("keep")  # all three wait, then start in one step
+        tasks = [asyncio.create_task(gen.generate_all(x, GREEDY)) for x in inputs]
+        while gen.stats()["num_waiting"] < len(inputs):
+            await asyncio.sleep(0.005)
+        await gen.resume()
+        return await asyncio.gather(*tasks)
+
+    try:
+        outputs = run(main())
+    finally:
+        gen.shutdown()
+    assert batched == [sorted(x.num_prompt_tokens for x in inputs)]  # one padded forward
+    assert [out.samples[0].token_ids for out in outputs] == expected
+
+
 def test_more_requests_than_slots_queue_and_all_finish(setups, overlap):
     setup = setups("qwen3_5")
     inputs = [setup.encode(text(f"Request number {i}.")) for i in range(6)]

@@ -220,11 +220,12 @@ def test_a_padded_prefill_of_unequal_lengths_equals_one_at_a_time(tiny_path, fam
     processor, decoder, model = load(tiny_path, family)
     chat = [{"role": "user", "content": "Count to ten, slowly, and then back down to one."}]
     long = process_messages(processor, decoder, chat)
-    mid = PromptInputs(long.input_ids[:-7], {})
-    short = PromptInputs(long.input_ids[:3], {})
-    prompts = [mid, long, short]
-    if long.mm_inputs:  # Gemma's token types: text (0) throughout
-        prompts = [PromptInputs(p.input_ids, {}) for p in prompts]
+
+    def first(n: int) -> PromptInputs:  # per-token inputs (Gemma's token types) cut alike
+        return PromptInputs(long.input_ids[:n], {k: v[:, :n] for k, v in long.mm_inputs.items()})
+
+    prompts = [first(long.num_prompt_tokens - 7), long, first(3)]
+    assert all(can_batch_prefill(p) for p in prompts)
     alone = ModelRunner(model, num_slots=6, max_len=256)
     together = ModelRunner(model, num_slots=6, max_len=256)
     assert together.can_pad_prefill
