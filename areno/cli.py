@@ -53,6 +53,7 @@ def _serve(args: argparse.Namespace) -> None:
         dtype=args.dtype,
         device=args.device,
         decode_compile=args.decode_compile,
+        prefill_compile=args.prefill_compile,
         overlap_steps=args.overlap_steps,
     )
     config = ServeConfig(
@@ -119,6 +120,13 @@ def _add_serve_parser(sub) -> None:
         default="auto",
         choices=["auto", "off", "inductor"],
         help="torch.compile the decode step (auto: on CUDA; costs about a minute at start-up)",
+    )
+    serve.add_argument(
+        "--prefill-compile",
+        default="auto",
+        choices=["auto", "off", "inductor"],
+        help="torch.compile the text stack of batched prefills (auto: as the decode step, not "
+        "with --tp-size > 1; about a minute more at start-up)",
     )
     serve.add_argument(
         "--overlap-steps",

@@ -23,8 +23,9 @@ concurrency * copy bandwidth / weight bytes tokens/s. Prints a table per model a
     python benchmarks/engine_throughput.py --workload gpu [--model qwen3-1.7b qwen3.5-2b]
 
 `--decode-compile`, `--cpu-linear`, `--kernels` (the engine's Triton kernels or their PyTorch
-references, `areno/engine/kernels/`) and `--overlap-steps` (`EngineConfig.overlap_steps`) each take
-several values, giving one engine row per value.
+references, `areno/engine/kernels/`), `--overlap-steps` (`EngineConfig.overlap_steps`) and
+`--prefill-compile` (`EngineConfig.prefill_compile`) each take several values, giving one engine
+row per value.
 """
 
 from __future__ import annotations
@@ -206,6 +207,7 @@ def run_engine(
     packed_linear: bool = True,
     triton_kernels: bool = True,
     overlap_steps: str = "auto",
+    prefill_compile: str = "auto",
 ) -> dict:
     """AReno's engine on the same requests: all submitted at once in arrival order, at most
     `concurrency` decoding (the engine's cache slots), greedy, token ids only (no detokenizing,
@@ -220,6 +222,7 @@ def run_engine(
         decode_compile=decode_compile,
         cpu_packed_linear=packed_linear,
         overlap_steps=overlap_steps,
+        prefill_compile=prefill_compile,
     )
     with contextlib.nullcontext() if triton_kernels else references_only():
         return _run_engine(model, tokenizer, requests, concurrency, config)
@@ -350,20 +353,21 @@ def run_model(name: str, args: argparse.Namespace, bandwidth_gb_s: float) -> dic
     # NOTE: the engine runs last: its runner routes the model's linear-attention layers through
     # the engine's own kernels inside its forwards, and the baseline must be transformers' code.
     variants = itertools.product(
-        args.overlap_steps, args.kernels, args.cpu_linear, args.decode_compile
+        args.prefill_compile, args.overlap_steps, args.kernels, args.cpu_linear, args.decode_compile
     )
-    for overlap, kernels, linear, mode in variants:
+    for prefill, overlap, kernels, linear, mode in variants:
         system = "engine"
         for value, choices in (
             (mode, args.decode_compile),
             (linear, args.cpu_linear),
             (kernels, args.kernels),
             (f"overlap-{overlap}", args.overlap_steps),
+            (f"prefill-{prefill}", args.prefill_compile),
         ):
             if len(choices) > 1:
                 system += f"-{value}"
-        systems[system] = lambda m=mode, p=linear == "packed", k=kernels, o=overlap: run_engine(
-            model, tokenizer, requests, args.concurrency, m, p, k == "triton", o
+        systems[system] = lambda m=mode, p=linear == "packed", k=kernels, o=overlap, c=prefill: (
+            run_engine(model, tokenizer, requests, args.concurrency, m, p, k == "triton", o, c)
         )
     rows = []
     for system, run in systems.items():
@@ -468,6 +472,13 @@ def parse_args() -> argparse.Namespace:
         choices=["auto", "off", "on"],
         default=["auto"],
         help="EngineConfig.overlap_steps (auto: on CUDA); several give one row each",
+    )
+    parser.add_argument(
+        "--prefill-compile",
+        nargs="+",
+        choices=COMPILE_MODES,
+        default=["auto"],
+        help="EngineConfig.prefill_compile (auto: as the decode); several give one row each",
     )
     parser.add_argument(
         "--out", help="default: benchmarks/results/engine_throughput_<workload>.json"

@@ -86,7 +86,13 @@ class GraphReplayTimer:
 
 
 def profile_one(
-    model, requests, concurrency: int, compile_mode: str, device, overlap: str = "off"
+    model,
+    requests,
+    concurrency: int,
+    compile_mode: str,
+    device,
+    overlap: str = "off",
+    prefill_compile: str = "auto",
 ) -> dict:
     max_len = max(r["prompt_inputs"].num_prompt_tokens + r["max_tokens"] for r in requests)
     config = EngineConfig(
@@ -94,6 +100,7 @@ def profile_one(
         max_context_len=max_len + 1,
         decode_compile=compile_mode,
         overlap_steps=overlap,
+        prefill_compile=prefill_compile,
     )
     start = time.perf_counter()
     generator = Generator.from_model(model, None, config)
@@ -129,6 +136,7 @@ def profile_one(
     return {
         "decode_compile": compile_mode,
         "overlap_steps": overlap,
+        "prefill_compile": prefill_compile,
         "warmup_s": warmup_s,
         "wall_s": wall_s,
         "tok_s": tokens / wall_s,
@@ -171,6 +179,9 @@ def main() -> None:
         default="off",
         help="EngineConfig.overlap_steps; on: the parts overlap (read only the step and GPU rows)",
     )
+    parser.add_argument(
+        "--prefill-compile", choices=COMPILE_MODES, default="auto", help="EngineConfig's"
+    )
     parser.add_argument("--num-requests", type=int, default=256)
     parser.add_argument("--concurrency", type=int, default=64)
     parser.add_argument("--out", default="benchmarks/results/profile_engine.json")
@@ -183,7 +194,15 @@ def main() -> None:
     requests = make_random_id_workload(0, args.num_requests, 256, 128, vocab)
     results = []
     for mode in args.decode_compile:
-        result = profile_one(model, requests, args.concurrency, mode, device, args.overlap_steps)
+        result = profile_one(
+            model,
+            requests,
+            args.concurrency,
+            mode,
+            device,
+            args.overlap_steps,
+            args.prefill_compile,
+        )
         results.append(result)
         print(
             f"\n{args.model} decode_compile={mode}: {result['tok_s']:.0f} tok/s, "

@@ -34,6 +34,9 @@ class EngineConfig:
         traces without generating kernels (fast; for tests). Compiling costs minutes at the
         first decode of each new row bucket's shape family; a compile error logs a warning and
         the step runs uncompiled.
+    prefill_compile: the torch.compile backend of the text stack when prompts without media
+        share a prefill forward: "auto" is the decode step's, except under tensor parallelism
+        (off there). Media prompts prefill uncompiled.
     cpu_packed_linear: on CPU in float32 without tensor parallelism, run the model's linear
         layers through oneDNN with prepacked weights (areno/engine/cpu_linear.py); False keeps
         aten's matmul.
@@ -56,6 +59,7 @@ class EngineConfig:
     num_cpus_per_rank: float = 1.0
     decode_graphs: str = "auto"
     decode_compile: str = "auto"
+    prefill_compile: str = "auto"
     cpu_packed_linear: bool = True
     overlap_steps: str = "auto"
 
@@ -81,11 +85,12 @@ class EngineConfig:
                 f"decode_graphs must be one of {GRAPH_MODES}; got {self.decode_graphs!r}",
                 param="decode_graphs",
             )
-        if self.decode_compile not in COMPILE_MODES:
-            raise ConfigError(
-                f"decode_compile must be one of {COMPILE_MODES}; got {self.decode_compile!r}",
-                param="decode_compile",
-            )
+        for name in ("decode_compile", "prefill_compile"):
+            if getattr(self, name) not in COMPILE_MODES:
+                raise ConfigError(
+                    f"{name} must be one of {COMPILE_MODES}; got {getattr(self, name)!r}",
+                    param=name,
+                )
         if not isinstance(self.cpu_packed_linear, bool):
             raise ConfigError(
                 f"cpu_packed_linear must be true or false; got {self.cpu_packed_linear!r}",

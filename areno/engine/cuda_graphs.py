@@ -23,21 +23,17 @@ bucket; each bucket is then captured as before, compiled kernels included.
 
 from __future__ import annotations
 
-import logging
 from typing import TYPE_CHECKING
 
 import torch
-import torch.fx.experimental._config as fx_config
-from torch._dynamo.exc import TorchDynamoException
 
 from areno.engine.cache import BatchBinding, restore_rows, save_rows
+from areno.engine.compiled import CompiledForward
 
 if TYPE_CHECKING:
     from areno.engine.runner import ModelRunner
 
 KV_BUCKET = 128
-
-log = logging.getLogger(__name__)
 
 
 def row_buckets(max_rows: int, min_rows: int = 1) -> list[int]:
@@ -69,14 +65,12 @@ class DecodeGraphs:
         self._copied = torch.cuda.Event() if on_cuda else None
         self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._pool = torch.cuda.graph_pool_handle() if capture else None
-        self._compiled = None
-        if compile_backend is not None:
-            self._compiled = torch.compile(runner.model, backend=compile_backend, dynamic=True)
+        self._model = CompiledForward(runner.model, compile_backend, "the decode step")
 
     @property
     def compiled(self) -> bool:
         """Whether the step runs compiled (False after a compile error fell back)."""
-        return self._compiled is not None
+        return self._model.compiled
 
     @property
     def num_captured(self) -> int:
@@ -136,27 +130,9 @@ class DecodeGraphs:
             "past_key_values": runner.cache,
             "use_cache": True,
         }
-        out = self._run_model(inputs)
+        out = self._model(**inputs)
         runner.cache.commit()
         return out.logits[:, -1].float()
-
-    def _run_model(self, inputs: dict):
-        if self._compiled is not None:
-            try:
-                # NOTE: without duck sizing, the one compile stays generic in the row count and
-                # key length. With it, an input size equal to another (2 rows and 2 KV heads,
-                # a 128-key bucket and head_dim 128) was made the same symbol and pinned by the
-                # static one, and every other bucket recompiled the step (a minute on a GPU).
-                with fx_config.patch(use_duck_shape=False):
-                    return self._compiled(**inputs)
-            except TorchDynamoException as error:
-                # Compiling happens before the graph runs, so nothing was written yet.
-                log.warning(
-                    "compiling the decode step failed, decoding uncompiled: %s",
-                    str(error).splitlines()[0] if str(error) else type(error).__name__,
-                )
-                self._compiled = None
-        return self.runner.model(**inputs)
 
     def _capture(self, rows: int, kv_len: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         # The warm-up forward really runs (capture only records) and would advance the decoding

@@ -112,7 +112,7 @@ class Generator:
         self._paused = False
         self._stopped = False
         self._idle_waiters: list[concurrent.futures.Future] = []
-        self._warm_up_compiled_decode()
+        self._warm_up_compiled_steps()
         # A full garbage collection walks every object the process tracks, and torch.compile
         # leaves many (740,000 after the 2B hybrid's): on the H200 one collection stalled a step
         # for 0.5 to 1.2 s, with the GIL held. What lives now (model, compiled code, graphs) is
@@ -126,17 +126,31 @@ class Generator:
         self._thread = threading.Thread(target=self._run, name="areno-engine", daemon=True)
         self._thread.start()
 
-    def _warm_up_compiled_decode(self) -> None:
-        """Compile the decode step now rather than in a request's time (a minute or more for a
-        2B model on an H200): a one-token prefill into slot 0, then a decode step of the
-        smallest row bucket and one of the next. The compile is generic in the row count (see
-        DecodeGraphs._run_model); should a model's code still pin the count it first saw, the
-        second step makes that recompile happen here. Outputs are dropped; the slots are free
-        again after, and their next prefills overwrite what these wrote."""
-        graphs = self.core.executor.worker.runner.graphs
-        if graphs is None or not graphs.compiled:
+    def _warm_up_compiled_steps(self) -> None:
+        """Compile the decode step and the batched prefill now rather than in a request's time
+        (a minute or more each for a 2B model on an H200): a one-token prefill into slot 0 (which
+        also allocates the cache), a batched prefill of two prompts of unequal lengths into
+        slots 0 and 1, then a decode step of the smallest row bucket and one of the next. The
+        compiles are generic in the row count and lengths (see areno/engine/compiled.py);
+        should a model's code still pin a size it first saw, the second decode step makes that
+        recompile happen here. Outputs are dropped; the slots are free again after, and their
+        next prefills overwrite what these wrote."""
+        runner = self.core.executor.worker.runner
+        graphs = runner.graphs
+        compiled_decode = graphs is not None and graphs.compiled
+        compiled_prefill = runner.prefill_compiled and runner.num_slots > 1
+        if not (compiled_decode or compiled_prefill):
             return
         self._prefill_and_drop(PromptInputs([0], {}))
+        if compiled_prefill:
+            prompts = [PromptInputs([0] * n, {}) for n in (2, 3)]
+            step = StepInput(
+                prefill=[PrefillItem(p, [slot]) for slot, p in enumerate(prompts)],
+                rows=[_DROPPED_ROW] * len(prompts),
+            )
+            self.core.executor.execute(step)
+        if not compiled_decode:
+            return
         # One row decodes the smallest bucket; buckets[0] + 1 rows decode the next one.
         row_counts = [1] if len(graphs.buckets) == 1 else [1, graphs.buckets[0] + 1]
         for num_rows in row_counts:
@@ -175,6 +189,7 @@ class Generator:
             sample=True,
             graphs=config.decode_graphs,
             compile=config.decode_compile,
+            prefill_compile=config.prefill_compile,
             packed_linear=config.cpu_packed_linear,
         )
         eos = set(eos_token_ids) | set(model_eos_token_ids(model))
@@ -203,6 +218,7 @@ class Generator:
                 sample=True,
                 graphs=config.decode_graphs,
                 compile=config.decode_compile,
+                prefill_compile=config.prefill_compile,
                 packed_linear=config.cpu_packed_linear,
             )
             executor = LocalExecutor(worker)

@@ -14,6 +14,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from areno.engine.attention import EngineAttention
 from areno.engine.cache import BatchBinding, SlotCache, copy_slot
+from areno.engine.compiled import CompiledForward
 from areno.engine.config import COMPILE_MODES, GRAPH_MODES
 from areno.engine.cpu_linear import PackedLinears, can_pack
 from areno.engine.cuda_graphs import DecodeGraphs
@@ -37,22 +38,25 @@ class ModelRunner:
         max_len: int,
         graphs: str = "auto",
         compile: str = "auto",
+        prefill_compile: str = "off",
         packed_linear: bool = False,
     ):
         """`graphs`: decode through CUDA graphs ("capture"), through the same padded static-shape
         step without capturing ("static", for tests), or plainly ("off"); "auto" captures on
         CUDA only. `compile`: the torch.compile backend of that padded step's forward ("off",
         "inductor", "aot_eager"); "auto" compiles with inductor where graphs are captured.
-        `packed_linear`: uncompiled on CPU in float32, the linear layers run on prepacked oneDNN
+        `prefill_compile`: the torch.compile backend of the text stack in batched prefills
+        (`prefill_batch`); "auto" is the decode step's. `packed_linear`: uncompiled on CPU in float32, the linear layers run on prepacked oneDNN
         weights (areno/engine/cpu_linear.py)."""
         if graphs not in GRAPH_MODES:
             raise ValueError(f"graphs must be one of {GRAPH_MODES}; got {graphs!r}")
-        if compile not in COMPILE_MODES:
-            raise ValueError(f"compile must be one of {COMPILE_MODES}; got {compile!r}")
+        for name, mode in (("compile", compile), ("prefill_compile", prefill_compile)):
+            if mode not in COMPILE_MODES:
+                raise ValueError(f"{name} must be one of {COMPILE_MODES}; got {mode!r}")
         self.model = model.eval()
         self.kernels = EngineKernels(model)
         self.attention = EngineAttention(model)
-        self.max_len = max_len
+        self.num_slots, self.max_len = num_slots, max_len
         self.device = next(model.parameters()).device
         self.text_config = model.config.get_text_config()
         num_layers = self.text_config.num_hidden_layers
@@ -61,7 +65,7 @@ class ModelRunner:
         )
         self.sliding_window = getattr(self.text_config, "sliding_window", None)
         self.cache = SlotCache(self.layer_types, num_slots=num_slots, max_len=max_len)
-        self._final_norm = getattr(model.get_decoder(), "norm", None)
+        self._text_stack = model.get_decoder()
         # Qwen-style multimodal rope: text positions after media are offset by a per-request delta.
         self.uses_mrope = hasattr(model.model, "rope_deltas")
         self.rope_delta = [0] * num_slots
@@ -75,6 +79,13 @@ class ModelRunner:
             raise ValueError(
                 "a compiled decode needs the padded step: graphs 'static' or 'capture'"
             )
+        if prefill_compile == "auto":
+            prefill_compile = compile
+        self._prefill_stack = CompiledForward(
+            self._text_stack.forward,
+            None if prefill_compile == "off" else prefill_compile,
+            "the batched prefill",
+        )
         self.linears = None
         if packed_linear and compile == "off" and can_pack(model):
             self.linears = PackedLinears(model)
@@ -133,14 +144,14 @@ class ModelRunner:
         attention keeps the pads out of every real position, the pads' keys sit past each row's
         prompt until its decode overwrites them, linear-attention layers keep each row's state
         at its last real token (see BatchBinding.lengths_B), and the logits are each row's last
-        real position's."""
+        real position's. The text stack runs compiled where `prefill_compile` asks."""
         lengths = [p.num_prompt_tokens for p in prompts]
         num_tokens = max(lengths)
-        ragged = min(lengths) != num_tokens
-        assert not ragged or self.can_pad_prefill, "unequal lengths need can_pad_prefill"
+        assert min(lengths) == num_tokens or self.can_pad_prefill, "unequal lengths need padding"
         first_slots = to_device(torch.tensor([s[0] for s in slots]), self.device)
         positions = torch.arange(num_tokens, device=self.device).expand(len(prompts), -1)
-        lengths_B = to_device(torch.tensor(lengths), self.device) if ragged else None
+        # NOTE: lengths travel even when all are equal, so that one compiled graph serves both.
+        lengths_B = to_device(torch.tensor(lengths), self.device)
         binding = BatchBinding(first_slots, positions, num_tokens, lengths_B=lengths_B)
         self.cache.bind(binding, is_prefill=True)
         if self.uses_mrope:
@@ -152,8 +163,7 @@ class ModelRunner:
             )
             for key in prompts[0].model_inputs()
         }
-        keep_last = self._keep_positions(lengths_B - 1) if ragged else contextlib.nullcontext()
-        with self._engine_context(), keep_last:
+        with self._engine_context(), self._last_real_positions(lengths_B - 1):
             out = self.model(
                 **model_inputs, past_key_values=self.cache, use_cache=True, logits_to_keep=1
             )
@@ -170,24 +180,35 @@ class ModelRunner:
 
     @property
     def can_pad_prefill(self) -> bool:
-        """Whether prompts of unequal lengths may share a prefill: the text stack ends in a
-        final norm, whose output `_keep_positions` narrows to each row's last real token."""
-        return self._final_norm is not None
+        """Whether prompts of unequal lengths may share a prefill: the model's text stack is a
+        module of its own, whose output `_last_real_positions` narrows to each row's last real
+        token."""
+        return isinstance(self._text_stack, torch.nn.Module)
+
+    @property
+    def prefill_compiled(self) -> bool:
+        """Whether batched prefills run the text stack compiled."""
+        return self._prefill_stack.compiled
 
     @contextlib.contextmanager
-    def _keep_positions(self, positions_B: torch.Tensor):
-        """Within the block, the text stack's final hidden states are row b's at
-        `positions_B[b]` only, (B, 1, H): the model's `logits_to_keep=1` then projects those."""
+    def _last_real_positions(self, positions_B: torch.Tensor):
+        """Within the block, the text stack runs through `_prefill_stack` (compiled or not) and
+        its final hidden states are row b's at `positions_B[b]` only, (B, 1, H): the model's
+        `logits_to_keep=1` then projects those."""
+        stack = self._text_stack
         rows_B = torch.arange(len(positions_B), device=positions_B.device)
 
-        def narrow(module, args, hidden_BLH):
-            return hidden_BLH[rows_B, positions_B][:, None]
+        def forward(*args, **kwargs):
+            out = self._prefill_stack(*args, **kwargs)
+            out.last_hidden_state = out.last_hidden_state[rows_B, positions_B][:, None]
+            return out
 
-        handle = self._final_norm.register_forward_hook(narrow)
+        assert "forward" not in vars(stack), "the text stack's forward is its class's"
+        stack.forward = forward
         try:
             yield
         finally:
-            handle.remove()
+            del stack.forward
 
     @torch.inference_mode()
     def decode(

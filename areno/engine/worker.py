@@ -137,16 +137,22 @@ class Worker:
         tensor_parallel: bool = False,
         graphs: str = "auto",
         compile: str = "auto",
+        prefill_compile: str = "auto",
         packed_linear: bool = False,
     ):
         """`packed_linear`: on CPU in float32, linear layers run on prepacked oneDNN weights
-        (areno/engine/cpu_linear.py); not under tensor parallelism, whose shards are DTensors."""
+        (areno/engine/cpu_linear.py); not under tensor parallelism, whose shards are DTensors.
+        `prefill_compile` "auto" compiles batched prefills as the decode step is compiled, but
+        not under tensor parallelism (not yet run there on a GPU)."""
+        if prefill_compile == "auto" and tensor_parallel:
+            prefill_compile = "off"
         self.runner = ModelRunner(
             model,
             num_slots=num_slots,
             max_len=max_len,
             graphs=graphs,
             compile=compile,
+            prefill_compile=prefill_compile,
             packed_linear=packed_linear and not tensor_parallel,
         )
         self.samples = sample

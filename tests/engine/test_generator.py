@@ -392,10 +392,14 @@ def test_the_engine_freezes_what_lives_at_start_out_of_garbage_collection(setups
     assert out.finished and gc.get_freeze_count() == 0
 
 
+@pytest.mark.parametrize("prefill_compile", ["off", "eager"])
 @pytest.mark.parametrize("family", ["qwen3_5", "gemma4"])
-def test_text_prompts_of_unequal_lengths_arriving_together_equal_generate(setups, family, overlap):
+def test_text_prompts_of_unequal_lengths_arriving_together_equal_generate(
+    setups, family, overlap, prefill_compile
+):
     """Prompts admitted in one step share a padded prefill (`worker.prefill_groups`); each gives
-    what transformers' generate gives it alone."""
+    what transformers' generate gives it alone, also when that prefill runs compiled (dynamo's
+    trace, as inductor gets it; compiled during the engine's warm-up)."""
     setup = setups(family)
     inputs = [
         setup.encode(text(t))
@@ -403,7 +407,7 @@ def test_text_prompts_of_unequal_lengths_arriving_together_equal_generate(setups
     ]
     assert len({x.num_prompt_tokens for x in inputs}) == 3
     expected = [setup.reference(x, GREEDY.max_tokens) for x in inputs]
-    gen = setup.generator(overlap_steps=overlap)
+    gen = setup.generator(overlap_steps=overlap, prefill_compile=prefill_compile)
     runner = gen.core.executor.worker.runner
     batched: list[list[int]] = []
     prefill_batch = runner.prefill_batch
@@ -428,6 +432,7 @@ def test_text_prompts_of_unequal_lengths_arriving_together_equal_generate(setups
         gen.shutdown()
     assert batched == [sorted(x.num_prompt_tokens for x in inputs)]  # one padded forward
     assert [out.samples[0].token_ids for out in outputs] == expected
+    assert runner.prefill_compiled == (prefill_compile != "off")  # no fallback
 
 
 def test_more_requests_than_slots_queue_and_all_finish(setups, overlap):

@@ -63,10 +63,14 @@ def test_cuda_graph_decode_equals_eager(tiny_path, family):
     assert graphed == eager
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-def test_a_padded_prefill_equals_one_at_a_time_on_cuda(tiny_path, family):
+@pytest.mark.parametrize(
+    ("family", "prefill_compile"),
+    [(family, "off") for family in FAMILIES] + [("qwen3_5", "inductor"), ("gemma4", "inductor")],
+)
+def test_a_padded_prefill_equals_one_at_a_time_on_cuda(tiny_path, family, prefill_compile):
     """Prompts of unequal lengths in one right-padded prefill (the Triton gated-delta kernel
-    for Qwen3.5's linear attention) give each prompt's own logits and decode steps."""
+    for Qwen3.5's linear attention), also with the text stack compiled by inductor, give each
+    prompt's own logits and decode steps."""
     from areno.models import get_adapter
     from areno.models.registry import read_model_type
 
@@ -75,11 +79,15 @@ def test_a_padded_prefill_equals_one_at_a_time_on_cuda(tiny_path, family):
     torch.manual_seed(0)
     prompts = [PromptInputs(torch.randint(5, 500, (n,)).tolist(), {}) for n in (9, 40, 17, 300, 3)]
     alone = ModelRunner(model, num_slots=8, max_len=512, graphs="off")
-    together = ModelRunner(model, num_slots=8, max_len=512, graphs="off")
+    together = ModelRunner(
+        model, num_slots=8, max_len=512, graphs="off", prefill_compile=prefill_compile
+    )
+    together.prefill(prompts[0], [SLOTS[0]])  # the cache allocates uncompiled, as the engine's
     slots = [[s] for s in SLOTS]
     want = torch.stack([alone.prefill(p, s) for p, s in zip(prompts, slots, strict=True)])
     have = together.prefill_batch(prompts, slots)
     assert torch.allclose(have, want, atol=1e-3)
+    assert together.prefill_compiled == (prefill_compile != "off")
     positions = [p.num_prompt_tokens for p in prompts]
     tokens = want.argmax(-1).tolist()
     for _ in range(4):

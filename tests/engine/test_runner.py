@@ -245,6 +245,37 @@ def test_a_padded_prefill_of_unequal_lengths_equals_one_at_a_time(tiny_path, fam
         tokens = step.argmax(-1).tolist()
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_compiled_batched_prefill_is_one_graph_for_every_shape(tiny_path, family):
+    """The text stack of a batched prefill compiles once, without breaks, for any number of
+    prompts and any lengths, equal or not, and gives the uncompiled runner's logits and
+    cache (the decode step after)."""
+    from torch._dynamo.utils import counters
+
+    _, _, model = load(tiny_path, family)
+    plain = ModelRunner(model, num_slots=6, max_len=64)
+    compiled = ModelRunner(model, num_slots=6, max_len=64, prefill_compile="eager")
+    for runner in (plain, compiled):  # the cache allocates, uncompiled (as the engine starts)
+        runner.prefill(PromptInputs([5, 9, 11], {}), [5])
+    torch._dynamo.reset()  # an earlier test's compile of this family would be reused, unseen
+    counters.clear()
+    for lengths in ([3, 5, 4], [6, 6], [9, 12, 10, 11, 12, 9], [2, 2]):
+        prompts = [
+            PromptInputs([(7 * i + j) % 50 + 3 for j in range(n)], {})
+            for i, n in enumerate(lengths)
+        ]
+        slots = [[i] for i in range(len(prompts))]
+        want = plain.prefill_batch(prompts, slots)
+        assert torch.allclose(compiled.prefill_batch(prompts, slots), want, atol=1e-5)
+        tokens = want.argmax(-1).tolist()
+        rows = list(range(len(prompts)))
+        step = compiled.decode(rows, lengths, tokens)
+        assert torch.allclose(step, plain.decode(rows, lengths, tokens), atol=1e-5)
+    assert compiled.prefill_compiled
+    assert dict(counters["graph_break"]) == {}
+    assert counters["stats"]["unique_graphs"] == 1
+
+
 def test_prefill_groups_pad_within_a_bound():
     # Equal lengths only, without padding.
     assert prefill_groups([5, 7, 5, 7, 9], pad=False) == [[0, 2], [1, 3], [4]]
