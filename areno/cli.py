@@ -55,6 +55,7 @@ def _serve(args: argparse.Namespace) -> None:
         decode_compile=args.decode_compile,
         prefill_compile=args.prefill_compile,
         overlap_steps=args.overlap_steps,
+        fuse_projections=args.fuse_projections,
     )
     config = ServeConfig(
         model_path=model_path,
@@ -134,6 +135,13 @@ def _add_serve_parser(sub) -> None:
         choices=["auto", "on", "off"],
         help="launch each engine step before reading the previous one's tokens (auto: on CUDA "
         "with --tp-size 1)",
+    )
+    serve.add_argument(
+        "--fuse-projections",
+        default="auto",
+        choices=["auto", "on", "off"],
+        help="run each layer's sibling projections (q/k/v, gate/up) as one matmul (auto: on "
+        "CUDA with --tp-size 1)",
     )
     serve.add_argument(
         "--allowed-local-media-path",

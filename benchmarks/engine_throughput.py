@@ -23,9 +23,9 @@ concurrency * copy bandwidth / weight bytes tokens/s. Prints a table per model a
     python benchmarks/engine_throughput.py --workload gpu [--model qwen3-1.7b qwen3.5-2b]
 
 `--decode-compile`, `--cpu-linear`, `--kernels` (the engine's Triton kernels or their PyTorch
-references, `areno/engine/kernels/`), `--overlap-steps` (`EngineConfig.overlap_steps`) and
-`--prefill-compile` (`EngineConfig.prefill_compile`) each take several values, giving one engine
-row per value.
+references, `areno/engine/kernels/`), `--overlap-steps`, `--prefill-compile` and
+`--fuse-projections` (the `EngineConfig` fields of those names) each take several values, giving
+one engine row per combination.
 """
 
 from __future__ import annotations
@@ -208,6 +208,7 @@ def run_engine(
     triton_kernels: bool = True,
     overlap_steps: str = "auto",
     prefill_compile: str = "auto",
+    fuse_projections: str = "auto",
 ) -> dict:
     """AReno's engine on the same requests: all submitted at once in arrival order, at most
     `concurrency` decoding (the engine's cache slots), greedy, token ids only (no detokenizing,
@@ -223,6 +224,7 @@ def run_engine(
         cpu_packed_linear=packed_linear,
         overlap_steps=overlap_steps,
         prefill_compile=prefill_compile,
+        fuse_projections=fuse_projections,
     )
     with contextlib.nullcontext() if triton_kernels else references_only():
         return _run_engine(model, tokenizer, requests, concurrency, config)
@@ -352,22 +354,37 @@ def run_model(name: str, args: argparse.Namespace, bandwidth_gb_s: float) -> dic
         )
     # NOTE: the engine runs last: its runner routes the model's linear-attention layers through
     # the engine's own kernels inside its forwards, and the baseline must be transformers' code.
-    variants = itertools.product(
-        args.prefill_compile, args.overlap_steps, args.kernels, args.cpu_linear, args.decode_compile
-    )
-    for prefill, overlap, kernels, linear, mode in variants:
-        system = "engine"
-        for value, choices in (
-            (mode, args.decode_compile),
-            (linear, args.cpu_linear),
-            (kernels, args.kernels),
-            (f"overlap-{overlap}", args.overlap_steps),
-            (f"prefill-{prefill}", args.prefill_compile),
-        ):
-            if len(choices) > 1:
-                system += f"-{value}"
-        systems[system] = lambda m=mode, p=linear == "packed", k=kernels, o=overlap, c=prefill: (
-            run_engine(model, tokenizer, requests, args.concurrency, m, p, k == "triton", o, c)
+    # One engine row per combination of the engine options given several values; a row is
+    # named by those values.
+    options = {
+        "decode_compile": args.decode_compile,
+        "cpu_linear": args.cpu_linear,
+        "kernels": args.kernels,
+        "overlap_steps": args.overlap_steps,
+        "prefill_compile": args.prefill_compile,
+        "fuse_projections": args.fuse_projections,
+    }
+    labels = {
+        "overlap_steps": "overlap-",
+        "prefill_compile": "prefill-",
+        "fuse_projections": "fuse-",
+    }
+    for values in itertools.product(*options.values()):
+        chosen = dict(zip(options, values, strict=True))
+        system = "engine" + "".join(
+            f"-{labels.get(name, '')}{chosen[name]}" for name in options if len(options[name]) > 1
+        )
+        systems[system] = lambda c=chosen: run_engine(
+            model,
+            tokenizer,
+            requests,
+            args.concurrency,
+            c["decode_compile"],
+            c["cpu_linear"] == "packed",
+            c["kernels"] == "triton",
+            c["overlap_steps"],
+            c["prefill_compile"],
+            c["fuse_projections"],
         )
     rows = []
     for system, run in systems.items():
@@ -479,6 +496,13 @@ def parse_args() -> argparse.Namespace:
         choices=COMPILE_MODES,
         default=["auto"],
         help="EngineConfig.prefill_compile (auto: as the decode); several give one row each",
+    )
+    parser.add_argument(
+        "--fuse-projections",
+        nargs="+",
+        choices=["auto", "on", "off"],
+        default=["auto"],
+        help="EngineConfig.fuse_projections (auto: on CUDA); several give one row each",
     )
     parser.add_argument(
         "--out", help="default: benchmarks/results/engine_throughput_<workload>.json"

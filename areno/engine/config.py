@@ -10,7 +10,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 GRAPH_MODES = ("auto", "off", "static", "capture")
 COMPILE_MODES = ("auto", "off", "inductor", "aot_eager", "eager")
-OVERLAP_MODES = ("auto", "on", "off")
+ON_OFF_MODES = ("auto", "on", "off")
 
 
 @dataclass(frozen=True)
@@ -37,6 +37,10 @@ class EngineConfig:
     prefill_compile: the torch.compile backend of the text stack when prompts without media
         share a prefill forward: "auto" is the decode step's, except under tensor parallelism
         (off there). Media prompts prefill uncompiled.
+    fuse_projections: run each layer's sibling projections of one input (query / key / value,
+        gate / up, a gated-delta-net's four) as one matmul over a fused weight, of which the
+        parameters become views (areno/engine/fused_linear.py). "auto" is "on" on CUDA without
+        tensor parallelism; on CPU the packed linear layers take precedence.
     cpu_packed_linear: on CPU in float32 without tensor parallelism, run the model's linear
         layers through oneDNN with prepacked weights (areno/engine/cpu_linear.py); False keeps
         aten's matmul.
@@ -62,6 +66,7 @@ class EngineConfig:
     prefill_compile: str = "auto"
     cpu_packed_linear: bool = True
     overlap_steps: str = "auto"
+    fuse_projections: str = "auto"
 
     def __post_init__(self) -> None:
         for name in ("tp_size", "max_running_prompts", "max_prefill_tokens_per_step"):
@@ -96,13 +101,14 @@ class EngineConfig:
                 f"cpu_packed_linear must be true or false; got {self.cpu_packed_linear!r}",
                 param="cpu_packed_linear",
             )
-        if isinstance(self.overlap_steps, bool):  # YAML reads a bare on / off as a boolean
-            object.__setattr__(self, "overlap_steps", "on" if self.overlap_steps else "off")
-        if self.overlap_steps not in OVERLAP_MODES:
-            raise ConfigError(
-                f"overlap_steps must be one of {OVERLAP_MODES}; got {self.overlap_steps!r}",
-                param="overlap_steps",
-            )
+        for name in ("overlap_steps", "fuse_projections"):
+            value = getattr(self, name)
+            if isinstance(value, bool):  # YAML reads a bare on / off as a boolean
+                object.__setattr__(self, name, "on" if value else "off")
+            if getattr(self, name) not in ON_OFF_MODES:
+                raise ConfigError(
+                    f"{name} must be one of {ON_OFF_MODES}; got {value!r}", param=name
+                )
         if self.overlap_steps == "on" and self.tp_size > 1:
             raise ConfigError(
                 "overlap_steps needs tp_size 1: the followers of a tensor-parallel group take "

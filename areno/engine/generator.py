@@ -191,6 +191,7 @@ class Generator:
             compile=config.decode_compile,
             prefill_compile=config.prefill_compile,
             packed_linear=config.cpu_packed_linear,
+            fuse_projections=config.fuse_projections,
         )
         eos = set(eos_token_ids) | set(model_eos_token_ids(model))
         return cls(
@@ -220,6 +221,7 @@ class Generator:
                 compile=config.decode_compile,
                 prefill_compile=config.prefill_compile,
                 packed_linear=config.cpu_packed_linear,
+                fuse_projections=config.fuse_projections,
             )
             executor = LocalExecutor(worker)
         else:

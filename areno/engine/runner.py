@@ -18,6 +18,7 @@ from areno.engine.compiled import CompiledForward
 from areno.engine.config import COMPILE_MODES, GRAPH_MODES
 from areno.engine.cpu_linear import PackedLinears, can_pack
 from areno.engine.cuda_graphs import DecodeGraphs
+from areno.engine.fused_linear import FusedLinears
 from areno.engine.linear_attention import EngineKernels
 from areno.engine.transfer import to_device
 from areno.processing.types import PromptInputs
@@ -40,14 +41,17 @@ class ModelRunner:
         compile: str = "auto",
         prefill_compile: str = "off",
         packed_linear: bool = False,
+        fuse_projections: bool = False,
     ):
         """`graphs`: decode through CUDA graphs ("capture"), through the same padded static-shape
         step without capturing ("static", for tests), or plainly ("off"); "auto" captures on
         CUDA only. `compile`: the torch.compile backend of that padded step's forward ("off",
         "inductor", "aot_eager"); "auto" compiles with inductor where graphs are captured.
         `prefill_compile`: the torch.compile backend of the text stack in batched prefills
-        (`prefill_batch`); "auto" is the decode step's. `packed_linear`: uncompiled on CPU in float32, the linear layers run on prepacked oneDNN
-        weights (areno/engine/cpu_linear.py)."""
+        (`prefill_batch`); "auto" is the decode step's. `packed_linear`: uncompiled on CPU in
+        float32, the linear layers run on prepacked oneDNN weights (areno/engine/cpu_linear.py).
+        `fuse_projections`: sibling projections of one input run as one matmul where the linear
+        layers are not packed (areno/engine/fused_linear.py)."""
         if graphs not in GRAPH_MODES:
             raise ValueError(f"graphs must be one of {GRAPH_MODES}; got {graphs!r}")
         for name, mode in (("compile", compile), ("prefill_compile", prefill_compile)):
@@ -89,6 +93,9 @@ class ModelRunner:
         self.linears = None
         if packed_linear and compile == "off" and can_pack(model):
             self.linears = PackedLinears(model)
+        self.fused = None
+        if fuse_projections and self.linears is None:
+            self.fused = FusedLinears(self._text_stack)
         self.graphs = None
         if graphs != "off":
             self.graphs = DecodeGraphs(
@@ -106,6 +113,8 @@ class ModelRunner:
         stack.enter_context(self.attention)
         if self.linears is not None:
             stack.enter_context(self.linears)
+        if self.fused is not None:
+            stack.enter_context(self.fused)
         if self.device.type == "cuda":
             stack.enter_context(sdpa_kernel(_CUDA_ATTENTION))
         return stack

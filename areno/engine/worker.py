@@ -139,13 +139,18 @@ class Worker:
         compile: str = "auto",
         prefill_compile: str = "auto",
         packed_linear: bool = False,
+        fuse_projections: str = "auto",
     ):
         """`packed_linear`: on CPU in float32, linear layers run on prepacked oneDNN weights
         (areno/engine/cpu_linear.py); not under tensor parallelism, whose shards are DTensors.
         `prefill_compile` "auto" compiles batched prefills as the decode step is compiled, but
-        not under tensor parallelism (not yet run there on a GPU)."""
+        not under tensor parallelism (not yet run there on a GPU). `fuse_projections` "auto"
+        fuses on CUDA without tensor parallelism, whose shards cannot be concatenated."""
         if prefill_compile == "auto" and tensor_parallel:
             prefill_compile = "off"
+        if fuse_projections == "auto":
+            on_cuda = next(model.parameters()).device.type == "cuda"
+            fuse_projections = "on" if on_cuda and not tensor_parallel else "off"
         self.runner = ModelRunner(
             model,
             num_slots=num_slots,
@@ -154,6 +159,7 @@ class Worker:
             compile=compile,
             prefill_compile=prefill_compile,
             packed_linear=packed_linear and not tensor_parallel,
+            fuse_projections=fuse_projections == "on",
         )
         self.samples = sample
         self.tensor_parallel = tensor_parallel

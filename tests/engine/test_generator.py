@@ -507,7 +507,10 @@ def test_pause_drain_waits_for_running_requests(setups, overlap):
     assert done_at_pause and len(output.samples[0].token_ids) == 20
 
 
-def test_update_weights_changes_outputs_and_policy_version(setups, tiny_path, overlap):
+@pytest.mark.parametrize("fuse", ["off", "on"])
+def test_update_weights_changes_outputs_and_policy_version(setups, tiny_path, overlap, fuse):
+    """Also with fused projections, whose parameters are views of the fused weights: the
+    update's in-place copies reach the fused matmuls."""
     from areno.models.tiny import build_tiny
 
     setup = setups("qwen3_5")
@@ -518,8 +521,15 @@ def test_update_weights_changes_outputs_and_policy_version(setups, tiny_path, ov
     gen = Generator.from_model(
         Setup(tiny_path("qwen3_5")).model,  # a private copy: the update writes in place
         setup.processor.tokenizer,
-        EngineConfig(max_running_prompts=2, max_context_len=512, overlap_steps=overlap),
+        EngineConfig(
+            max_running_prompts=2,
+            max_context_len=512,
+            overlap_steps=overlap,
+            fuse_projections=fuse,
+            cpu_packed_linear=False,
+        ),
     )
+    assert (gen.core.executor.worker.runner.fused is not None) == (fuse == "on")
     try:
         before = run(gen.generate_all(x, GREEDY))
         with pytest.raises(WeightUpdateError, match="no parameter named"):
