@@ -38,11 +38,14 @@ class _Group:
         self.names = names
         self.linears = linears
         self.sizes = [m.out_features for m in linears]
+        # NOTE: Parameters (unregistered, without grad), as the siblings' were: torch.compile
+        # keeps a parameter's sizes static under dynamic=True, where a plain tensor reached
+        # through a closure may be given symbolic ones.
         with torch.no_grad():
-            self.weight = torch.cat([m.weight for m in linears])
+            self.weight = _parameter(torch.cat([m.weight for m in linears]))
             self.bias = None
             if linears[0].bias is not None:
-                self.bias = torch.cat([m.bias for m in linears])
+                self.bias = _parameter(torch.cat([m.bias for m in linears]))
         self.input: torch.Tensor | None = None
         self.outputs: list[torch.Tensor] | None = None
         # Each sibling's parameters become views of its rows of the fused tensors.
@@ -67,6 +70,10 @@ class _Group:
 
     def release(self) -> None:
         self.input = self.outputs = None
+
+
+def _parameter(tensor: torch.Tensor) -> torch.nn.Parameter:
+    return torch.nn.Parameter(tensor, requires_grad=False)
 
 
 def _fusable(linears: list) -> bool:

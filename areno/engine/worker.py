@@ -139,7 +139,7 @@ class Worker:
         compile: str = "auto",
         prefill_compile: str = "auto",
         packed_linear: bool = False,
-        fuse_projections: str = "auto",
+        fuse_projections: str = "off",
     ):
         """`packed_linear`: on CPU in float32, linear layers run on prepacked oneDNN weights
         (areno/engine/cpu_linear.py); not under tensor parallelism, whose shards are DTensors.

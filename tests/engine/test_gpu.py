@@ -119,9 +119,8 @@ def test_cuda_graphs_on_a_second_gpu_after_the_first_captured(tiny_path):
 
 
 def test_generator_on_cuda_bf16(tiny_path):
-    gen = Generator.from_config(
-        tiny_path("qwen3_5"), EngineConfig(max_running_prompts=4, max_context_len=256)
-    )
+    config = EngineConfig(max_running_prompts=4, max_context_len=256, fuse_projections="auto")
+    gen = Generator.from_config(tiny_path("qwen3_5"), config)
     try:
         out = asyncio.run(
             gen.generate_all(
@@ -132,6 +131,7 @@ def test_generator_on_cuda_bf16(tiny_path):
     finally:
         gen.shutdown()
     assert gen.core.executor.worker.device.type == "cuda"
+    assert gen.core.executor.worker.runner.fused is not None
     assert [len(s.token_ids) for s in out.samples] == [16, 16, 16]
     assert all(lp <= 0 for s in out.samples for lp in s.logprobs)
 
@@ -201,7 +201,9 @@ def _share_weights(shapes, queue, done) -> None:
 def test_update_weights_by_cuda_ipc(tiny_path):
     import multiprocessing
 
-    config = EngineConfig(max_running_prompts=2, max_context_len=128, decode_compile="off")
+    config = EngineConfig(
+        max_running_prompts=2, max_context_len=128, decode_compile="off", fuse_projections="on"
+    )
     gen = Generator.from_config(tiny_path("qwen3_5"), config)
     context = multiprocessing.get_context("spawn")
     queue, done = context.Queue(), context.Event()
