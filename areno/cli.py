@@ -127,7 +127,7 @@ def _add_serve_parser(sub) -> None:
         default="auto",
         choices=["auto", "off", "inductor"],
         help="torch.compile the text stack of batched prefills (auto: as the decode step, not "
-        "with --tp-size > 1; about a minute more at start-up)",
+        "with --tp-size > 1; its compile takes about as long as the decode step's)",
     )
     serve.add_argument(
         "--overlap-steps",
