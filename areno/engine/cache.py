@@ -41,6 +41,16 @@ class BatchBinding:
         return storage[self.slots_B]
 
 
+def _static(storage: torch.Tensor) -> torch.Tensor:
+    """A cache storage tensor whose sizes torch.compile keeps static under dynamic=True.
+
+    NOTE: a compiled step otherwise gave each layer's storage its own symbols for the slot count
+    and the context length (two per tensor, 112 for a 28-layer model's keys and values), and
+    reasoning about them was most of the compile's time."""
+    torch._dynamo.mark_static(storage)
+    return storage
+
+
 class SlotAttentionLayer(CacheLayerMixin):
     """KV storage (num_slots, kv_heads, max_len, head_dim), allocated on first write."""
 
@@ -55,8 +65,10 @@ class SlotAttentionLayer(CacheLayerMixin):
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         _, heads, _, head_dim = key_states.shape
         shape = (self.num_slots, heads, self.max_len, head_dim)
-        self.keys = torch.zeros(shape, dtype=key_states.dtype, device=key_states.device)
-        self.values = torch.zeros(shape, dtype=value_states.dtype, device=value_states.device)
+        self.keys = _static(torch.zeros(shape, dtype=key_states.dtype, device=key_states.device))
+        self.values = _static(
+            torch.zeros(shape, dtype=value_states.dtype, device=value_states.device)
+        )
         self.is_initialized = True
 
     def update(self, key_states, value_states, *args, **kwargs):
@@ -105,8 +117,8 @@ class SlotLinearState:
         conv, recurrent = layer.conv_states[0], layer.recurrent_states[0]
         if self.conv is None:
             self.kernel_size = layer.conv_kernel_size[0]
-            self.conv = conv.new_zeros((self.num_slots, *conv.shape[1:]))
-            self.recurrent = recurrent.new_zeros((self.num_slots, *recurrent.shape[1:]))
+            self.conv = _static(conv.new_zeros((self.num_slots, *conv.shape[1:])))
+            self.recurrent = _static(recurrent.new_zeros((self.num_slots, *recurrent.shape[1:])))
         if binding.slot_range is not None and not is_prefill:
             return  # the layer worked on views of our storage
         self.conv[binding.slots_B] = conv
