@@ -15,13 +15,14 @@ log = logging.getLogger(__name__)
 
 
 class CompiledForward:
-    """`forward` compiled with `backend` and dynamic sizes (None: never compiled).
+    """`forward` compiled with `backend` (a torch.compile backend, by name or callable; None:
+    never compiled) and dynamic sizes.
 
     A compile error logs a warning naming `what`, and from then on `forward` runs uncompiled:
     compiling happens before the graph runs, so nothing was written yet when it fails.
     """
 
-    def __init__(self, forward: Callable[..., Any], backend: str | None, what: str):
+    def __init__(self, forward: Callable[..., Any], backend: str | Callable | None, what: str):
         self.forward = forward
         self.what = what
         self._compiled = None
