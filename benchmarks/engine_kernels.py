@@ -7,7 +7,8 @@
 - gated delta, decode: one token per row through the recurrent state (16 heads of 128 x 128
   fp32). Baseline: the engine's four-pass PyTorch update. Floor: the state read and written once.
 - gated delta, prefill: 32 prompts x 256 tokens from a zero state. Baseline: transformers'
-  chunked PyTorch delta rule (what runs without flash-linear-attention).
+  chunked PyTorch delta rule (what runs without flash-linear-attention). The engine's launch,
+  then others: value columns per program, warps, inputs loaded a token ahead or not.
 
 Decode kernels are timed as the engine runs them, replayed from a CUDA graph (10 calls per
 replay); the prefill eagerly. Prints a table and writes JSON.
@@ -31,7 +32,7 @@ from engine_workloads import copy_bandwidth_gb_s, write_results  # noqa: E402
 import areno.engine.kernels.decode_attention as attention_kernel  # noqa: E402
 from areno.engine.kernels import references_only  # noqa: E402
 from areno.engine.kernels.decode_attention import decode_attention  # noqa: E402
-from areno.engine.kernels.gated_delta import gated_delta  # noqa: E402
+from areno.engine.kernels.gated_delta import gated_delta, launch_choices  # noqa: E402
 from areno.engine.linear_attention import recurrent_update  # noqa: E402
 
 ROWS, PROMPT, CACHED = 64, 256, 384
@@ -141,12 +142,24 @@ def gated_delta_rows(bandwidth: float) -> list[dict]:
         5,
     )
 
-    def recurrent():
-        nq = F.normalize(q.float(), dim=-1, eps=1e-6) * dim**-0.5
-        gated_delta(None, nq, F.normalize(k.float(), dim=-1, eps=1e-6), v, b, g.exp())
-
-    prefill = _row("gated delta prefill", "qwen3.5-2b", chunked, _timed(recurrent, 5), None)
-    return [decode, prefill]
+    nq = F.normalize(q.float(), dim=-1, eps=1e-6) * dim**-0.5
+    nk = F.normalize(k.float(), dim=-1, eps=1e-6)
+    rows = [decode]
+    engine = launch_choices(PROMPT, dim)
+    # The engine's launch first, then the launch choices around it (the kernel's docstring).
+    for block_v, num_warps, prefetch in [
+        (engine["block_v"], engine["num_warps"], engine["prefetch"]),
+        *[(bv, w, p) for p in (False, True) for bv in (16, 32, 64) for w in (1, 2, 4, 8)],
+    ]:
+        launch = {"block_v": block_v, "num_warps": num_warps, "prefetch": prefetch}
+        name = f"gated delta prefill v{block_v} w{num_warps}" + (" ahead" if prefetch else "")
+        if launch == engine:
+            if len(rows) > 1:
+                continue  # measured first
+            name += " (engine)"
+        kernel_ms = _timed(lambda la=launch: gated_delta(None, nq, nk, v, b, g.exp(), **la), 5)
+        rows.append(_row(name, "qwen3.5-2b", chunked, kernel_ms, None))
+    return rows
 
 
 def _row(kernel: str, model: str, torch_ms: float, triton_ms: float, floor_ms) -> dict:
@@ -167,12 +180,12 @@ def main() -> None:
     bandwidth = copy_bandwidth_gb_s(torch.device("cuda"), 1 << 30)
     rows = attention_rows(bandwidth) + gated_delta_rows(bandwidth)
     print(
-        f"{'kernel':<34} {'shape':<11} {'pytorch ms':>10} {'triton ms':>10} {'x':>6} {'floor ms':>9}"
+        f"{'kernel':<40} {'shape':<11} {'pytorch ms':>10} {'triton ms':>10} {'x':>6} {'floor ms':>9}"
     )
     for r in rows:
         floor = f"{r['floor_ms']:.4f}" if r["floor_ms"] is not None else "-"
         print(
-            f"{r['kernel']:<34} {r['shape']:<11} {r['pytorch_ms']:>10.4f} {r['triton_ms']:>10.4f} "
+            f"{r['kernel']:<40} {r['shape']:<11} {r['pytorch_ms']:>10.4f} {r['triton_ms']:>10.4f} "
             f"{r['speedup']:>6.2f} {floor:>9}"
         )
     meta = {"copy_bandwidth_gb_s": bandwidth, "rows": ROWS, "prompt": PROMPT, "cached_keys": CACHED}

@@ -77,7 +77,10 @@ def test_decode_attention_matches_its_reference(dtype, heads, kv_heads, dim, win
 @needs_kernels
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("num_tokens", [1, 37])
-def test_gated_delta_matches_its_reference_and_updates_the_state_in_place(dtype, num_tokens):
+@pytest.mark.parametrize("prefetch", [True, False])
+def test_gated_delta_matches_its_reference_and_updates_the_state_in_place(
+    dtype, num_tokens, prefetch
+):
     torch.manual_seed(0)
     batch, num_k, num_v, dk, dv = 3, 2, 4, 128, 64
     query = F.normalize(torch.randn(batch, num_tokens, num_k, dk, device=DEVICE), dim=-1) * dk**-0.5
@@ -88,12 +91,12 @@ def test_gated_delta_matches_its_reference_and_updates_the_state_in_place(dtype,
     storage = torch.randn(batch + 2, num_v, dk, dv, device=DEVICE)
     state = storage[1 : batch + 1]  # the slot cache's rows, a view
     want_out, want_state = gated_delta_reference(state, query, key, value, beta, decay)
-    have_out, have_state = gated_delta(state, query, key, value, beta, decay)
+    have_out, have_state = gated_delta(state, query, key, value, beta, decay, prefetch=prefetch)
     assert have_state is state
     torch.testing.assert_close(have_out, want_out, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(storage[1 : batch + 1], want_state, atol=1e-4, rtol=1e-4)
 
-    fresh_out, fresh_state = gated_delta(None, query, key, value, beta, decay)
+    fresh_out, fresh_state = gated_delta(None, query, key, value, beta, decay, prefetch=prefetch)
     want_out, want_state = gated_delta_reference(None, query, key, value, beta, decay)
     torch.testing.assert_close(fresh_out, want_out, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(fresh_state, want_state, atol=1e-4, rtol=1e-4)
