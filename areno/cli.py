@@ -138,10 +138,10 @@ def _add_serve_parser(sub) -> None:
     )
     serve.add_argument(
         "--fuse-projections",
-        default="off",
+        default="auto",
         choices=["auto", "on", "off"],
         help="run each layer's sibling projections (q/k/v, gate/up) as one matmul (auto: on "
-        "CUDA with --tp-size 1; off by default until measured end to end on a GPU)",
+        "CUDA with --tp-size 1)",
     )
     serve.add_argument(
         "--allowed-local-media-path",

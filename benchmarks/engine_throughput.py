@@ -208,7 +208,7 @@ def run_engine(
     triton_kernels: bool = True,
     overlap_steps: str = "auto",
     prefill_compile: str = "auto",
-    fuse_projections: str = "off",
+    fuse_projections: str = "auto",
 ) -> dict:
     """AReno's engine on the same requests: all submitted at once in arrival order, at most
     `concurrency` decoding (the engine's cache slots), greedy, token ids only (no detokenizing,
@@ -501,7 +501,7 @@ def parse_args() -> argparse.Namespace:
         "--fuse-projections",
         nargs="+",
         choices=["auto", "on", "off"],
-        default=["off"],
+        default=["auto"],
         help="EngineConfig.fuse_projections (auto: on CUDA); several give one row each",
     )
     parser.add_argument(

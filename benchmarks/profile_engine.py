@@ -93,6 +93,7 @@ def profile_one(
     device,
     overlap: str = "off",
     prefill_compile: str = "auto",
+    fuse_projections: str = "auto",
 ) -> dict:
     max_len = max(r["prompt_inputs"].num_prompt_tokens + r["max_tokens"] for r in requests)
     config = EngineConfig(
@@ -101,6 +102,7 @@ def profile_one(
         decode_compile=compile_mode,
         overlap_steps=overlap,
         prefill_compile=prefill_compile,
+        fuse_projections=fuse_projections,
     )
     start = time.perf_counter()
     generator = Generator.from_model(model, None, config)
@@ -137,6 +139,7 @@ def profile_one(
         "decode_compile": compile_mode,
         "overlap_steps": overlap,
         "prefill_compile": prefill_compile,
+        "fuse_projections": fuse_projections,
         "warmup_s": warmup_s,
         "wall_s": wall_s,
         "tok_s": tokens / wall_s,
@@ -148,23 +151,47 @@ def profile_one(
 
 
 def kernel_profile(generator, requests, device) -> dict:
-    """GPU kernel time of steady decode steps: profile a batch of long requests mid-decode."""
+    """GPU kernel time of steady decode steps (a batch of requests decoding 40 tokens), and of
+    one batch's prefill alone (the same prompts with one output token: its prefill forwards and
+    a first sampling only), each per step."""
     if device.type != "cuda":
         return {}
-    long = [dict(r, max_tokens=40) for r in requests]
+    decode = _profiled(generator, [dict(r, max_tokens=40) for r in requests], 40)
+    worker = generator.core.executor.worker
+    calls = {"prefill": 0}
+    inner = worker._prefill
 
+    def counted(*args, **kwargs):
+        calls["prefill"] += 1
+        return inner(*args, **kwargs)
+
+    worker._prefill = counted
+    try:
+        prefill = _profiled(generator, [dict(r, max_tokens=1) for r in requests], None, calls)
+    finally:
+        worker._prefill = inner
+    return {
+        "profiled_steps": 40,
+        **decode,
+        "prefill_steps": calls["prefill"],
+        **{f"prefill_{key}": value for key, value in prefill.items()},
+    }
+
+
+def _profiled(generator, requests, steps: int | None, calls: dict | None = None) -> dict:
+    """Kernel time per step of running `requests`: `steps` steps, or the steps `calls` counts."""
     activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
     with torch.profiler.profile(activities=activities) as prof:
-        run_requests(generator, long)
+        run_requests(generator, requests)
+    steps = steps or max(calls["prefill"], 1)
     events = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
     total_us = sum(e.self_device_time_total for e in events)
     top = sorted(events, key=lambda e: e.self_device_time_total, reverse=True)[:30]
     return {
-        "profiled_steps": 40,
-        "gpu_kernel_ms_per_step": total_us / 1000 / 40,
-        "kernel_launches_per_step": sum(e.count for e in events) / 40,
+        "gpu_kernel_ms_per_step": total_us / 1000 / steps,
+        "kernel_launches_per_step": sum(e.count for e in events) / steps,
         "top_kernels_ms_per_step": [
-            (e.key[:70], e.self_device_time_total / 1000 / 40, e.count // 40) for e in top
+            (e.key[:70], e.self_device_time_total / 1000 / steps, e.count // steps) for e in top
         ],
     }
 
@@ -181,6 +208,9 @@ def main() -> None:
     )
     parser.add_argument(
         "--prefill-compile", choices=COMPILE_MODES, default="auto", help="EngineConfig's"
+    )
+    parser.add_argument(
+        "--fuse-projections", choices=["auto", "on", "off"], default="auto", help="EngineConfig's"
     )
     parser.add_argument("--num-requests", type=int, default=256)
     parser.add_argument("--concurrency", type=int, default=64)
@@ -202,6 +232,7 @@ def main() -> None:
             device,
             args.overlap_steps,
             args.prefill_compile,
+            args.fuse_projections,
         )
         results.append(result)
         print(
@@ -217,6 +248,13 @@ def main() -> None:
                 f"{result['kernel_launches_per_step']:.0f} launches/step"
             )
             for name, ms, count in result["top_kernels_ms_per_step"]:
+                print(f"    {ms:7.3f} ms x{count:<4} {name}")
+            print(
+                f"  a prefill step alone ({result['prefill_steps']} of them): GPU kernels "
+                f"{result['prefill_gpu_kernel_ms_per_step']:.2f} ms/step, "
+                f"{result['prefill_kernel_launches_per_step']:.0f} launches/step"
+            )
+            for name, ms, count in result["prefill_top_kernels_ms_per_step"]:
                 print(f"    {ms:7.3f} ms x{count:<4} {name}")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
