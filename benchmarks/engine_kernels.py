@@ -8,7 +8,10 @@
   fp32). Baseline: the engine's four-pass PyTorch update. Floor: the state read and written once.
 - gated delta, prefill: 32 prompts x 256 tokens from a zero state. Baseline: transformers'
   chunked PyTorch delta rule (what runs without flash-linear-attention). The engine's launch,
-  then others: value columns per program, warps, inputs loaded a token ahead or not.
+  then others: value columns per program, warps, inputs loaded a token ahead or not. Then the
+  chunked rule (kernels/chunked_delta.py) against that token-by-token kernel (its "pytorch"
+  column is the token kernel's time), at chunk sizes, value columns and product precisions,
+  and on few long prompts (4 x 4096 and 1 x 16384 tokens).
 
 Decode kernels are timed as the engine runs them, replayed from a CUDA graph (10 calls per
 replay); the prefill eagerly. Prints a table and writes JSON.
@@ -31,6 +34,7 @@ from engine_workloads import copy_bandwidth_gb_s, write_results  # noqa: E402
 
 import areno.engine.kernels.decode_attention as attention_kernel  # noqa: E402
 from areno.engine.kernels import references_only  # noqa: E402
+from areno.engine.kernels.chunked_delta import CHUNK, chunked_gated_delta  # noqa: E402
 from areno.engine.kernels.decode_attention import decode_attention  # noqa: E402
 from areno.engine.kernels.gated_delta import gated_delta, launch_choices  # noqa: E402
 from areno.engine.linear_attention import recurrent_update  # noqa: E402
@@ -159,7 +163,42 @@ def gated_delta_rows(bandwidth: float) -> list[dict]:
             name += " (engine)"
         kernel_ms = _timed(lambda la=launch: gated_delta(None, nq, nk, v, b, g.exp(), **la), 5)
         rows.append(_row(name, "qwen3.5-2b", chunked, kernel_ms, None))
+    token_ms = rows[1]["triton_ms"]  # the token-by-token kernel at the engine's launch
+    for chunk, block_v, precision in [
+        (32, 32, "tf32"), (32, 64, "tf32"), (64, 32, "tf32"), (64, 64, "tf32"), (32, 32, "ieee")
+    ]:  # fmt: skip
+        launch = {"chunk": chunk, "block_v": block_v, "precision": precision}
+        name = f"chunked prefill c{chunk} v{block_v} {precision}"
+        name += " (engine)" if (chunk, block_v, precision) == (CHUNK, 32, "tf32") else ""
+        kernel_ms = _timed(lambda la=launch: chunked_gated_delta(nq, nk, v, b, g, **la), 5)
+        rows.append(_row(name, "qwen3.5-2b", token_ms, kernel_ms, None))
+    rows += long_prompt_rows()
     return rows
+
+
+def long_prompt_rows() -> list[dict]:
+    """Few long prompts, where the token-by-token kernel's steps run one after another: its
+    time (the "pytorch" column here) against the chunked rule's at the engine's launch."""
+    heads, dim = LINEAR_HEADS, LINEAR_DIM
+    rows = []
+    for batch, length in [(4, 4096), (1, 16384)]:
+        inputs = _long_prompt(batch, length, heads, dim)
+        token_ms = _timed(lambda i=inputs: gated_delta(None, *i[:4], i[4].exp()), 3)
+        chunk_ms = _timed(lambda i=inputs: chunked_gated_delta(*i), 3)
+        name = f"prefill {batch} x {length}: chunked vs token"
+        rows.append(_row(name, "qwen3.5-2b", token_ms, chunk_ms, None))
+    return rows
+
+
+def _long_prompt(batch: int, length: int, heads: int, dim: int) -> tuple[torch.Tensor, ...]:
+    """Normalised query (scaled) and key, bfloat16 value and beta, log-decay: (B, T, N, ...)."""
+    query, key = (
+        F.normalize(torch.randn(batch, length, heads, dim, device="cuda"), dim=-1) for _ in "qk"
+    )
+    value = torch.randn(batch, length, heads, dim, device="cuda", dtype=torch.bfloat16)
+    beta = torch.rand(batch, length, heads, device="cuda", dtype=torch.bfloat16)
+    log_decay = -torch.rand(batch, length, heads, device="cuda")
+    return query * dim**-0.5, key, value, beta, log_decay
 
 
 def _row(kernel: str, model: str, torch_ms: float, triton_ms: float, floor_ms) -> dict:

@@ -21,6 +21,7 @@ import areno.engine.attention as engine_attention
 import areno.engine.linear_attention as engine_linear_attention
 from areno.engine.kernels import INTERPRETED, references_only, triton
 from areno.engine.kernels.decode_attention import decode_attention, decode_attention_reference
+from areno.engine.kernels.chunked_delta import chunked_gated_delta
 from areno.engine.kernels.gated_delta import gated_delta, gated_delta_reference
 from areno.engine.runner import ModelRunner
 from areno.processing.types import PromptInputs
@@ -102,6 +103,46 @@ def test_gated_delta_matches_its_reference_and_updates_the_state_in_place(
     torch.testing.assert_close(fresh_state, want_state, atol=1e-4, rtol=1e-4)
 
 
+@needs_kernels
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    "num_tokens, chunk, num_k, num_v, dk, dv",
+    [
+        (37, 16, 2, 4, 128, 64),
+        (64, 32, 1, 2, 32, 128),
+        (5, 32, 2, 2, 64, 64),
+        (100, 64, 1, 1, 16, 16),
+    ],
+)
+def test_the_chunked_delta_rule_matches_the_token_by_token_reference(
+    dtype, num_tokens, chunk, num_k, num_v, dk, dv
+):
+    """Chunk sizes that divide the prompt and ones that leave a partial last chunk, grouped
+    value heads, and right padding: a row whose last tokens have beta 0 and log-decay 0 ends
+    in the state of its last real token."""
+    torch.manual_seed(0)
+    batch = 3
+    query = F.normalize(torch.randn(batch, num_tokens, num_k, dk, device=DEVICE), dim=-1) * dk**-0.5
+    key = F.normalize(torch.randn(batch, num_tokens, num_k, dk, device=DEVICE), dim=-1)
+    value = torch.randn(batch, num_tokens, num_v, dv, device=DEVICE).to(dtype)
+    beta = torch.rand(batch, num_tokens, num_v, device=DEVICE).to(dtype)
+    log_decay = -torch.rand(batch, num_tokens, num_v, device=DEVICE)
+    real = num_tokens - 3 if num_tokens > 3 else num_tokens
+    beta[2, real:], log_decay[2, real:] = 0, 0  # row 2 is padded after `real` tokens
+    want_out, want_state = gated_delta_reference(None, query, key, value, beta, log_decay.exp())
+    have_out, have_state = chunked_gated_delta(
+        query, key, value, beta, log_decay, chunk=chunk, block_v=min(32, dv)
+    )
+    # TF32 products for a half-precision model (finer than its activations), fp32 otherwise.
+    tolerance = 1e-4 if dtype == torch.float32 or DEVICE == "cpu" else 2e-2
+    torch.testing.assert_close(have_out, want_out, atol=tolerance, rtol=tolerance)
+    torch.testing.assert_close(have_state, want_state, atol=tolerance, rtol=tolerance)
+    _, real_state = gated_delta_reference(
+        None, *(t[2:, :real] for t in (query, key, value, beta, log_decay.exp()))
+    )
+    torch.testing.assert_close(have_state[2:], real_state, atol=tolerance, rtol=tolerance)
+
+
 def staggered_greedy(model, prompts: list[list[int]], num_new: int) -> list[list[int]]:
     """Requests join one per step into scattered slots while the others decode."""
     graphs = "capture" if DEVICE == "cuda" else "off"
@@ -140,10 +181,11 @@ def test_the_runner_decodes_the_same_tokens_with_its_kernels(tiny_path, family, 
     from areno.models import get_adapter
     from areno.models.registry import read_model_type
 
-    calls = {"decode_attention": 0, "gated_delta": 0}
+    calls = {"decode_attention": 0, "gated_delta": 0, "chunked_gated_delta": 0}
     for module, name in [
         (engine_attention, "decode_attention"),
         (engine_linear_attention, "gated_delta"),
+        (engine_linear_attention, "chunked_gated_delta"),
     ]:
         monkeypatch.setattr(module, name, _counted(getattr(module, name), name, calls))
     path = tiny_path(family)
@@ -153,8 +195,10 @@ def test_the_runner_decodes_the_same_tokens_with_its_kernels(tiny_path, family, 
     prompts = [torch.randint(5, 500, (n,)).tolist() for n in (9, 40, 17, 140, 3)]
     with references_only():
         want = staggered_greedy(model, prompts, 8)
-    assert calls == {"decode_attention": 0, "gated_delta": 0}
+    assert calls == {"decode_attention": 0, "gated_delta": 0, "chunked_gated_delta": 0}
     have = staggered_greedy(model, prompts, 8)
     assert have == want
     assert calls["decode_attention"] > 0  # every family has full-attention layers
-    assert (calls["gated_delta"] > 0) == (family == "qwen3_5")  # Qwen3.5's linear attention
+    # Qwen3.5's linear attention: decode steps token by token, prefills in chunks.
+    assert (calls["gated_delta"] > 0) == (family == "qwen3_5")
+    assert (calls["chunked_gated_delta"] > 0) == (family == "qwen3_5")
