@@ -165,12 +165,16 @@ class ModelRunner:
         self.cache.bind(binding, is_prefill=True)
         if self.uses_mrope:
             self.model.model.rope_deltas = None
+        # NOTE: no attention mask: every prompt's is all ones, and without one SDPA runs its
+        # causal (flash) kernel; under torch.compile a given mask was materialized (B, 1, L, L)
+        # and took the memory-efficient kernel.
         model_inputs = {
             key: to_device(
-                torch.cat([_pad_tokens(key, p.model_inputs()[key], num_tokens) for p in prompts]),
+                torch.cat([_pad_tokens(p.model_inputs()[key], num_tokens) for p in prompts]),
                 self.device,
             )
             for key in prompts[0].model_inputs()
+            if key != "attention_mask"
         }
         with self._engine_context(), self._last_real_positions(lengths_B - 1):
             out = self.model(
@@ -286,14 +290,13 @@ class ModelRunner:
         return torch.log_softmax(logits_NV, dim=-1).gather(-1, targets_N[:, None]).squeeze(-1)
 
 
-def _pad_tokens(key: str, value_1L: torch.Tensor, length: int) -> torch.Tensor:
-    """A per-token input (1, L) right-padded to `length`: token ids and token types with 0 (the
-    pads' outputs are never read), the attention mask with 1 (a 0 would make the pads padding,
-    whose fully masked queries turn to NaN in SDPA and leave NaN keys in the cache)."""
+def _pad_tokens(value_1L: torch.Tensor, length: int) -> torch.Tensor:
+    """A per-token input (1, L) (token ids, token types) right-padded with 0 to `length`: the
+    pads' outputs are never read."""
     extra = length - value_1L.shape[1]
     if not extra:
         return value_1L
-    return torch.nn.functional.pad(value_1L, (0, extra), value=int(key == "attention_mask"))
+    return torch.nn.functional.pad(value_1L, (0, extra))
 
 
 def can_batch_prefill(inputs: PromptInputs) -> bool:
