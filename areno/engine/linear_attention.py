@@ -8,9 +8,10 @@ pass over the state on CUDA (the Triton kernel of `kernels/gated_delta.py`), in 
 (decay in place, two batched matmuls, one in-place rank-1 update), the conv as a weighted sum,
 and writes both states in place into the cache's tensors.
 
-A prefill (a fresh state, any number of tokens) runs the chunked form of the rule on CUDA
-(`kernels/chunked_delta.py`: one sequential step per chunk of tokens, its products on tensor
-cores), and transformers' chunked delta rule elsewhere, with the conv written as K shifted multiply-adds:
+A prefill (a fresh state, any number of tokens) runs the token-by-token kernel over the prompt
+on CUDA, or for a long prompt the chunked form of the rule (`kernels/chunked_delta.py`: one
+sequential step per chunk of tokens, its products on tensor cores), and transformers' chunked
+delta rule elsewhere, with the conv written as K shifted multiply-adds:
 oneDNN's grouped convolution took 2.6 ms for a 160-token prompt of the small checkpoint, these
 take a tenth of that. A multi-token forward that continues a cached state keeps the module's own
 code.
@@ -25,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from areno.engine.kernels import use_triton
-from areno.engine.kernels.chunked_delta import chunked_gated_delta
+from areno.engine.kernels.chunked_delta import CHUNKED_MIN_TOKENS, chunked_gated_delta
 from areno.engine.kernels.chunked_delta import fits as chunked_fits
 from areno.engine.kernels.gated_delta import fits as gated_delta_fits
 from areno.engine.kernels.gated_delta import gated_delta
@@ -129,8 +130,8 @@ def prefill_step(
     query_BLNK = query.reshape(batch, length, -1, dk)
     key_BLNK = key.reshape(batch, length, -1, dk)
     value_BLNV = value.reshape(batch, length, -1, dv)
-    if use_triton(hidden_BLH) and chunked_fits(key_BLNK, value_BLNV):
-        out_BLNV, state = chunked_gated_delta(
+    if use_triton(hidden_BLH) and gated_delta_fits(key_BLNK, value_BLNV):
+        out_BLNV, state = prefill_delta_rule(
             _l2norm(query_BLNK.float()) * dk**-0.5,
             _l2norm(key_BLNK.float()),
             value_BLNV,
@@ -218,6 +219,34 @@ def decode_step(
     gate = module.in_proj_z(hidden_BH).reshape(-1, dv)
     out = module.norm(out_BNV.to(hidden_B1H.dtype).reshape(-1, dv), gate)
     return module.out_proj(out.reshape(batch, 1, -1))
+
+
+# NOTE: a custom op, so that the choice between the two kernels is made per call on the real
+# length; traced, it would be a guard on the prompt length, and a compiled prefill would compile
+# again for the first prompt on the other side of it.
+@torch.library.custom_op("areno::prefill_delta_rule", mutates_args=())
+def prefill_delta_rule(
+    query_BTNK: torch.Tensor,
+    key_BTNK: torch.Tensor,
+    value_BTNV: torch.Tensor,
+    beta_BTN: torch.Tensor,
+    log_decay_BTN: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A prefill's gated delta rule from a zero state (`gated_delta_reference`'s arithmetic, the
+    decay given by its log) in one of the engine's Triton kernels: in chunks for prompts of
+    CHUNKED_MIN_TOKENS or more (`kernels/chunked_delta.py`), token by token below (the chunked
+    form's parallel work costs more than the token kernel's chain of steps there). Returns
+    (out (B, T, N_v, d_v) fp32, state (B, N_v, d_k, d_v) fp32)."""
+    if query_BTNK.shape[1] >= CHUNKED_MIN_TOKENS and chunked_fits(key_BTNK, value_BTNV):
+        return chunked_gated_delta(query_BTNK, key_BTNK, value_BTNV, beta_BTN, log_decay_BTN)
+    return gated_delta(None, query_BTNK, key_BTNK, value_BTNV, beta_BTN, log_decay_BTN.exp())
+
+
+@prefill_delta_rule.register_fake
+def _(query_BTNK, key_BTNK, value_BTNV, beta_BTN, log_decay_BTN):
+    batch, num_tokens, num_v, dv = value_BTNV.shape
+    out = value_BTNV.new_empty((batch, num_tokens, num_v, dv), dtype=torch.float32)
+    return out, value_BTNV.new_empty((batch, num_v, key_BTNK.shape[-1], dv), dtype=torch.float32)
 
 
 # NOTE: a custom op that mutates the state, so a compiled decode step calls it without a graph

@@ -20,8 +20,8 @@ import torch.nn.functional as F
 import areno.engine.attention as engine_attention
 import areno.engine.linear_attention as engine_linear_attention
 from areno.engine.kernels import INTERPRETED, references_only, triton
-from areno.engine.kernels.decode_attention import decode_attention, decode_attention_reference
 from areno.engine.kernels.chunked_delta import chunked_gated_delta
+from areno.engine.kernels.decode_attention import decode_attention, decode_attention_reference
 from areno.engine.kernels.gated_delta import gated_delta, gated_delta_reference
 from areno.engine.runner import ModelRunner
 from areno.processing.types import PromptInputs
@@ -112,6 +112,7 @@ def test_gated_delta_matches_its_reference_and_updates_the_state_in_place(
         (64, 32, 1, 2, 32, 128),
         (5, 32, 2, 2, 64, 64),
         (100, 64, 1, 1, 16, 16),
+        (70, None, 2, 4, 128, 128),  # the engine's launch at Qwen3.5's head dims
     ],
 )
 def test_the_chunked_delta_rule_matches_the_token_by_token_reference(
@@ -130,9 +131,8 @@ def test_the_chunked_delta_rule_matches_the_token_by_token_reference(
     real = num_tokens - 3 if num_tokens > 3 else num_tokens
     beta[2, real:], log_decay[2, real:] = 0, 0  # row 2 is padded after `real` tokens
     want_out, want_state = gated_delta_reference(None, query, key, value, beta, log_decay.exp())
-    have_out, have_state = chunked_gated_delta(
-        query, key, value, beta, log_decay, chunk=chunk, block_v=min(32, dv)
-    )
+    launch = {} if chunk is None else {"chunk": chunk, "block_v": min(32, dv)}
+    have_out, have_state = chunked_gated_delta(query, key, value, beta, log_decay, **launch)
     # TF32 products for a half-precision model (finer than its activations), fp32 otherwise.
     tolerance = 1e-4 if dtype == torch.float32 or DEVICE == "cpu" else 2e-2
     torch.testing.assert_close(have_out, want_out, atol=tolerance, rtol=tolerance)
@@ -141,6 +141,37 @@ def test_the_chunked_delta_rule_matches_the_token_by_token_reference(
         None, *(t[2:, :real] for t in (query, key, value, beta, log_decay.exp()))
     )
     torch.testing.assert_close(have_state[2:], real_state, atol=tolerance, rtol=tolerance)
+
+
+@needs_kernels
+def test_the_prefill_rule_picks_its_kernel_per_call_inside_one_compiled_graph(monkeypatch):
+    """Short prompts take the token-by-token kernel, long ones the chunked form, and a compiled
+    caller traces the choice as one opaque op: one graph for both lengths, no recompile."""
+    from torch._dynamo.testing import CompileCounter
+
+    monkeypatch.setattr(engine_linear_attention, "CHUNKED_MIN_TOKENS", 48)
+    calls = {"gated_delta": 0, "chunked_gated_delta": 0}
+    for name in calls:
+        counted = _counted(getattr(engine_linear_attention, name), name, calls)
+        monkeypatch.setattr(engine_linear_attention, name, counted)
+    rule = engine_linear_attention.prefill_delta_rule
+    torch._dynamo.reset()
+    counter = CompileCounter()
+    compiled = torch.compile(rule, backend=counter, dynamic=True, fullgraph=True)
+    for num_tokens, kernel in [(20, "gated_delta"), (70, "chunked_gated_delta")]:
+        torch.manual_seed(num_tokens)
+        query = F.normalize(torch.randn(2, num_tokens, 2, 32, device=DEVICE), dim=-1) * 32**-0.5
+        key = F.normalize(torch.randn(2, num_tokens, 2, 32, device=DEVICE), dim=-1)
+        value = torch.randn(2, num_tokens, 4, 32, device=DEVICE)
+        beta = torch.rand(2, num_tokens, 4, device=DEVICE)
+        log_decay = -torch.rand(2, num_tokens, 4, device=DEVICE)
+        before = dict(calls)
+        have_out, have_state = compiled(query, key, value, beta, log_decay)
+        assert calls[kernel] == before[kernel] + 1
+        want_out, want_state = gated_delta_reference(None, query, key, value, beta, log_decay.exp())
+        torch.testing.assert_close(have_out, want_out, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(have_state, want_state, atol=1e-4, rtol=1e-4)
+    assert counter.frame_count == 1
 
 
 def staggered_greedy(model, prompts: list[list[int]], num_new: int) -> list[list[int]]:
@@ -188,6 +219,8 @@ def test_the_runner_decodes_the_same_tokens_with_its_kernels(tiny_path, family, 
         (engine_linear_attention, "chunked_gated_delta"),
     ]:
         monkeypatch.setattr(module, name, _counted(getattr(module, name), name, calls))
+    # The 140-token prompt prefills in chunks, the others token by token.
+    monkeypatch.setattr(engine_linear_attention, "CHUNKED_MIN_TOKENS", 64)
     path = tiny_path(family)
     model = get_adapter(read_model_type(path)).load_model(path, dtype=torch.float32).to(DEVICE)
     torch.manual_seed(0)
@@ -199,6 +232,7 @@ def test_the_runner_decodes_the_same_tokens_with_its_kernels(tiny_path, family, 
     have = staggered_greedy(model, prompts, 8)
     assert have == want
     assert calls["decode_attention"] > 0  # every family has full-attention layers
-    # Qwen3.5's linear attention: decode steps token by token, prefills in chunks.
+    # Qwen3.5's linear attention: decode steps and short prefills token by token, the long
+    # prefill in chunks.
     assert (calls["gated_delta"] > 0) == (family == "qwen3_5")
     assert (calls["chunked_gated_delta"] > 0) == (family == "qwen3_5")

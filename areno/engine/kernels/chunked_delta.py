@@ -130,6 +130,12 @@ if triton is not None:
 
 
 CHUNK = 32
+# From this prompt length the engine's prefills take the chunked form. On an H200 (Qwen3.5-2B
+# heads, bfloat16; benchmarks/engine_kernels.py) the token-by-token kernel took 0.70 ms for 32
+# prompts of 256 tokens and this one 1.00; for 4 prompts of 4096, 2.16 and 1.87; for one of
+# 16384, 8.23 and 3.18. A prefill step's token budget (8192 by default) leaves few rows to a
+# long prompt, where the token kernel's programs are few and each token's step is a wait.
+CHUNKED_MIN_TOKENS = 4096
 
 
 def fits(key_BTNK: torch.Tensor, value_BTNV: torch.Tensor) -> bool:
@@ -148,11 +154,14 @@ def chunked_gated_delta(
     chunk: int = CHUNK,
     block_v: int = 32,
     precision: str | None = None,
+    scan_stages: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`gated_delta_reference` from a zero state, with the decay given by its log (the factor is
     exp(log_decay_BTN)). Returns (out (B, T, N_v, d_v) fp32, final state (B, N_v, d_k, d_v)
     fp32). `precision`: the products' ("tf32" or "ieee"); None takes TF32 for a bfloat16 /
-    float16 `value_BTNV` and ieee otherwise."""
+    float16 `value_BTNV` and ieee otherwise. `scan_stages`: the scan kernel's software
+    pipelining of its chunk loop (Triton's num_stages). NOTE: at d_k = d_v = 128 and chunks of
+    32, Triton's default of 3 stages asked for 336 KB of shared memory, over an H200's 227 KB."""
     batch, num_tokens, num_v, dv = value_BTNV.shape
     dk = key_BTNK.shape[-1]
     if precision is None:
@@ -190,5 +199,6 @@ def chunked_gated_delta(
         out.stride(0), out.stride(1), out.stride(2),
         num_tokens, num_v, num_chunks,
         GROUP=group, C=chunk, DK=dk, DV=dv, BV=block_v, IEEE=precision == "ieee",
+        num_stages=scan_stages,
     )  # fmt: skip
     return out, state
