@@ -168,9 +168,9 @@ def launch_choices(num_tokens: int, dv: int) -> dict:
     """The engine's launch of the kernel. A decode step: 32 value columns per program and 4
     warps, which read and write the state at its copy bandwidth. A prefill: 16 columns, one
     warp, each token's inputs loaded a token ahead. On an H200, 32 prompts x 256 tokens of the
-    Qwen3.5-2B shape took 0.69 ms so against 1.06 ms with the decode's launch
-    (benchmarks/engine_kernels.py, whose sweep of columns, warps and loading ahead gave 0.69 to
-    31.6 ms)."""
+    Qwen3.5-2B shape took 0.69-0.70 ms so, against 1.06-1.09 ms with the decode's launch
+    (benchmarks/engine_kernels.py, two runs; its sweep of columns, warps and loading ahead gave
+    0.69 to 31.9 ms)."""
     if num_tokens == 1:
         return {"block_v": min(dv, 32), "num_warps": 4, "prefetch": False}
     return {"block_v": min(dv, 16), "num_warps": 1, "prefetch": True}
