@@ -8,6 +8,7 @@ interpreter has no bfloat16 arithmetic, so bfloat16 is checked on a GPU only.
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import subprocess
@@ -20,7 +21,7 @@ import torch.nn.functional as F
 import areno.engine.attention as engine_attention
 import areno.engine.linear_attention as engine_linear_attention
 from areno.engine.kernels import INTERPRETED, references_only, triton
-from areno.engine.kernels.chunked_delta import chunked_gated_delta
+from areno.engine.kernels.chunked_delta import chunked_gated_delta, chunked_gated_delta_torch
 from areno.engine.kernels.decode_attention import decode_attention, decode_attention_reference
 from areno.engine.kernels.gated_delta import gated_delta, gated_delta_reference
 from areno.engine.runner import ModelRunner
@@ -103,21 +104,39 @@ def test_gated_delta_matches_its_reference_and_updates_the_state_in_place(
     torch.testing.assert_close(fresh_state, want_state, atol=1e-4, rtol=1e-4)
 
 
+CHUNKED_CASES = [
+    (37, 16, 2, 4, 128, 64),
+    (64, 32, 1, 2, 32, 128),
+    (5, 32, 2, 2, 64, 64),
+    (100, 64, 1, 1, 16, 16),
+    (70, None, 2, 4, 128, 128),  # the engine's launch at Qwen3.5's head dims
+]
+
+
 @needs_kernels
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize(
-    "num_tokens, chunk, num_k, num_v, dk, dv",
-    [
-        (37, 16, 2, 4, 128, 64),
-        (64, 32, 1, 2, 32, 128),
-        (5, 32, 2, 2, 64, 64),
-        (100, 64, 1, 1, 16, 16),
-        (70, None, 2, 4, 128, 128),  # the engine's launch at Qwen3.5's head dims
-    ],
-)
+@pytest.mark.parametrize("num_tokens, chunk, num_k, num_v, dk, dv", CHUNKED_CASES)
 def test_the_chunked_delta_rule_matches_the_token_by_token_reference(
     dtype, num_tokens, chunk, num_k, num_v, dk, dv
 ):
+    launch = {} if chunk is None else {"chunk": chunk, "block_v": min(32, dv)}
+    # TF32 products for a half-precision model (finer than its activations), fp32 otherwise.
+    tolerance = 1e-4 if dtype == torch.float32 or DEVICE == "cpu" else 2e-2
+    rule = functools.partial(chunked_gated_delta, **launch)
+    _check_chunked_rule(rule, dtype, num_tokens, num_k, num_v, dk, dv, tolerance)
+
+
+@pytest.mark.parametrize("num_tokens, chunk, num_k, num_v, dk, dv", CHUNKED_CASES)
+def test_the_chunked_delta_rule_in_pytorch_matches_the_token_by_token_reference(
+    num_tokens, chunk, num_k, num_v, dk, dv
+):
+    """The CPU prefill's form of the rule (no kernels: runs everywhere)."""
+    launch = {} if chunk is None else {"chunk": chunk}
+    rule = functools.partial(chunked_gated_delta_torch, **launch)
+    _check_chunked_rule(rule, torch.float32, num_tokens, num_k, num_v, dk, dv, 1e-4)
+
+
+def _check_chunked_rule(rule, dtype, num_tokens, num_k, num_v, dk, dv, tolerance) -> None:
     """Chunk sizes that divide the prompt and ones that leave a partial last chunk, grouped
     value heads, and right padding: a row whose last tokens have beta 0 and log-decay 0 ends
     in the state of its last real token."""
@@ -131,10 +150,7 @@ def test_the_chunked_delta_rule_matches_the_token_by_token_reference(
     real = num_tokens - 3 if num_tokens > 3 else num_tokens
     beta[2, real:], log_decay[2, real:] = 0, 0  # row 2 is padded after `real` tokens
     want_out, want_state = gated_delta_reference(None, query, key, value, beta, log_decay.exp())
-    launch = {} if chunk is None else {"chunk": chunk, "block_v": min(32, dv)}
-    have_out, have_state = chunked_gated_delta(query, key, value, beta, log_decay, **launch)
-    # TF32 products for a half-precision model (finer than its activations), fp32 otherwise.
-    tolerance = 1e-4 if dtype == torch.float32 or DEVICE == "cpu" else 2e-2
+    have_out, have_state = rule(query, key, value, beta, log_decay)
     torch.testing.assert_close(have_out, want_out, atol=tolerance, rtol=tolerance)
     torch.testing.assert_close(have_state, want_state, atol=tolerance, rtol=tolerance)
     _, real_state = gated_delta_reference(

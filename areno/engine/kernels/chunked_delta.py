@@ -202,3 +202,55 @@ def chunked_gated_delta(
         num_stages=scan_stages,
     )  # fmt: skip
     return out, state
+
+
+def chunked_gated_delta_torch(
+    query_BTNK: torch.Tensor,
+    key_BTNK: torch.Tensor,
+    value_BTNV: torch.Tensor,
+    beta_BTN: torch.Tensor,
+    log_decay_BTN: torch.Tensor,
+    *,
+    chunk: int = CHUNK,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`chunked_gated_delta`'s arithmetic in PyTorch, in fp32 (the CPU engine's prefill): the
+    chunks' triangular systems in one batched solve, then a loop over the chunks for the state.
+    Same arguments and returns."""
+    batch, num_tokens, num_v, dv = value_BTNV.shape
+    dk = key_BTNK.shape[-1]
+    group = num_v // key_BTNK.shape[2]
+    pad = -num_tokens % chunk
+    num_chunks = (num_tokens + pad) // chunk
+
+    def chunks(x_BTN_: torch.Tensor, heads_repeat: int = 1) -> torch.Tensor:
+        """(B, T, N, ...) -> (B, N, chunks, C, ...) fp32, zero-padded to whole chunks."""
+        x = x_BTN_.float()
+        if heads_repeat > 1:
+            x = x.repeat_interleave(heads_repeat, dim=2)
+        x = x.transpose(1, 2)
+        if pad:
+            x = torch.nn.functional.pad(x, (0, 0) * (x.ndim - 3) + (0, pad))
+        return x.reshape(batch, num_v, num_chunks, chunk, *x.shape[3:])
+
+    q, k = chunks(query_BTNK, group), chunks(key_BTNK, group)
+    v, beta, cum = chunks(value_BTNV), chunks(beta_BTN), chunks(log_decay_BTN).cumsum(-1)
+    upper = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).triu(1)
+    decay_CC = (cum[..., :, None] - cum[..., None, :]).masked_fill_(upper, float("-inf")).exp_()
+    # (I + A) X = [beta V | beta Γ K] with A strictly lower: unitriangular ignores A's diagonal.
+    a = (k @ k.transpose(-1, -2)) * decay_CC * beta[..., :, None]
+    rhs = torch.cat([v * beta[..., None], k * (beta * cum.exp())[..., None]], dim=-1)
+    solved = torch.linalg.solve_triangular(a, rhs, upper=False, unitriangular=True)
+    u, w = solved[..., :dv], solved[..., dv:]
+    qk = (q @ k.transpose(-1, -2)) * decay_CC
+    q_decayed = q * cum.exp()[..., None]
+    last = cum[..., -1:]
+    k_to_end = k * (last - cum).exp()[..., None]
+    chunk_decay = last.exp()[..., None]  # (B, N, chunks, 1, 1)
+    state = q.new_zeros((batch, num_v, dk, dv))
+    out = torch.empty_like(u)
+    for c in range(num_chunks):
+        delta = u[:, :, c] - w[:, :, c] @ state
+        out[:, :, c] = q_decayed[:, :, c] @ state + qk[:, :, c] @ delta
+        state = state * chunk_decay[:, :, c] + k_to_end[:, :, c].transpose(-1, -2) @ delta
+    out = out.reshape(batch, num_v, -1, dv)[:, :, :num_tokens].transpose(1, 2)
+    return out, state
