@@ -137,19 +137,8 @@ def prefill_step(
     query_BLNK = query.reshape(batch, length, -1, dk)
     key_BLNK = key.reshape(batch, length, -1, dk)
     value_BLNV = value.reshape(batch, length, -1, dv)
-    normalized = not isinstance(hidden_BLH, DTensor)
-    if normalized:
-        query_BLNK = _l2norm(query_BLNK.float()) * dk**-0.5
-        key_BLNK = _l2norm(key_BLNK.float())
-    if normalized and use_triton(hidden_BLH) and gated_delta_fits(key_BLNK, value_BLNV):
-        out_BLNV, state = prefill_delta_rule(query_BLNK, key_BLNK, value_BLNV, beta_BLN, g_BLN)
-        out_BLNV = out_BLNV.to(value.dtype)
-    elif normalized:
-        out_BLNV, state = chunked_gated_delta_torch(
-            query_BLNK, key_BLNK, value_BLNV, beta_BLN, g_BLN
-        )
-        out_BLNV = out_BLNV.to(value.dtype)
-    else:  # a tensor-parallel shard (DTensor): transformers' rule, in plain operators
+    if isinstance(hidden_BLH, DTensor):
+        # A tensor-parallel shard that kept its sharding: transformers' rule, in plain operators.
         chunk_rule = sys.modules[type(module).__module__].torch_chunk_gated_delta_rule
         out_BLNV, state = chunk_rule(
             query_BLNK,
@@ -161,6 +150,13 @@ def prefill_step(
             output_final_state=cache_params is not None,
             use_qk_l2norm_in_kernel=True,
         )
+    else:
+        query_BLNK = _l2norm(query_BLNK.float()) * dk**-0.5
+        key_BLNK = _l2norm(key_BLNK.float())
+        on_kernels = use_triton(hidden_BLH) and gated_delta_fits(key_BLNK, value_BLNV)
+        rule = prefill_delta_rule if on_kernels else chunked_gated_delta_torch
+        out_BLNV, state = rule(query_BLNK, key_BLNK, value_BLNV, beta_BLN, g_BLN)
+        out_BLNV = out_BLNV.to(value.dtype)
     if cache_params is not None:
         cache_params.update_recurrent_state(state, module.layer_idx)
     gate = module.in_proj_z(hidden_BLH).reshape(-1, dv)

@@ -222,9 +222,9 @@ def chunked_gated_delta_torch(
     pad = -num_tokens % chunk
     num_chunks = (num_tokens + pad) // chunk
 
-    def chunks(x_BTN_: torch.Tensor, heads_repeat: int = 1) -> torch.Tensor:
+    def chunks(x: torch.Tensor, heads_repeat: int = 1) -> torch.Tensor:
         """(B, T, N, ...) -> (B, N, chunks, C, ...) fp32, zero-padded to whole chunks."""
-        x = x_BTN_.float()
+        x = x.float()
         if heads_repeat > 1:
             x = x.repeat_interleave(heads_repeat, dim=2)
         x = x.transpose(1, 2)
