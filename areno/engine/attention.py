@@ -8,6 +8,12 @@ that while torch.compile traces, and repeats the keys and values per query head 
 compiled decode step of a 1.7B model at 64 rows on an H200 those copies took 7 of 16 ms. The
 function here packs in both cases and hands everything else to transformers' own function.
 
+Its mask function (`engine_sdpa_mask`) is transformers' `sdpa_mask`, except that a plain causal
+mask over as many keys as queries, without padding, is never built but left to SDPA's
+`is_causal`, also while torch.compile traces. transformers skips it only outside tracing on torch
+before 2.14, so a compiled batched prefill materialized a (B, 1, L, L) mask and SDPA ran its
+memory-efficient kernel instead of the causal flash kernel.
+
 `EngineAttention(model)` routes a model's text layers through it for the duration of a `with`
 block, and only where they use SDPA (an eager or flash-attention model keeps its choice).
 """
@@ -17,7 +23,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+from transformers.masking_utils import (
+    ALL_MASK_ATTENTION_FUNCTIONS,
+    causal_mask_function,
+    sdpa_mask,
+)
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from areno.engine.kernels import use_triton
@@ -73,8 +83,53 @@ def _takes_decode_kernel(
     )
 
 
+def engine_sdpa_mask(
+    batch_size: int,
+    q_length: int,
+    kv_length: int,
+    q_offset: int = 0,
+    kv_offset: int = 0,
+    mask_function=causal_mask_function,
+    attention_mask: torch.Tensor | None = None,
+    local_size: int | None = None,
+    allow_is_causal_skip: bool = True,
+    **kwargs,
+) -> torch.Tensor | None:
+    """transformers' `sdpa_mask`, returning None (SDPA's `is_causal`) for a plain causal mask of
+    a query block that starts the sequence and sees only its own keys: no padding mask, no
+    window, no pattern mixed in (transformers clears `allow_is_causal_skip` when it mixes one).
+
+    A sliding window's mask is always built: transformers skips it for prompts shorter than the
+    window only, and a mask that is None for some prompts and a tensor for others made a
+    compiled prefill compile again at the first prompt longer than the window."""
+    if local_size is not None:
+        allow_is_causal_skip = False
+    elif (
+        allow_is_causal_skip
+        and mask_function is causal_mask_function
+        and attention_mask is None
+        and not isinstance(q_offset, torch.Tensor)
+        and q_offset == 0
+        and kv_offset == 0
+        and q_length == kv_length
+    ):
+        return None
+    return sdpa_mask(
+        batch_size,
+        q_length,
+        kv_length,
+        q_offset=q_offset,
+        kv_offset=kv_offset,
+        mask_function=mask_function,
+        attention_mask=attention_mask,
+        local_size=local_size,
+        allow_is_causal_skip=allow_is_causal_skip,
+        **kwargs,
+    )
+
+
 ALL_ATTENTION_FUNCTIONS.register(ENGINE_SDPA, engine_sdpa_forward)
-ALL_MASK_ATTENTION_FUNCTIONS.register(ENGINE_SDPA, sdpa_mask)
+ALL_MASK_ATTENTION_FUNCTIONS.register(ENGINE_SDPA, engine_sdpa_mask)
 
 
 class EngineAttention:

@@ -5,8 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import sdpa_mask, sliding_window_causal_mask_function
 
-from areno.engine.attention import ENGINE_SDPA, EngineAttention, engine_sdpa_forward
+from areno.engine.attention import (
+    ENGINE_SDPA,
+    EngineAttention,
+    engine_sdpa_forward,
+    engine_sdpa_mask,
+)
 
 
 class Layer(torch.nn.Module):
@@ -48,3 +54,45 @@ def test_only_the_text_stack_of_an_sdpa_model_switches(tiny_path):
         assert text._attn_implementation == ENGINE_SDPA
         assert vision._attn_implementation == towers_before
     assert text._attn_implementation == "sdpa"
+
+
+def test_a_plain_causal_prefill_mask_is_left_to_sdpa_also_while_compiling():
+    def prefill_mask(hidden):
+        return hidden * 2, engine_sdpa_mask(hidden.shape[0], hidden.shape[1], hidden.shape[1])
+
+    compiled = torch.compile(prefill_mask, backend="eager", fullgraph=True, dynamic=True)
+    for length in (3, 7):
+        _, mask = compiled(torch.zeros(2, length))
+        assert mask is None
+    assert engine_sdpa_mask(2, 5, 5) is None
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"attention_mask": torch.tensor([[True] * 5, [True] * 3 + [False] * 2])},
+        {"local_size": 3, "mask_function": sliding_window_causal_mask_function(3)},
+        {"q_offset": 2, "kv_length": 7},
+        {"kv_length": 9},
+        {"allow_is_causal_skip": False},
+    ],
+    ids=["padding", "window", "offset", "more-keys", "no-skip"],
+)
+def test_every_other_mask_is_transformers_own(kwargs):
+    args = {"batch_size": 2, "q_length": 5, "kv_length": 5, **kwargs}
+    got, want = engine_sdpa_mask(**args), sdpa_mask(**args)
+    if kwargs.get("kv_length") == 9:  # transformers' own skip: SDPA crops the keys to the queries
+        assert got is want is None
+    else:
+        assert isinstance(got, torch.Tensor)
+        assert torch.equal(got, want)
+
+
+def test_a_sliding_window_mask_is_built_also_for_prompts_inside_the_window():
+    """So that a compiled prefill sees a tensor for every prompt length, never None for some."""
+    args = {"batch_size": 2, "q_length": 5, "kv_length": 5, "local_size": 8}
+    args["mask_function"] = sliding_window_causal_mask_function(8)
+    assert sdpa_mask(**args) is None
+    got = engine_sdpa_mask(**args)
+    assert isinstance(got, torch.Tensor)
+    assert torch.equal(got, sdpa_mask(**args, allow_is_causal_skip=False))
