@@ -52,7 +52,7 @@ def _static(storage: torch.Tensor) -> torch.Tensor:
 
 
 class SlotAttentionLayer(CacheLayerMixin):
-    """KV storage (num_slots, kv_heads, max_len, head_dim), allocated on first write."""
+    """KV storage (num_slots, kv_heads, max_len + 1, head_dim), allocated on first write."""
 
     is_sliding = False
     is_compileable = False
@@ -64,7 +64,11 @@ class SlotAttentionLayer(CacheLayerMixin):
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         _, heads, _, head_dim = key_states.shape
-        shape = (self.num_slots, heads, self.max_len, head_dim)
+        # NOTE: one position more than a row can reach, so that the keys a forward reads back
+        # are always a strict slice of the storage, never all of it. A compiled decode step
+        # decided from its first key length that the slice is not contiguous, and compiled again
+        # (in the middle of serving) for the first step whose key bucket was the whole storage.
+        shape = (self.num_slots, heads, self.max_len + 1, head_dim)
         self.keys = _static(torch.zeros(shape, dtype=key_states.dtype, device=key_states.device))
         self.values = _static(
             torch.zeros(shape, dtype=value_states.dtype, device=value_states.device)

@@ -153,9 +153,7 @@ def prefill_step(
     else:
         query_BLNK = _l2norm(query_BLNK.float()) * dk**-0.5
         key_BLNK = _l2norm(key_BLNK.float())
-        on_kernels = use_triton(hidden_BLH) and gated_delta_fits(key_BLNK, value_BLNV)
-        rule = prefill_delta_rule if on_kernels else chunked_gated_delta_torch
-        out_BLNV, state = rule(query_BLNK, key_BLNK, value_BLNV, beta_BLN, g_BLN)
+        out_BLNV, state = prefill_delta_rule(query_BLNK, key_BLNK, value_BLNV, beta_BLN, g_BLN)
         out_BLNV = out_BLNV.to(value.dtype)
     if cache_params is not None:
         cache_params.update_recurrent_state(state, module.layer_idx)
@@ -228,8 +226,9 @@ def decode_step(
 
 
 # NOTE: a custom op, so that the choice between the two kernels is made per call on the real
-# length; traced, it would be a guard on the prompt length, and a compiled prefill would compile
-# again for the first prompt on the other side of it.
+# length, and the PyTorch rule's loop over chunks runs as plain Python; traced, either would be
+# a guard on the prompt length (the loop's on its number of chunks), and a compiled prefill
+# would compile again for the first prompt on the other side of it.
 @torch.library.custom_op("areno::prefill_delta_rule", mutates_args=())
 def prefill_delta_rule(
     query_BTNK: torch.Tensor,
@@ -239,12 +238,16 @@ def prefill_delta_rule(
     log_decay_BTN: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """A prefill's gated delta rule from a zero state (`gated_delta_reference`'s arithmetic, the
-    decay given by its log) in one of the engine's Triton kernels: in chunks for prompts of
+    decay given by its log). On CUDA one of the engine's Triton kernels: in chunks for prompts of
     CHUNKED_MIN_TOKENS or more (`kernels/chunked_delta.py`), token by token below (the chunked
-    form's parallel work costs more than the token kernel's chain of steps there). Returns
-    (out (B, T, N_v, d_v) fp32, state (B, N_v, d_k, d_v) fp32)."""
+    form's parallel work costs more than the token kernel's chain of steps there); elsewhere
+    the chunked form in PyTorch. Returns (out (B, T, N_v, d_v) fp32, state (B, N_v, d_k, d_v)
+    fp32)."""
+    args = (query_BTNK, key_BTNK, value_BTNV, beta_BTN, log_decay_BTN)
+    if not (use_triton(query_BTNK) and gated_delta_fits(key_BTNK, value_BTNV)):
+        return chunked_gated_delta_torch(*args)
     if query_BTNK.shape[1] >= CHUNKED_MIN_TOKENS and chunked_fits(key_BTNK, value_BTNV):
-        return chunked_gated_delta(query_BTNK, key_BTNK, value_BTNV, beta_BTN, log_decay_BTN)
+        return chunked_gated_delta(*args)
     return gated_delta(None, query_BTNK, key_BTNK, value_BTNV, beta_BTN, log_decay_BTN.exp())
 
 

@@ -139,6 +139,24 @@ def test_one_compile_of_the_decode_step_serves_every_row_bucket(tiny_path):
     assert counters["stats"]["unique_graphs"] == compiled
 
 
+def test_one_compile_of_the_decode_step_serves_every_key_bucket_up_to_the_whole_context(
+    tiny_path,
+):
+    # The last key bucket is the whole context (200 here, the buckets are 128 keys): when it
+    # was also the whole storage, its keys were a contiguous view and the step compiled again.
+    from torch._dynamo.utils import counters
+
+    _, _, model = load(tiny_path, "qwen3_5")
+    runner = ModelRunner(model, num_slots=4, max_len=200, graphs="static", compile="eager")
+    for slot in range(2):
+        runner.prefill(PromptInputs([5 + slot, 9, 11], {}), [slot])
+    runner.decode([0, 1], [3, 3], [7, 8])  # 128 keys: the compile
+    compiled = counters["stats"]["unique_graphs"]
+    runner.decode([0, 1], [199, 4], [7, 8])  # 200 keys: every position of the context
+    assert runner.graphs.compiled
+    assert counters["stats"]["unique_graphs"] == compiled
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_the_compiled_decode_step_is_one_graph(tiny_path, family):
     # A break (Qwen3.5's gated-delta-net update once left the graph) splits the step into frames
@@ -253,13 +271,14 @@ def test_a_compiled_batched_prefill_is_one_graph_for_every_shape(tiny_path, fami
     from torch._dynamo.utils import counters
 
     _, _, model = load(tiny_path, family)
-    plain = ModelRunner(model, num_slots=6, max_len=64)
-    compiled = ModelRunner(model, num_slots=6, max_len=64, prefill_compile="eager")
+    plain = ModelRunner(model, num_slots=6, max_len=80)
+    compiled = ModelRunner(model, num_slots=6, max_len=80, prefill_compile="eager")
     for runner in (plain, compiled):  # the cache allocates, uncompiled (as the engine starts)
         runner.prefill(PromptInputs([5, 9, 11], {}), [5])
     torch._dynamo.reset()  # an earlier test's compile of this family would be reused, unseen
     counters.clear()
-    for lengths in ([3, 5, 4], [6, 6], [9, 12, 10, 11, 12, 9], [2, 2]):
+    # 64: whole chunks of the CPU delta rule (kernels/chunked_delta.py), two of them.
+    for lengths in ([3, 5, 4], [6, 6], [9, 12, 10, 11, 12, 9], [64, 57], [2, 2]):
         prompts = [
             PromptInputs([(7 * i + j) % 50 + 3 for j in range(n)], {})
             for i, n in enumerate(lengths)
