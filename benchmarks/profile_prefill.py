@@ -127,6 +127,7 @@ def main() -> None:
         compile="off",
         prefill_compile=args.prefill_compile,
         fuse_projections=args.fuse_projections == "on",
+        packed_linear=device == "cpu",  # as the engine runs on CPU (EngineConfig's default)
     )
     runner.prefill(PromptInputs([0], {}), [0])  # allocates the cache, uncompiled
     vocab = model.config.get_text_config().vocab_size

@@ -11,6 +11,11 @@ Like the engine's kernels (areno/engine/attention.py, linear_attention.py), the 
 in force only inside the engine's forwards (`with linears:`); outside, the model is transformers'
 own. The packed tensors are copies derived from the weights, so whoever changes a weight must
 `repack` it (`Worker.load_weights` does). They double the memory of the packed layers.
+
+A packed layer calls oneDNN through the custom op `areno::packed_linear`, so a compiled decode
+step keeps the packed matmuls: inductor's own lowering of oneDNN's linear takes only weights it
+froze into constants, which in-place weight updates rule out, and without it a compiled step
+runs aten's matmul on the plain weights.
 """
 
 from __future__ import annotations
@@ -74,6 +79,18 @@ class PackedLinears:
 
 def _packed_forward(layer: nn.Linear, packed: torch.Tensor):
     def forward(x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x, packed, layer.bias, "none", [], "")
+        return packed_linear(x, packed, layer.bias)
 
     return forward
+
+
+@torch.library.custom_op("areno::packed_linear", mutates_args=())
+def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x @ W.T + bias, W packed by `torch.ops.mkldnn._reorder_linear_weight` (which keeps W's
+    sizes: its tensor is W's shape over oneDNN's blocked layout)."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+@packed_linear.register_fake
+def _(x, packed, bias):
+    return x.new_empty((*x.shape[:-1], packed.shape[0]))

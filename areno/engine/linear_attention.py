@@ -245,7 +245,8 @@ def prefill_delta_rule(
     fp32)."""
     args = (query_BTNK, key_BTNK, value_BTNV, beta_BTN, log_decay_BTN)
     if not (use_triton(query_BTNK) and gated_delta_fits(key_BTNK, value_BTNV)):
-        return chunked_gated_delta_torch(*args)
+        out, state = chunked_gated_delta_torch(*args)
+        return out.contiguous(), state  # the layout the fake promises (a compiled graph checks)
     if query_BTNK.shape[1] >= CHUNKED_MIN_TOKENS and chunked_fits(key_BTNK, value_BTNV):
         return chunked_gated_delta(*args)
     return gated_delta(None, query_BTNK, key_BTNK, value_BTNV, beta_BTN, log_decay_BTN.exp())

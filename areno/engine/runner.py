@@ -48,7 +48,7 @@ class ModelRunner:
         CUDA only. `compile`: the torch.compile backend of that padded step's forward ("off",
         "inductor", "aot_eager"); "auto" compiles with inductor where graphs are captured.
         `prefill_compile`: the torch.compile backend of the text stack in batched prefills
-        (`prefill_batch`); "auto" is the decode step's. `packed_linear`: uncompiled on CPU in
+        (`prefill_batch`); "auto" is the decode step's. `packed_linear`: on CPU in
         float32, the linear layers run on prepacked oneDNN weights (areno/engine/cpu_linear.py).
         `fuse_projections`: sibling projections of one input run as one matmul where the linear
         layers are not packed (areno/engine/fused_linear.py)."""
@@ -91,7 +91,7 @@ class ModelRunner:
             "the batched prefill",
         )
         self.linears = None
-        if packed_linear and compile == "off" and can_pack(model):
+        if packed_linear and can_pack(model):
             self.linears = PackedLinears(model)
         self.fused = None
         if fuse_projections and self.linears is None:

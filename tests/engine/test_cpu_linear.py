@@ -7,7 +7,8 @@ import pytest
 import torch
 from torch import nn
 
-from areno.engine.cpu_linear import PackedLinears, can_pack
+from areno.engine.cpu_linear import PackedLinears, can_pack, packed_linear
+from areno.engine.runner import ModelRunner
 from areno.engine.worker import Worker
 from areno.processing.types import PromptInputs
 
@@ -68,6 +69,40 @@ def test_worker_repacks_the_weights_it_loads(tiny_path, family):
     expected = torch.tensor(reference.score(prompt))
     assert not torch.allclose(after, before, atol=1e-3)
     torch.testing.assert_close(after, expected, atol=1e-4, rtol=1e-4)
+
+
+def test_the_packed_op_is_a_linear_layer():
+    # (opcheck cannot run it: a packed weight is an opaque tensor without storage.)
+    gen = torch.Generator().manual_seed(0)
+    weight, bias = torch.randn(48, 32, generator=gen), torch.randn(48, generator=gen)
+    packed = torch.ops.mkldnn._reorder_linear_weight(weight, 16)
+    x = torch.randn(3, 5, 32, generator=gen)
+    torch.testing.assert_close(packed_linear(x, packed, bias), x @ weight.T + bias)
+    torch.testing.assert_close(packed_linear(x, packed, None), x @ weight.T)
+
+
+def test_a_compiled_decode_step_runs_the_packed_layers(model):
+    """A compiled CPU decode keeps the packed matmuls (the custom op, which torch.compile does
+    not look into) and gives the uncompiled step's logits."""
+    from torch._dynamo.utils import counters
+
+    runners = {
+        compile: ModelRunner(
+            model, num_slots=4, max_len=64, graphs="static", compile=compile, packed_linear=True
+        )
+        for compile in ("off", "aot_eager")
+    }
+    counters.clear()
+    logits = {}
+    for compile, runner in runners.items():
+        assert runner.linears is not None
+        for slot in range(3):
+            runner.prefill(PromptInputs([5 + slot, 9, 11, 13], {}), [slot])
+        logits[compile] = runner.decode([0, 1, 2], [4, 4, 4], [7, 8, 9])
+    assert runners["aot_eager"].graphs.compiled
+    assert counters["stats"]["unique_graphs"] == 1
+    assert dict(counters["graph_break"]) == {}
+    torch.testing.assert_close(logits["aot_eager"], logits["off"], atol=1e-5, rtol=1e-5)
 
 
 def test_the_switch_must_be_a_bool():

@@ -78,3 +78,35 @@ def test_kernels_are_inactive_outside_their_context(model):
     after = run(model, ids, mask, num_decode=2)
     for b, a in zip(before, after, strict=True):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("op", ["prefill_delta_rule", "recurrent_update"])
+def test_the_custom_ops_match_their_fake_kernels(op):
+    """opcheck runs each op for real and through its fake kernel (what torch.compile plans
+    with): sizes, strides and dtypes must agree, or an inductor graph fails its layout check."""
+    gen = torch.Generator().manual_seed(0)
+    batch, tokens, key_heads, value_heads, dk, dv = 2, 5, 2, 4, 16, 8
+
+    def rand(*shape):
+        return torch.rand(*shape, generator=gen)
+
+    if op == "prefill_delta_rule":
+        args = (
+            rand(batch, tokens, key_heads, dk),
+            rand(batch, tokens, key_heads, dk),
+            rand(batch, tokens, value_heads, dv),
+            rand(batch, tokens, value_heads),
+            -rand(batch, tokens, value_heads),
+        )
+        fn = linear_attention.prefill_delta_rule
+    else:
+        args = (
+            rand(batch, value_heads, dk, dv),
+            rand(batch, value_heads),
+            rand(batch, value_heads, dk),
+            rand(batch, value_heads, dk),
+            rand(batch, value_heads, dv),
+            rand(batch, value_heads),
+        )
+        fn = linear_attention.recurrent_update
+    torch.library.opcheck(fn, args)
