@@ -105,6 +105,33 @@ def test_a_compiled_decode_step_runs_the_packed_layers(model):
     torch.testing.assert_close(logits["aot_eager"], logits["off"], atol=1e-5, rtol=1e-5)
 
 
+def test_a_compiled_decode_step_follows_repacked_weights(tiny_path):
+    """A weight update repacks into new tensors: the compiled step must read those, not the
+    packed tensors it was traced with."""
+    from areno.models.registry import adapter_for_checkpoint
+
+    path = tiny_path("qwen3_5")
+    model = adapter_for_checkpoint(path).load_model(path, dtype=torch.float32).eval()
+    compiled = ModelRunner(
+        model, num_slots=2, max_len=64, graphs="static", compile="aot_eager", packed_linear=True
+    )
+    plain = ModelRunner(model, num_slots=2, max_len=64)  # aten's matmul on the plain weights
+
+    def step(runner: ModelRunner) -> torch.Tensor:
+        for slot in range(2):
+            runner.prefill(PromptInputs([5 + slot, 9, 11], {}), [slot])
+        return runner.decode([0, 1], [3, 3], [7, 8])
+
+    before = step(compiled)  # the compile
+    weight = next(p for n, p in model.named_parameters() if n.endswith("mlp.down_proj.weight"))
+    with torch.no_grad():
+        weight.copy_(torch.randn_like(weight))
+    compiled.linears.repack([weight])
+    after = step(compiled)
+    assert not torch.allclose(after, before, atol=1e-3)
+    torch.testing.assert_close(after, step(plain), atol=1e-4, rtol=1e-4)
+
+
 def test_the_switch_must_be_a_bool():
     from areno.engine.config import EngineConfig
     from areno.errors import ConfigError
