@@ -121,7 +121,7 @@ def main() -> None:
         model = random_model(args.model, device, dtype)
     runner = ModelRunner(
         model,
-        num_slots=args.prompts,
+        num_slots=max(args.prompts, 2),  # the compile runs two prompts
         max_len=args.length + 1,
         graphs="off",
         compile="off",

@@ -1,0 +1,78 @@
+"""What the Generator tests share: the families, a family's processor / decoder / model with a
+Generator factory and transformers' greedy reference, and the requests they send."""
+
+from __future__ import annotations
+
+import asyncio
+
+from areno.engine.config import EngineConfig
+from areno.engine.generator import Generator
+from areno.engine.sampling import SamplingParams
+from areno.media import MediaDecoder, MediaPolicy
+from areno.processing import Processor, process_messages
+
+FAMILIES = ["qwen3_5", "qwen3_vl", "minicpmv4_6", "gemma4"]
+GREEDY = SamplingParams(temperature=0, max_tokens=12)
+
+
+def text(content: str) -> list[dict]:
+    return [{"role": "user", "content": content}]
+
+
+def with_media(kind: str, url: str, prompt: str) -> list[dict]:
+    part = {"type": f"{kind}_url", f"{kind}_url": {"url": url}}
+    return [{"role": "user", "content": [part, {"type": "text", "text": prompt}]}]
+
+
+class Setup:
+    """A family's processor, decoder and model, plus a Generator factory."""
+
+    def __init__(self, path):
+        self.processor = Processor(path)
+        self.decoder = MediaDecoder(MediaPolicy.for_training(), self.processor.decode_options())
+        self.model = self.processor.adapter.load_model(path).eval()
+
+    def encode(self, messages):
+        return process_messages(self.processor, self.decoder, messages)
+
+    def generator(self, **config) -> Generator:
+        config = {"max_running_prompts": 4, "max_context_len": 1024} | config
+        return Generator.from_model(self.model, self.processor.tokenizer, EngineConfig(**config))
+
+    def reference(self, inputs, max_new_tokens: int) -> list[int]:
+        """transformers' greedy generate, cut after the first EOS as the engine stops there."""
+        out = self.model.generate(
+            **inputs.model_inputs(), max_new_tokens=max_new_tokens, do_sample=False
+        )
+        tokens = out[0, inputs.num_prompt_tokens :].tolist()
+        eos = set(self.model.generation_config.eos_token_id)
+        for i, token in enumerate(tokens):
+            if token in eos:
+                return tokens[: i + 1]
+        return tokens
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+async def collect(stream) -> tuple[list[int], str, list]:
+    tokens, out_text, deltas = [], "", []
+    async for output in stream:
+        for delta in output.samples:
+            tokens += delta.token_ids
+            out_text += delta.text
+            deltas.append(delta)
+    return tokens, out_text, deltas
+
+
+def mixed_requests(setup: Setup, media) -> list:
+    requests = [
+        text("Hello there, how are you doing today my friend?"),
+        with_media("image", media["image"], "Describe."),
+        text("Short."),
+        with_media("video", media["video"], "What happens?"),
+    ]
+    if "audio" in setup.processor.adapter.modalities:
+        requests.append(with_media("audio", media["audio"], "Listen."))
+    return [setup.encode(m) for m in requests]
