@@ -56,10 +56,18 @@ def test_only_the_text_stack_of_an_sdpa_model_switches(tiny_path):
     assert text._attn_implementation == "sdpa"
 
 
-def test_a_plain_causal_prefill_mask_is_left_to_sdpa_also_while_compiling():
+def test_a_plain_causal_prefill_mask_is_left_to_sdpa_also_while_compiling(monkeypatch):
+    import transformers.masking_utils as masking_utils
+
+    # As transformers decides on torch before 2.14 while tracing (never skip): the engine's
+    # function must not rely on transformers' own skip, which torch 2.14 already grants here.
+    monkeypatch.setattr(masking_utils, "_ignore_causal_mask_sdpa", lambda *args, **kwargs: False)
+    assert isinstance(sdpa_mask(2, 5, 5), torch.Tensor)
+
     def prefill_mask(hidden):
         return hidden * 2, engine_sdpa_mask(hidden.shape[0], hidden.shape[1], hidden.shape[1])
 
+    torch._dynamo.reset()
     compiled = torch.compile(prefill_mask, backend="eager", fullgraph=True, dynamic=True)
     for length in (3, 7):
         _, mask = compiled(torch.zeros(2, length))
