@@ -3,7 +3,8 @@
 
 - decode attention: one query token per row over 384 cached keys, each row attending to its own
   first 257-384 (the runner's per-row mask). Baseline: the engine's packed SDPA call with that
-  mask (memory-efficient attention). Floor: the valid keys and values read once.
+  mask (memory-efficient attention). Floor: the valid keys and values read once. Keys per split
+  program, then the engine's split with the launch it had before `split_launch` (64-key blocks).
 - gated delta, decode: one token per row through the recurrent state (16 heads of 128 x 128
   fp32). Baseline: the engine's four-pass PyTorch update. Floor: the state read and written once.
 - gated delta, prefill: 32 prompts x 256 tokens from a zero state. Baseline: transformers'
@@ -105,6 +106,18 @@ def _attention_rows(model, heads, kv_heads, dim, mask, bandwidth: float) -> list
         kernel_ms = graph_ms(lambda: decode_attention(query, key, value, mask, dim**-0.5))
         rows.append(_row(name, model, sdpa_ms, kernel_ms, floor_ms))
     attention_kernel.SPLIT_KEYS = default
+    # The launch before `split_launch`: 64-key blocks (8192 // dim above 128), Triton's defaults.
+    launch = attention_kernel.split_launch
+    attention_kernel.split_launch = lambda dim: {"BLOCK_N": max(16, min(64, 8192 // dim))}
+    try:
+        kernel_ms = graph_ms(lambda: decode_attention(query, key, value, mask, dim**-0.5))
+    finally:
+        attention_kernel.split_launch = launch
+    rows.append(
+        _row(
+            f"decode attention split {default}, 64-key blocks", model, sdpa_ms, kernel_ms, floor_ms
+        )
+    )
     return rows
 
 
@@ -228,16 +241,26 @@ def _row(kernel: str, model: str, torch_ms: float, triton_ms: float, floor_ms) -
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--out", default="benchmarks/results/engine_kernels_gpu.json")
+    parser.add_argument(
+        "--kernels",
+        nargs="+",
+        choices=["attention", "gated-delta"],
+        default=["attention", "gated-delta"],
+    )
     args = parser.parse_args()
     bandwidth = copy_bandwidth_gb_s(torch.device("cuda"), 1 << 30)
-    rows = attention_rows(bandwidth) + gated_delta_rows(bandwidth)
+    rows = []
+    if "attention" in args.kernels:
+        rows += attention_rows(bandwidth)
+    if "gated-delta" in args.kernels:
+        rows += gated_delta_rows(bandwidth)
     print(
-        f"{'kernel':<40} {'shape':<11} {'pytorch ms':>10} {'triton ms':>10} {'x':>6} {'floor ms':>9}"
+        f"{'kernel':<44} {'shape':<11} {'pytorch ms':>10} {'triton ms':>10} {'x':>6} {'floor ms':>9}"
     )
     for r in rows:
         floor = f"{r['floor_ms']:.4f}" if r["floor_ms"] is not None else "-"
         print(
-            f"{r['kernel']:<40} {r['shape']:<11} {r['pytorch_ms']:>10.4f} {r['triton_ms']:>10.4f} "
+            f"{r['kernel']:<44} {r['shape']:<11} {r['pytorch_ms']:>10.4f} {r['triton_ms']:>10.4f} "
             f"{r['speedup']:>6.2f} {floor:>9}"
         )
     meta = {"copy_bandwidth_gb_s": bandwidth, "rows": ROWS, "prompt": PROMPT, "cached_keys": CACHED}

@@ -11,10 +11,10 @@ and writes both states in place into the cache's tensors.
 A prefill (a fresh state, any number of tokens) runs the token-by-token kernel over the prompt
 on CUDA, or for a long prompt the chunked form of the rule (`kernels/chunked_delta.py`: one
 sequential step per chunk of tokens, its products on tensor cores); elsewhere the same chunked
-form in PyTorch (`chunked_gated_delta_torch`: on 2 CPU cores, 4 prompts of 165 tokens of the
-small checkpoint's heads took 10.9 ms a layer against transformers' chunked rule's 12.1, one
-of 256 tokens 2.5 against 3.5), with the conv written as K shifted multiply-adds:
-oneDNN's grouped convolution took 2.6 ms for a 160-token prompt of the small checkpoint, these
+form in PyTorch (`chunked_gated_delta_torch`; `benchmarks/cpu_delta_rule.py` on 2 CPU cores, the
+small checkpoint's heads: 1.3-2.6x transformers' chunked rule from 1 x 32 to 32 x 256 tokens,
+except 4 x 165: 0.7-0.8x in two runs of three, 2.1x in the third), with the conv written as K
+shifted multiply-adds: oneDNN's grouped convolution took 2.6 ms for a 160-token prompt of the small checkpoint, these
 take a tenth of that. A multi-token forward that continues a cached state keeps the module's own
 code.
 """

@@ -112,6 +112,19 @@ if triton is not None:
 SPLIT_KEYS = 128
 
 
+def split_launch(dim: int) -> dict:
+    """The split kernel's key block (BLOCK_N) and launch options for head dim `dim`.
+
+    Up to head dim 128 a program takes its whole split as one block, on four warps and without
+    software pipelining (one block leaves nothing to pipeline): on an H200, at 64 rows of 257-384
+    keys, the Qwen3-1.7B heads took 32.8-33.4 us a call against 35.0-35.6 with 64-key blocks
+    (benchmarks/engine_kernels.py, "64-key blocks" rows). Wider heads keep 8192 // dim keys a block
+    (32 at 256), which ran 15.1-15.6 us there; 64-key blocks 15.7-16.0."""
+    if dim <= 128:
+        return {"BLOCK_N": min(SPLIT_KEYS, 128), "num_warps": 4, "num_stages": 1}
+    return {"BLOCK_N": max(16, 8192 // dim)}
+
+
 def fits(query_BHD: torch.Tensor, key_BHKD: torch.Tensor) -> bool:
     """Whether the kernel takes these shapes: a power-of-two head dim of at least 16 (tl.dot's
     smallest tile), at most 512, and whole query groups per key / value head."""
@@ -171,8 +184,7 @@ def decode_attention(
         mask_BK.stride(0),
         kv_len, scale,
         G=groups, G_PAD=group_pad, D=dim,
-        BLOCK_N=max(16, min(64, 8192 // dim)), SPLIT=SPLIT_KEYS,
-        IEEE=query_BHD.dtype == torch.float32,
+        SPLIT=SPLIT_KEYS, IEEE=query_BHD.dtype == torch.float32, **split_launch(dim),
     )  # fmt: skip
     out = torch.empty_like(query_BHD, memory_format=torch.contiguous_format)
     _combine_kernel[(batch, heads)](
