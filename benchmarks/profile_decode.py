@@ -116,6 +116,9 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=256)
     parser.add_argument("--graphs", default="auto")
     parser.add_argument("--compile", default="auto")
+    parser.add_argument(
+        "--fuse-projections", choices=["auto", "on", "off"], default="auto", help="auto: on CUDA"
+    )
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--top", type=int, default=15)
@@ -137,6 +140,8 @@ def main() -> None:
         graphs=args.graphs,
         compile=args.compile,
         packed_linear=True,
+        fuse_projections=args.fuse_projections == "on"
+        or (args.fuse_projections == "auto" and on_cuda),
     )
     result = profile_steps(runner, args, vocab)
     num_bytes = weight_bytes(model)

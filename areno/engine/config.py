@@ -42,7 +42,8 @@ class EngineConfig:
     fuse_projections: run each layer's sibling projections of one input (query / key / value,
         gate / up, a gated-delta-net's four) as one matmul over a fused weight, of which the
         parameters become views (areno/engine/fused_linear.py). "auto" is "on" on CUDA without
-        tensor parallelism; on CPU the packed linear layers take precedence. On an H200 it took
+        tensor parallelism, "off" on CPU, where "on" packs each fused weight whole for the packed
+        layers and gained nothing measurable (README, session 17). On an H200 it took
         the Qwen3-1.7B shape from 14.8k to 16.5k tok/s, the engine's cold warm-up (both
         compiles) 204 s (README, "The generator engine").
     cpu_packed_linear: on CPU in float32 without tensor parallelism, run the model's linear

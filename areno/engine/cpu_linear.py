@@ -12,11 +12,16 @@ in force only inside the engine's forwards (`with linears:`); outside, the model
 own. The packed tensors are copies derived from the weights, so whoever changes a weight must
 `repack` it (`Worker.load_weights` does). They double the memory of the packed layers.
 
+With the model's projections fused (`fuse_projections`, areno/engine/fused_linear.py), each
+fused group's weight is packed whole and the group's one matmul runs packed; a weight update to
+any sibling repacks its group.
+
 Traced by torch.compile, a packed layer calls oneDNN through the custom op `areno::packed_linear`,
 so a compiled decode step keeps the packed matmuls: inductor's own lowering of oneDNN's linear
 takes only weights it froze into constants, which in-place weight updates rule out, and without
 it a compiled step runs aten's matmul on the plain weights. Eagerly it calls oneDNN directly
-(on 2 cores, 16 x 512 @ 512 x 2048 took 231-270 us directly and 285-302 through the op).
+(on 2 cores, 16 x 512 @ 512 x 2048 took 231-270 us directly and 285-302 through the op as it
+was first defined).
 """
 
 from __future__ import annotations
@@ -25,6 +30,8 @@ from collections.abc import Iterable
 
 import torch
 from torch import nn
+
+from areno.engine.fused_linear import FusedLinears
 
 # Rows the packing is tuned for (oneDNN takes any row count at run time): a decode step's batch.
 ROWS_HINT = 16
@@ -42,59 +49,90 @@ def can_pack(model: nn.Module) -> bool:
 
 class PackedLinears:
     """oneDNN-packed copies of a model's plain `nn.Linear` weights; a context manager that routes
-    those layers through them."""
+    those layers through them. Given the model's `FusedLinears`, each fused group's weight is
+    packed whole and its matmul runs on that (its siblings are left to the group)."""
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module, fused: FusedLinears | None = None):
+        self._groups = [g for g in fused.groups if _packable(g.weight)] if fused else []
+        grouped = {id(m) for g in self._groups for m in g.linears}
         self._layers: list[nn.Linear] = []
         for module in model.modules():
             # Subclasses (quantized, LoRA) and DTensor shards keep their own forward.
             if type(module) is not nn.Linear or type(module.weight) is not nn.Parameter:
                 continue
-            if module.weight.dtype == torch.float32 and module.weight.device.type == "cpu":
+            if _packable(module.weight) and id(module) not in grouped:
                 self._layers.append(module)
-        self._packed: dict[nn.Linear, torch.Tensor] = {}
-        self.repack(layer.weight for layer in self._layers)
+        self._packed: dict[object, torch.Tensor] = {}  # a layer or a group -> its packed weight
+        self.repack([layer.weight for layer in self._layers] + [g.weight for g in self._groups])
 
     def __len__(self) -> int:
-        return len(self._layers)
+        """The matmuls that run packed: one per layer, one per fused group."""
+        return len(self._layers) + len(self._groups)
 
     def repack(self, weights: Iterable[torch.Tensor]) -> None:
         """Pack again the layers whose weight is one of these parameters (after they were
-        written). By identity, not name: a tied lm_head has no name of its own."""
+        written), and the fused groups holding one. By identity, not name: a tied lm_head has
+        no name of its own."""
         written = {id(w) for w in weights}
         for layer in self._layers:
             if id(layer.weight) in written:
-                self._packed[layer] = torch.ops.mkldnn._reorder_linear_weight(
-                    layer.weight.detach(), ROWS_HINT
-                )
+                self._packed[layer] = _pack(layer.weight)
+        for group in self._groups:
+            if id(group.weight) in written or any(id(m.weight) in written for m in group.linears):
+                self._packed[group] = _pack(group.weight)
 
     def __enter__(self) -> PackedLinears:
         for layer in self._layers:
-            layer.forward = _packed_forward(layer, self._packed[layer])
+            layer.forward = _packed_matmul(self._packed[layer], layer.bias)
+        for group in self._groups:
+            group.linear = _packed_matmul(self._packed[group], group.bias)
         return self
 
     def __exit__(self, *exc) -> None:
         for layer in self._layers:
             vars(layer).pop("forward", None)
+        for group in self._groups:
+            group.linear = group.plain_linear
 
 
-def _packed_forward(layer: nn.Linear, packed: torch.Tensor):
+def _packable(weight: torch.Tensor) -> bool:
+    return weight.dtype == torch.float32 and weight.device.type == "cpu"
+
+
+def _pack(weight: torch.Tensor) -> torch.Tensor:
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), ROWS_HINT)
+
+
+def _packed_matmul(packed: torch.Tensor, bias: torch.Tensor | None):
     def forward(x: torch.Tensor) -> torch.Tensor:
         if torch.compiler.is_compiling():
-            return packed_linear(x, packed, layer.bias)
-        # Eagerly, oneDNN directly: the custom op's Python dispatch costs a few us a call.
-        return torch.ops.mkldnn._linear_pointwise(x, packed, layer.bias, "none", [], "")
+            return packed_linear(x, packed, bias)
+        # Eagerly, oneDNN directly: the op's dispatch costs a few us a call.
+        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
     return forward
 
 
-@torch.library.custom_op("areno::packed_linear", mutates_args=())
-def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def _packed_linear(
+    x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
     """x @ W.T + bias, W packed by `torch.ops.mkldnn._reorder_linear_weight` (which keeps W's
     sizes: its tensor is W's shape over oneDNN's blocked layout)."""
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
-@packed_linear.register_fake
+# NOTE: defined through `torch.library.Library` rather than `torch.library.custom_op`, whose
+# Python wrapper costs more a call: in a compiled decode step of the small checkpoint on 2 cores
+# the op's 63 calls took 0.8-1.0 ms of self time against 1.8-2.0 as a custom_op
+# (`benchmarks/profile_decode.py --model small --graphs static --compile inductor`).
+_LIBRARY = torch.library.Library("areno", "FRAGMENT")
+_LIBRARY.define("packed_linear(Tensor x, Tensor packed, Tensor? bias) -> Tensor")
+_LIBRARY.impl("packed_linear", _packed_linear, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("areno::packed_linear")
 def _(x, packed, bias):
     return x.new_empty((*x.shape[:-1], packed.shape[0]))
+
+
+packed_linear = torch.ops.areno.packed_linear.default

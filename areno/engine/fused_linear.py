@@ -48,6 +48,9 @@ class _Group:
                 self.bias = _parameter(torch.cat([m.bias for m in linears]))
         self.input: torch.Tensor | None = None
         self.outputs: list[torch.Tensor] | None = None
+        # The fused matmul, x -> x @ weight.T + bias; the CPU's packed layers swap in their own
+        # while active (areno/engine/cpu_linear.py).
+        self.linear = self.plain_linear
         # Each sibling's parameters become views of its rows of the fused tensors.
         start = 0
         for m, size in zip(linears, self.sizes, strict=True):
@@ -56,9 +59,12 @@ class _Group:
                 m.bias.data = self.bias[start : start + size]
             start += size
 
+    def plain_linear(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
     def forward(self, index: int, module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
         if index == 0:
-            out = F.linear(x, self.weight, self.bias)
+            out = self.linear(x)
             self.input, self.outputs = x, list(out.split(self.sizes, dim=-1))
             return self.outputs[0]
         if self.input is x and self.outputs is not None:

@@ -50,8 +50,8 @@ class ModelRunner:
         `prefill_compile`: the torch.compile backend of the text stack in batched prefills
         (`prefill_batch`); "auto" is the decode step's. `packed_linear`: on CPU in
         float32, the linear layers run on prepacked oneDNN weights (areno/engine/cpu_linear.py).
-        `fuse_projections`: sibling projections of one input run as one matmul where the linear
-        layers are not packed (areno/engine/fused_linear.py)."""
+        `fuse_projections`: sibling projections of one input run as one matmul (packed whole
+        where the layers are packed; areno/engine/fused_linear.py)."""
         if graphs not in GRAPH_MODES:
             raise ValueError(f"graphs must be one of {GRAPH_MODES}; got {graphs!r}")
         for name, mode in (("compile", compile), ("prefill_compile", prefill_compile)):
@@ -90,12 +90,10 @@ class ModelRunner:
             None if prefill_compile == "off" else prefill_compile,
             "the batched prefill",
         )
+        self.fused = FusedLinears(self._text_stack) if fuse_projections else None
         self.linears = None
         if packed_linear and can_pack(model):
-            self.linears = PackedLinears(model)
-        self.fused = None
-        if fuse_projections and self.linears is None:
-            self.fused = FusedLinears(self._text_stack)
+            self.linears = PackedLinears(model, self.fused)
         self.graphs = None
         if graphs != "off":
             self.graphs = DecodeGraphs(

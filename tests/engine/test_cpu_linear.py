@@ -45,22 +45,32 @@ def test_packed_layers_give_transformers_logits_and_only_inside_the_context(mode
     torch.testing.assert_close(logits(model, ids), reference, atol=0, rtol=0)
 
 
-@pytest.mark.parametrize("family", ["qwen3_5", "gemma4"])  # gemma4: lm_head tied, unnamed
-def test_worker_repacks_the_weights_it_loads(tiny_path, family):
+def fresh_model(tiny_path, family: str = "qwen3_5") -> nn.Module:
+    """A model of its own: fusing projections rewires a model's layers for good."""
     from areno.models.registry import adapter_for_checkpoint
 
     path = tiny_path(family)
-    model = adapter_for_checkpoint(path).load_model(path, dtype=torch.float32).eval()
-    worker = Worker(model, num_slots=2, max_len=64, sample=True, packed_linear=True)
+    return adapter_for_checkpoint(path).load_model(path, dtype=torch.float32).eval()
+
+
+@pytest.mark.parametrize("fuse", ["off", "on"])  # on: gate_proj is a sibling of a fused group
+@pytest.mark.parametrize("family", ["qwen3_5", "gemma4"])  # gemma4: lm_head tied, unnamed
+def test_worker_repacks_the_weights_it_loads(tiny_path, family, fuse):
+    model = fresh_model(tiny_path, family)
+    worker = Worker(
+        model, num_slots=2, max_len=64, sample=True, packed_linear=True, fuse_projections=fuse
+    )
     assert worker.runner.linears is not None
+    assert (worker.runner.fused is not None) == (fuse == "on")
     prompt = PromptInputs(torch.randint(5, 500, (9,)).tolist(), {})
     before = torch.tensor(worker.score(prompt))
 
     params = dict(model.named_parameters())
     mlp = next(n for n in params if n.endswith("mlp.down_proj.weight"))
+    gate = next(n for n in params if n.endswith("mlp.gate_proj.weight"))
     embed = next(n for n, p in params.items() if p is model.get_input_embeddings().weight)
     torch.manual_seed(1)
-    worker.load_weights([(n, torch.randn_like(params[n])) for n in (mlp, embed)])
+    worker.load_weights([(n, torch.randn_like(params[n])) for n in (mlp, gate, embed)])
     after = torch.tensor(worker.score(prompt))
 
     # The reference: the same weights through transformers' own layers (no packed copy at all).
@@ -81,13 +91,17 @@ def test_the_packed_op_is_a_linear_layer():
     torch.testing.assert_close(packed_linear(x, packed, None), x @ weight.T)
 
 
-def test_a_compiled_decode_step_runs_the_packed_layers(model):
+@pytest.mark.parametrize("fuse", [False, True])
+def test_a_compiled_decode_step_runs_the_packed_layers(model, tiny_path, fuse):
     """A compiled CPU decode keeps the packed matmuls (the custom op, which torch.compile does
     not look into; inductor cannot lower oneDNN's linear on weights it did not freeze) and
-    gives the uncompiled step's logits, in one graph."""
+    gives the uncompiled step's logits, in one graph. Fused, each group is one packed matmul."""
     from torch._dynamo.utils import counters
 
     from areno.engine.compiled import CompiledForward
+
+    if fuse:
+        model = fresh_model(tiny_path)
 
     targets: list = []
 
@@ -97,7 +111,13 @@ def test_a_compiled_decode_step_runs_the_packed_layers(model):
 
     runners = {
         compile: ModelRunner(
-            model, num_slots=4, max_len=64, graphs="static", compile=compile, packed_linear=True
+            model,
+            num_slots=4,
+            max_len=64,
+            graphs="static",
+            compile=compile,
+            packed_linear=True,
+            fuse_projections=fuse,
         )
         for compile in ("off", "eager")
     }
@@ -116,7 +136,10 @@ def test_a_compiled_decode_step_runs_the_packed_layers(model):
     text_linears = [
         name for name, m in model.named_modules() if type(m) is nn.Linear and "visual" not in name
     ]
-    assert targets.count(torch.ops.areno.packed_linear.default) == len(text_linears)
+    fused = runners["eager"].fused
+    grouped = sum(len(g.linears) - 1 for g in fused.groups) if fused else 0
+    assert grouped > 0 if fuse else grouped == 0
+    assert targets.count(torch.ops.areno.packed_linear.default) == len(text_linears) - grouped
     assert torch.ops.mkldnn._linear_pointwise.default not in targets
     torch.testing.assert_close(logits["eager"], logits["off"], atol=1e-5, rtol=1e-5)
 
