@@ -106,7 +106,8 @@ def _attention_rows(model, heads, kv_heads, dim, mask, bandwidth: float) -> list
         kernel_ms = graph_ms(lambda: decode_attention(query, key, value, mask, dim**-0.5))
         rows.append(_row(name, model, sdpa_ms, kernel_ms, floor_ms))
     attention_kernel.SPLIT_KEYS = default
-    # The launch before `split_launch`: 64-key blocks (8192 // dim above 128), Triton's defaults.
+    # The launch before `split_launch`: 64-key blocks (8192 // dim keys above head dim 128, the
+    # same launch as now there), Triton's defaults.
     launch = attention_kernel.split_launch
     attention_kernel.split_launch = lambda dim: {"BLOCK_N": max(16, min(64, 8192 // dim))}
     try:

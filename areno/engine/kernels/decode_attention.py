@@ -117,9 +117,10 @@ def split_launch(dim: int) -> dict:
 
     Up to head dim 128 a program takes its whole split as one block, on four warps and without
     software pipelining (one block leaves nothing to pipeline): on an H200, at 64 rows of 257-384
-    keys, the Qwen3-1.7B heads took 32.8-33.4 us a call against 35.0-35.6 with 64-key blocks
-    (benchmarks/engine_kernels.py, "64-key blocks" rows). Wider heads keep 8192 // dim keys a block
-    (32 at 256), which ran 15.1-15.6 us there; 64-key blocks 15.7-16.0."""
+    keys, the Qwen3-1.7B heads took 32.8-33.4 us a call against 35.0-35.6 with the earlier
+    64-key blocks (benchmarks/engine_kernels.py, its "64-key blocks" rows: the launch before
+    this function). Wider heads keep 8192 // dim keys a block as before (32 at 256: 15.1-15.6 us
+    there in a sweep of launches, against 15.7-16.0 with 64-key blocks)."""
     if dim <= 128:
         return {"BLOCK_N": min(SPLIT_KEYS, 128), "num_warps": 4, "num_stages": 1}
     return {"BLOCK_N": max(16, 8192 // dim)}
