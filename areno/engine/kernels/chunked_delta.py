@@ -255,7 +255,7 @@ def chunked_gated_delta_torch(
     k_to_end_T = (k * (last - cum).exp()[..., None]).transpose(-1, -2).contiguous()
     chunk_decay = last.exp()[..., None]  # (chunks, B * N, 1, 1)
     state = q.new_zeros((batch * num_v, dk, dv))
-    out = torch.empty((num_chunks, batch * num_v, chunk, dv), device=q.device)
+    out = q.new_empty((num_chunks, batch * num_v, chunk, dv))
     for c in range(num_chunks):
         delta = torch.baddbmm(u[c], w[c], state, alpha=-1)
         torch.bmm(q_decayed[c], state, out=out[c])
