@@ -17,7 +17,9 @@ or skips one stays correct. Outside the block every module runs its own code.
 
 from __future__ import annotations
 
+import threading
 import types
+import weakref
 
 import torch
 import torch.nn.functional as F
@@ -95,11 +97,31 @@ def _fusable(linears: list) -> bool:
     )
 
 
+# One FusedLinears per text stack: fusing a stack again would concatenate the views of the first
+# fused weights into new ones and leave the first FusedLinears' matmuls on stale weights.
+_FUSED: weakref.WeakKeyDictionary[torch.nn.Module, FusedLinears] = weakref.WeakKeyDictionary()
+_FUSED_LOCK = threading.Lock()
+
+
 class FusedLinears:
-    """The fused sibling projections of one model's text stack; active only inside `with`."""
+    """The fused sibling projections of one model's text stack; active only inside `with`.
+
+    Build it with `FusedLinears.of(text_stack)`, which hands every runner over one model the same
+    instance; its `with` blocks nest (the fused path stays on until the outermost one exits).
+    """
+
+    @classmethod
+    def of(cls, text_stack: torch.nn.Module) -> FusedLinears:
+        with _FUSED_LOCK:
+            fused = _FUSED.get(text_stack)
+            if fused is None:
+                fused = _FUSED[text_stack] = cls(text_stack)
+            return fused
 
     def __init__(self, text_stack: torch.nn.Module):
         self.active = False
+        self._depth = 0
+        self._lock = threading.Lock()
         self.groups: list[_Group] = []
         for parent in text_stack.modules():
             for names in GROUPS:
@@ -120,10 +142,16 @@ class FusedLinears:
         return forward
 
     def __enter__(self) -> FusedLinears:
-        self.active = True
+        with self._lock:
+            self._depth += 1
+            self.active = True
         return self
 
     def __exit__(self, *exc) -> None:
-        self.active = False
-        for group in self.groups:
-            group.release()
+        with self._lock:
+            self._depth -= 1
+            if self._depth:
+                return
+            self.active = False
+            for group in self.groups:
+                group.release()

@@ -90,7 +90,7 @@ class ModelRunner:
             None if prefill_compile == "off" else prefill_compile,
             "the batched prefill",
         )
-        self.fused = FusedLinears(self._text_stack) if fuse_projections else None
+        self.fused = FusedLinears.of(self._text_stack) if fuse_projections else None
         self.linears = None
         if packed_linear and can_pack(model):
             self.linears = PackedLinears(model, self.fused)

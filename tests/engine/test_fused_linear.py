@@ -73,7 +73,7 @@ def test_siblings_called_out_of_order_or_on_other_inputs_compute_their_own():
     module = Siblings()
     x, y = torch.randn(3, 8), torch.randn(3, 8)
     want = {n: getattr(module, n)(t) for n, t in (("q_proj", x), ("k_proj", y), ("v_proj", x))}
-    fused = FusedLinears(module)
+    fused = FusedLinears.of(module)
     assert len(fused.groups) == 1
     with fused:
         got = {"k_proj": module.k_proj(y)}  # before q: its own matmul
@@ -89,7 +89,7 @@ def test_siblings_called_out_of_order_or_on_other_inputs_compute_their_own():
 def test_a_weight_copied_into_a_sibling_reaches_the_fused_matmul():
     torch.manual_seed(0)
     module = Siblings()
-    fused = FusedLinears(module)
+    fused = FusedLinears.of(module)
     x = torch.randn(3, 8)
     with torch.no_grad():
         module.k_proj.weight.copy_(torch.ones(2, 8))
@@ -97,3 +97,27 @@ def test_a_weight_copied_into_a_sibling_reaches_the_fused_matmul():
         module.q_proj(x)
         k = module.k_proj(x)
     torch.testing.assert_close(k, x.sum(-1, keepdim=True).expand(3, 2) + module.k_proj.bias)
+
+
+def test_one_module_fused_twice_shares_its_groups_and_their_weights():
+    """Two runners over one model get one FusedLinears: a weight written into a sibling reaches
+    the fused matmul whichever runner steps, and nested `with` blocks keep it on to the last."""
+    torch.manual_seed(0)
+    module = Siblings()
+    first, second = FusedLinears.of(module), FusedLinears.of(module)
+    assert first is second and len(first.groups) == 1
+    storage = first.groups[0].weight.untyped_storage().data_ptr()
+    assert module.k_proj.weight.untyped_storage().data_ptr() == storage
+    x = torch.randn(3, 8)
+    with torch.no_grad():
+        module.k_proj.weight.copy_(torch.ones(2, 8))
+    want = x.sum(-1, keepdim=True).expand(3, 2) + module.k_proj.bias
+    with first:
+        with second:
+            module.q_proj(x)
+            torch.testing.assert_close(module.k_proj(x), want)
+        assert first.active
+        module.q_proj(x)
+        assert first.groups[0].input is x  # still fused: q computed the group's outputs
+        torch.testing.assert_close(module.k_proj(x), want)
+    assert not first.active and first.groups[0].input is None
