@@ -48,6 +48,13 @@ class ConfigError(ArenoError):
     code = "invalid_config"
 
 
+class CacheMemoryError(ConfigError):
+    """The engine's cache, sized by --max-running-prompts and --max-context-len, does not fit in
+    the memory left on its device."""
+
+    code = "cache_too_large"
+
+
 class UnsupportedModelError(ArenoError):
     """The checkpoint's family has no adapter."""
 

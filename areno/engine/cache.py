@@ -6,16 +6,26 @@ current batch: before each forward the runner binds the batch's slots and per-ro
 attention layers write new keys / values straight into their slot rows and read back the batch's
 rows; linear-attention layers work on gathered copies of the batch's states that `commit` writes
 back after the forward.
+
+Every storage tensor is allocated at the first forward that reaches its layer (the Generator
+runs a one-token prefill at start-up, so that is before any request), after a check that it fits
+in the memory left on the device: a cache too large fails with a `CacheMemoryError` naming its
+size and the flags that set it, rather than an out-of-memory error in a request (CUDA) or the
+kernel's OOM killer (CPU, where untouched pages are promised freely).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, LinearAttentionLayer
 
 from areno.engine.transfer import to_device
+from areno.errors import CacheMemoryError
+
+_GIB = 1 << 30
 
 
 @dataclass
@@ -51,15 +61,69 @@ def _static(storage: torch.Tensor) -> torch.Tensor:
     return storage
 
 
+def available_bytes(device: torch.device) -> int | None:
+    """Memory a new tensor can take on `device`: on CUDA the driver's free memory plus what
+    PyTorch's allocator holds unused; on a Linux CPU the kernel's MemAvailable; None elsewhere."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    if device.type == "cpu":
+        try:
+            with open("/proc/meminfo") as meminfo:
+                for line in meminfo:
+                    if line.startswith("MemAvailable:"):
+                        return int(line.split()[1]) * 1024
+        except OSError:
+            pass
+    return None
+
+
+class CacheAllocator:
+    """Allocates a cache's storage tensors, each after checking that it fits (module docstring),
+    and counts their bytes."""
+
+    def __init__(self, num_slots: int, max_len: int):
+        self.num_slots, self.max_len = num_slots, max_len
+        self.num_bytes = 0
+
+    def zeros(self, shape: tuple[int, ...], like: torch.Tensor, what: str) -> torch.Tensor:
+        """A zeroed static storage tensor of `like`'s dtype and device; raises CacheMemoryError
+        naming `what` where it does not fit."""
+        num_bytes = math.prod(shape) * like.element_size()
+        # NOTE: not while tracing (a compiled prefill that allocates): dynamo cannot trace the
+        # file read, and the Generator's eager start-up prefill has allocated everything by then.
+        free = None if torch.compiler.is_compiling() else available_bytes(like.device)
+        if free is not None and num_bytes > free:
+            raise self._error(what, num_bytes, free, like.device)
+        try:
+            storage = torch.zeros(shape, dtype=like.dtype, device=like.device)
+        except torch.OutOfMemoryError:
+            raise self._error(what, num_bytes, free, like.device) from None
+        self.num_bytes += num_bytes
+        return _static(storage)
+
+    def _error(self, what: str, num_bytes: int, free: int | None, device) -> CacheMemoryError:
+        left = f"{free / _GIB:.2f} GiB" if free is not None else "less"
+        return CacheMemoryError(
+            f"the engine's cache does not fit in {device} memory: {num_bytes / _GIB:.2f} GiB "
+            f"for {what} ({self.num_slots} slots, --max-running-prompts, of {self.max_len} "
+            f"tokens, --max-context-len), with {left} left after the model and "
+            f"{self.num_bytes / _GIB:.2f} GiB for the cache's earlier layers; lower "
+            "--max-running-prompts or --max-context-len",
+            param="max_running_prompts",
+        )
+
+
 class SlotAttentionLayer(CacheLayerMixin):
     """KV storage (num_slots, kv_heads, max_len + 1, head_dim), allocated on first write."""
 
     is_sliding = False
     is_compileable = False
 
-    def __init__(self, num_slots: int, max_len: int):
+    def __init__(self, num_slots: int, max_len: int, allocator: CacheAllocator, what: str):
         super().__init__()
         self.num_slots, self.max_len = num_slots, max_len
+        self.allocator, self.what = allocator, what
         self.binding: BatchBinding | None = None
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -69,10 +133,8 @@ class SlotAttentionLayer(CacheLayerMixin):
         # decided from its first key length that the slice is not contiguous, and compiled again
         # (in the middle of serving) for the first step whose key bucket was the whole storage.
         shape = (self.num_slots, heads, self.max_len + 1, head_dim)
-        self.keys = _static(torch.zeros(shape, dtype=key_states.dtype, device=key_states.device))
-        self.values = _static(
-            torch.zeros(shape, dtype=value_states.dtype, device=value_states.device)
-        )
+        self.keys = self.allocator.zeros(shape, key_states, f"{self.what}'s keys")
+        self.values = self.allocator.zeros(shape, value_states, f"{self.what}'s values")
         self.is_initialized = True
 
     def update(self, key_states, value_states, *args, **kwargs):
@@ -98,8 +160,9 @@ class SlotAttentionLayer(CacheLayerMixin):
 class SlotLinearState:
     """Conv / recurrent state storage for one linear-attention layer, one row per slot."""
 
-    def __init__(self, num_slots: int):
+    def __init__(self, num_slots: int, allocator: CacheAllocator, what: str):
         self.num_slots = num_slots
+        self.allocator, self.what = allocator, what
         self.conv: torch.Tensor | None = None
         self.recurrent: torch.Tensor | None = None
         self.kernel_size: int | None = None
@@ -121,8 +184,11 @@ class SlotLinearState:
         conv, recurrent = layer.conv_states[0], layer.recurrent_states[0]
         if self.conv is None:
             self.kernel_size = layer.conv_kernel_size[0]
-            self.conv = _static(conv.new_zeros((self.num_slots, *conv.shape[1:])))
-            self.recurrent = _static(recurrent.new_zeros((self.num_slots, *recurrent.shape[1:])))
+            zeros = self.allocator.zeros
+            self.conv = zeros((self.num_slots, *conv.shape[1:]), conv, f"{self.what}'s conv state")
+            self.recurrent = zeros(
+                (self.num_slots, *recurrent.shape[1:]), recurrent, f"{self.what}'s state"
+            )
         if binding.slot_range is not None and not is_prefill:
             return  # the layer worked on views of our storage
         self.conv[binding.slots_B] = conv
@@ -134,13 +200,14 @@ class SlotCache(Cache):
 
     def __init__(self, layer_types: list[str], num_slots: int, max_len: int):
         self.layer_types = list(layer_types)
+        self.allocator = CacheAllocator(num_slots, max_len)
         self.attention = {
-            i: SlotAttentionLayer(num_slots, max_len)
+            i: SlotAttentionLayer(num_slots, max_len, self.allocator, f"layer {i}")
             for i, t in enumerate(layer_types)
             if t != "linear_attention"
         }
         self.linear = {
-            i: SlotLinearState(num_slots)
+            i: SlotLinearState(num_slots, self.allocator, f"layer {i}")
             for i, t in enumerate(layer_types)
             if t == "linear_attention"
         }

@@ -112,7 +112,11 @@ class Generator:
         self._paused = False
         self._stopped = False
         self._idle_waiters: list[concurrent.futures.Future] = []
-        self._warm_up_compiled_steps()
+        try:
+            self._start_up_steps()
+        except BaseException:
+            executor.shutdown()  # a tensor-parallel group's follower actors too
+            raise
         # A full garbage collection walks every object the process tracks, and torch.compile
         # leaves many (740,000 after the 2B hybrid's): on the H200 one collection stalled a step
         # for 0.5 to 1.2 s, with the GIL held. What lives now (model, compiled code, graphs) is
@@ -126,11 +130,13 @@ class Generator:
         self._thread = threading.Thread(target=self._run, name="areno-engine", daemon=True)
         self._thread.start()
 
-    def _warm_up_compiled_steps(self) -> None:
-        """Compile the decode step and the batched prefill now rather than in a request's time
-        (a minute or more each for a 2B model on an H200): a one-token prefill into slot 0 (which
-        also allocates the cache), a batched prefill of two prompts of unequal lengths into
-        slots 0 and 1, then a decode step of the smallest row bucket and one of the next. The
+    def _start_up_steps(self) -> None:
+        """Allocate the cache and compile the decode step and the batched prefill now rather
+        than in a request's time (a minute or more each for a 2B model on an H200): a one-token
+        prefill into slot 0 allocates the cache (raising CacheMemoryError where it does not fit,
+        areno/engine/cache.py); where they are compiled, a batched prefill of two prompts of
+        unequal lengths into slots 0 and 1, then a decode step of the smallest row bucket and one
+        of the next. The
         compiles are generic in the row count and lengths (see areno/engine/compiled.py);
         should a model's code still pin a size it first saw, the second decode step makes that
         recompile happen here. Outputs are dropped; the slots are free again after, and their
@@ -139,9 +145,9 @@ class Generator:
         graphs = runner.graphs
         compiled_decode = graphs is not None and graphs.compiled
         compiled_prefill = runner.prefill_compiled and runner.num_slots > 1
+        self._prefill_and_drop(PromptInputs([0], {}))
         if not (compiled_decode or compiled_prefill):
             return
-        self._prefill_and_drop(PromptInputs([0], {}))
         if compiled_prefill:
             prompts = [PromptInputs([0] * n, {}) for n in (2, 3)]
             step = StepInput(

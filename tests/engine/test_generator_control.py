@@ -347,3 +347,44 @@ def test_a_failing_start_up_prompt_is_named_and_leaves_the_engine_serving(setups
         assert len(run(gen.generate_all(request, GREEDY)).samples[0].token_ids) > 0
     finally:
         gen.shutdown()
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "gemma4"])
+def test_the_cache_is_allocated_whole_at_start_up(setups, family):
+    """Every layer's storage exists before the first request, and the allocator counted it."""
+    gen = setups(family).generator()
+    try:
+        cache = gen.core.executor.worker.runner.cache
+        storages = [t for layer in cache.attention.values() for t in (layer.keys, layer.values)]
+        storages += [t for s in cache.linear.values() for t in (s.conv, s.recurrent)]
+        assert all(t is not None for t in storages)
+        assert cache.allocator.num_bytes == sum(t.nbytes for t in storages) > 0
+    finally:
+        gen.shutdown()
+
+
+def test_a_cache_too_large_for_memory_fails_at_start_up_naming_the_flags(setups):
+    """Slots enough that one layer's keys need twice the memory this machine has available: the
+    start-up fails with CacheMemoryError before allocating them, and an engine of sane size
+    starts right after."""
+    from areno.engine.cache import available_bytes
+    from areno.errors import CacheMemoryError
+
+    setup = setups("qwen3_5")
+    config = setup.model.config.get_text_config()
+    # keys of one full-attention layer: slots x kv heads x (4096 + 1) positions x head_dim x fp32
+    slot_bytes = config.num_key_value_heads * 4097 * config.head_dim * 4
+    num_slots = 2 * available_bytes(torch.device("cpu")) // slot_bytes
+    with pytest.raises(CacheMemoryError) as raised:
+        setup.generator(max_running_prompts=num_slots, max_context_len=4096)
+    message = str(raised.value)
+    need = num_slots * slot_bytes / (1 << 30)
+    assert f"{need:.2f} GiB for layer" in message and f"{num_slots} slots" in message
+    assert "--max-running-prompts" in message and "--max-context-len" in message
+    assert isinstance(raised.value, ConfigError) and raised.value.code == "cache_too_large"
+    gen = setup.generator()
+    try:
+        out = run(gen.generate_all(setup.encode(text("Hi")), GREEDY))
+    finally:
+        gen.shutdown()
+    assert out.samples[0].token_ids
