@@ -9,7 +9,8 @@ back after the forward.
 
 Every storage tensor is allocated at the first forward that reaches its layer (the Generator
 runs a one-token prefill at start-up, so that is before any request), after a check that it fits
-in the memory left on the device: a cache too large fails with a `CacheMemoryError` naming its
+in the memory left on the device beside a tenth of it kept for the forwards' activations
+(`HEADROOM_FRACTION`): a cache too large fails with a `CacheMemoryError` naming its
 size and the flags that set it, rather than an out-of-memory error in a request (CUDA) or the
 kernel's OOM killer (CPU, where untouched pages are promised freely).
 """
@@ -61,19 +62,26 @@ def _static(storage: torch.Tensor) -> torch.Tensor:
     return storage
 
 
-def available_bytes(device: torch.device) -> int | None:
-    """Memory a new tensor can take on `device`: on CUDA the driver's free memory plus what
-    PyTorch's allocator holds unused; on a Linux CPU the kernel's MemAvailable; None elsewhere."""
+# The share of a device's memory the cache leaves free for the forwards' activations and the
+# libraries' workspaces: a cache that fit with nothing to spare made the first forward fail.
+HEADROOM_FRACTION = 0.1
+
+
+def available_bytes(device: torch.device) -> tuple[int, int] | None:
+    """(memory a new tensor can take on `device`, the device's total): on CUDA the driver's
+    free memory plus what PyTorch's allocator holds unused; on a Linux CPU the kernel's
+    MemAvailable and MemTotal; None elsewhere."""
     if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        free, total = torch.cuda.mem_get_info(device)
+        unused = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        return free + unused, total
     if device.type == "cpu":
         try:
             with open("/proc/meminfo") as meminfo:
-                for line in meminfo:
-                    if line.startswith("MemAvailable:"):
-                        return int(line.split()[1]) * 1024
-        except OSError:
+                fields = dict(line.split(":", 1) for line in meminfo if ":" in line)
+            kib = {k: int(fields[k].split()[0]) * 1024 for k in ("MemAvailable", "MemTotal")}
+            return kib["MemAvailable"], kib["MemTotal"]
+        except (OSError, KeyError, ValueError):
             pass
     return None
 
@@ -92,7 +100,10 @@ class CacheAllocator:
         num_bytes = math.prod(shape) * like.element_size()
         # NOTE: not while tracing (a compiled prefill that allocates): dynamo cannot trace the
         # file read, and the Generator's eager start-up prefill has allocated everything by then.
-        free = None if torch.compiler.is_compiling() else available_bytes(like.device)
+        free = None
+        if not torch.compiler.is_compiling() and (memory := available_bytes(like.device)):
+            available, total = memory
+            free = max(available - int(HEADROOM_FRACTION * total), 0)
         if free is not None and num_bytes > free:
             raise self._error(what, num_bytes, free, like.device)
         try:
@@ -107,8 +118,9 @@ class CacheAllocator:
         return CacheMemoryError(
             f"the engine's cache does not fit in {device} memory: {num_bytes / _GIB:.2f} GiB "
             f"for {what} ({self.num_slots} slots, --max-running-prompts, of {self.max_len} "
-            f"tokens, --max-context-len), with {left} left after the model and "
-            f"{self.num_bytes / _GIB:.2f} GiB for the cache's earlier layers; lower "
+            f"tokens, --max-context-len), with {left} left after the model, "
+            f"{self.num_bytes / _GIB:.2f} GiB for the cache's earlier layers and "
+            f"{HEADROOM_FRACTION:.0%} of the device kept for activations; lower "
             "--max-running-prompts or --max-context-len",
             param="max_running_prompts",
         )

@@ -374,7 +374,7 @@ def test_a_cache_too_large_for_memory_fails_at_start_up_naming_the_flags(setups)
     config = setup.model.config.get_text_config()
     # keys of one full-attention layer: slots x kv heads x (4096 + 1) positions x head_dim x fp32
     slot_bytes = config.num_key_value_heads * 4097 * config.head_dim * 4
-    num_slots = 2 * available_bytes(torch.device("cpu")) // slot_bytes
+    num_slots = 2 * available_bytes(torch.device("cpu"))[0] // slot_bytes
     with pytest.raises(CacheMemoryError) as raised:
         setup.generator(max_running_prompts=num_slots, max_context_len=4096)
     message = str(raised.value)
