@@ -64,6 +64,11 @@ class DecodeGraphs:
         self._host_4R = torch.zeros((4, max_rows), dtype=torch.long, pin_memory=on_cuda)
         self._copied = torch.cuda.Event() if on_cuda else None
         self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        # Every graph writes its logits into rows of this one buffer (allocated at the first
+        # capture, outside the graphs' pool): a graph's own output would stay allocated as long
+        # as the graph, and with a row bucket for each key-length bucket of a long context those
+        # outputs alone grew to gigabytes (README, "The generator engine").
+        self._logits_RV: torch.Tensor | None = None
         self._pool = torch.cuda.graph_pool_handle() if capture else None
         self._model = CompiledForward(runner.model, compile_backend, "the decode step")
 
@@ -118,7 +123,8 @@ class DecodeGraphs:
             return logits  # every row decodes, in slot order (a full batch)
         return logits[self._row_slots_B[: len(slots)]]
 
-    def _forward(self, rows: int, kv_len: int) -> torch.Tensor:
+    def _forward(self, rows: int, kv_len: int, into: torch.Tensor | None = None) -> torch.Tensor:
+        """The padded step's logits (rows, V) in float32, written `into` a buffer if given."""
         runner = self.runner
         slots_B, pos_B = self.slots_B[:rows], self.positions_B[:rows]
         binding = BatchBinding(slots_B, pos_B[:, None], kv_len, slot_range=(0, rows))
@@ -132,7 +138,9 @@ class DecodeGraphs:
         }
         out = self._model(**inputs)
         runner.cache.commit()
-        return out.logits[:, -1].float()
+        if into is None:
+            return out.logits[:, -1].float()
+        return into.copy_(out.logits[:, -1])
 
     def _capture(self, rows: int, kv_len: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         # The warm-up forward really runs (capture only records) and would advance the decoding
@@ -146,9 +154,12 @@ class DecodeGraphs:
         stream = torch.cuda.Stream(device)
         stream.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(stream):
-            self._forward(rows, kv_len)
+            warm_logits = self._forward(rows, kv_len)
         torch.cuda.current_stream(device).wait_stream(stream)
         restore_rows(saved_state)
+        if self._logits_RV is None:
+            self._logits_RV = warm_logits.new_empty((len(self.slots_B), warm_logits.shape[-1]))
+        del warm_logits
         graph = torch.cuda.CUDAGraph()
         # NOTE: the capture stream is named: torch.cuda.graph's default one is a single stream of
         # the whole process, made on whichever GPU captured first. A runner on another GPU
@@ -156,7 +167,7 @@ class DecodeGraphs:
         # device: its kernels, collectives included, ran eagerly instead of being recorded, and
         # its ranks' graphs held different collectives (a hang on the lent H200s).
         with torch.cuda.device(device), torch.cuda.graph(graph, pool=self._pool, stream=stream):
-            logits = self._forward(rows, kv_len)
+            logits = self._forward(rows, kv_len, into=self._logits_RV[:rows])
         for buffer, values in zip((self.positions_B, self.token_ids_B), saved, strict=True):
             buffer[:rows].copy_(values)
         self._graphs[(rows, kv_len)] = (graph, logits)
