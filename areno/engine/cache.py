@@ -114,7 +114,7 @@ class CacheAllocator:
         return _static(storage)
 
     def _error(self, what: str, num_bytes: int, free: int | None, device) -> CacheMemoryError:
-        left = f"{free / _GIB:.2f} GiB" if free is not None else "less"
+        left = f"{free / _GIB:.2f} GiB" if free is not None else "less than that"
         return CacheMemoryError(
             f"the engine's cache does not fit in {device} memory: {num_bytes / _GIB:.2f} GiB "
             f"for {what} ({self.num_slots} slots, --max-running-prompts, of {self.max_len} "
