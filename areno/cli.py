@@ -50,6 +50,10 @@ def _serve(args: argparse.Namespace) -> None:
         tp_size=args.tp_size,
         max_running_prompts=args.max_running_prompts,
         max_context_len=args.max_context_len,
+        max_prefill_tokens_per_step=args.max_num_batched_tokens,
+        block_size=args.block_size,
+        kv_cache_gib=args.kv_cache_gib,
+        kv_cache_memory_fraction=args.kv_cache_memory_fraction,
         dtype=args.dtype,
         device=args.device,
         decode_compile=args.decode_compile,
@@ -102,7 +106,33 @@ def _add_serve_parser(sub) -> None:
         "--world-size", type=int, help="ranks over all Generator replicas (default: --tp-size)"
     )
     serve.add_argument(
-        "--max-running-prompts", type=int, default=8, help="sequences decoding at once per replica"
+        "--max-running-prompts",
+        type=int,
+        default=8,
+        help="sequences running at once per replica (a request's n samples are n of them; "
+        "samples beyond the free ones wait)",
+    )
+    serve.add_argument(
+        "--block-size", type=int, default=16, help="tokens per KV cache block (default: 16)"
+    )
+    serve.add_argument(
+        "--kv-cache-gib",
+        type=float,
+        help="GiB of KV cache blocks per rank (default: on CUDA from --kv-cache-memory-fraction, "
+        "on CPU --max-context-len tokens for each of --max-running-prompts sequences)",
+    )
+    serve.add_argument(
+        "--kv-cache-memory-fraction",
+        type=float,
+        default=0.9,
+        help="on CUDA, the share of the GPU's memory the engine may use: the KV pool gets what "
+        "the weights, a measured activation peak and the running sequences' states leave",
+    )
+    serve.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=8192,
+        help="prompt tokens admitted into one engine step (a single longer prompt runs alone)",
     )
     serve.add_argument(
         "--max-queued-requests",

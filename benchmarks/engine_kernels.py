@@ -42,6 +42,7 @@ from areno.engine.kernels.gated_delta import gated_delta, launch_choices  # noqa
 from areno.engine.linear_attention import recurrent_update  # noqa: E402
 
 ROWS, PROMPT, CACHED = 64, 256, 384
+PAGE = 16  # the paged cache's default block size (--block-size)
 ATTENTION_SHAPES = {"qwen3-1.7b": (16, 8, 128), "qwen3.5-2b": (8, 2, 256)}  # heads, kv, dim
 LINEAR_HEADS, LINEAR_DIM = 16, 128
 SPLITS = (32, 64, 128, 256)  # keys per program of the attention kernel (the engine's: SPLIT_KEYS)
@@ -91,6 +92,15 @@ def _attention_rows(model, heads, kv_heads, dim, mask, bandwidth: float) -> list
         for _ in range(2)
     )
     packed = query.reshape(ROWS, kv_heads, heads // kv_heads, dim)
+    # The same keys in the paged cache's layout: blocks of PAGE tokens, each row's in a table.
+    blocks = -(-CACHED // PAGE)
+    pool_k, pool_v = (
+        t.reshape(ROWS, kv_heads, blocks, PAGE, dim)
+        .transpose(1, 2)
+        .reshape(-1, kv_heads, PAGE, dim)
+        for t in (key, value)
+    )
+    tables = torch.arange(ROWS * blocks, device="cuda").reshape(ROWS, blocks)
 
     def sdpa():
         with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]):
@@ -103,7 +113,9 @@ def _attention_rows(model, heads, kv_heads, dim, mask, bandwidth: float) -> list
     for split in SPLITS:
         attention_kernel.SPLIT_KEYS = split
         name = f"decode attention split {split}" + (" (engine)" if split == default else "")
-        kernel_ms = graph_ms(lambda: decode_attention(query, key, value, mask, dim**-0.5))
+        kernel_ms = graph_ms(
+            lambda: decode_attention(query, pool_k, pool_v, tables, mask, dim**-0.5)
+        )
         rows.append(_row(name, model, sdpa_ms, kernel_ms, floor_ms))
     attention_kernel.SPLIT_KEYS = default
     # The launch before `split_launch`: 64-key blocks (8192 // dim keys above head dim 128, the
@@ -111,7 +123,9 @@ def _attention_rows(model, heads, kv_heads, dim, mask, bandwidth: float) -> list
     launch = attention_kernel.split_launch
     attention_kernel.split_launch = lambda dim: {"BLOCK_N": max(16, min(64, 8192 // dim))}
     try:
-        kernel_ms = graph_ms(lambda: decode_attention(query, key, value, mask, dim**-0.5))
+        kernel_ms = graph_ms(
+            lambda: decode_attention(query, pool_k, pool_v, tables, mask, dim**-0.5)
+        )
     finally:
         attention_kernel.split_launch = launch
     rows.append(

@@ -1,6 +1,13 @@
 """The engine's attention function: transformers' SDPA, with one-token grouped-query attention
 kept packed under torch.compile, and on CUDA a one-token decode through the engine's own
-split-key kernel (`kernels/decode_attention.py`), which reads only the keys each row's mask keeps.
+split-key kernel (`kernels/decode_attention.py`), which reads each row's keys through its block
+table, and only those its mask keeps.
+
+A forward over cached keys (a decode step) passes the rows' block tables as the keyword
+`areno_block_tables` (B, N), which transformers hands down to every attention call; the cache's
+layers then return their block storage as keys and values (areno/engine/cache.py). Where the
+kernel does not run (CPU, a head shape it does not take), the rows' keys and values are gathered
+out of the blocks in position order and attention runs as before.
 
 For a one-token query, transformers' SDPA path folds a grouped-query model's query heads onto
 their key / value heads, so the (B, H_kv, groups, D) query reads each cached key once. It skips
@@ -31,10 +38,11 @@ from transformers.masking_utils import (
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from areno.engine.kernels import use_triton
-from areno.engine.kernels.decode_attention import decode_attention
+from areno.engine.kernels.decode_attention import decode_attention, gather_keys
 from areno.engine.kernels.decode_attention import fits as decode_attention_fits
 
 ENGINE_SDPA = "areno_sdpa"
+BLOCK_TABLES_KWARG = "areno_block_tables"
 
 
 def engine_sdpa_forward(
@@ -48,15 +56,22 @@ def engine_sdpa_forward(
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     """transformers' attention-function signature: query (B, H, Q, D), key / value
-    (B, H_kv, K, D); returns (B, Q, H, D)."""
+    (B, H_kv, K, D), or with `areno_block_tables` in kwargs block storage (see the module
+    docstring); returns (B, Q, H, D)."""
     groups = getattr(module, "num_key_value_groups", 1)
     batch, heads, q_len, _ = query.shape
     mask_is_shared = attention_mask is None or attention_mask.shape[1] == 1
     plain = kwargs.get("position_bias") is None and kwargs.get("softcap") is None
-    if q_len == 1 and plain and _takes_decode_kernel(query, key, attention_mask):
-        scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-        out = decode_attention(query[:, :, 0], key, value, attention_mask[:, 0, 0], scale)
-        return out[:, None], None
+    block_tables = kwargs.pop(BLOCK_TABLES_KWARG, None)
+    if block_tables is not None:
+        if q_len == 1 and plain and _takes_decode_kernel(query, key, attention_mask):
+            scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+            mask_BK = attention_mask[:, 0, 0]
+            out = decode_attention(query[:, :, 0], key, value, block_tables, mask_BK, scale)
+            return out[:, None], None
+        kv_len = attention_mask.shape[-1]
+        key = gather_keys(key, block_tables, kv_len)
+        value = gather_keys(value, block_tables, kv_len)
     if q_len != 1 or groups == 1 or not mask_is_shared or not plain:
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs

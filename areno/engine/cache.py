@@ -1,11 +1,20 @@
-"""Slot cache: one slot per running sequence, holding its KV (attention layers) and its fixed-size
-conv / recurrent state (linear-attention layers) up to max_context_len tokens.
+"""The engine's cache: a pool of fixed-size KV blocks shared by every running sequence, and the
+fixed-size conv / recurrent state of linear-attention layers, one row per running sequence.
+
+Attention layers keep keys and values in blocks of `block_size` tokens, storage
+(num_blocks + 1, kv_heads, block_size, head_dim) per layer; a sequence's block table lists its
+blocks in order, so token position p lives at offset p % block_size of block
+table[p // block_size]. Block 0 is a sink nobody owns (areno/engine/block_manager.py): padded
+rows write there. Linear-attention layers (Qwen3.5's gated delta net) have no per-token cache:
+each running sequence holds a slot, one row of their states, as before paging.
 
 It presents itself to transformers' model code as a `Cache` whose layers act on the rows of the
-current batch: before each forward the runner binds the batch's slots and per-row positions;
-attention layers write new keys / values straight into their slot rows and read back the batch's
-rows; linear-attention layers work on gathered copies of the batch's states that `commit` writes
-back after the forward.
+current batch: before each forward the runner binds the batch's slots, block tables and per-row
+positions. Attention layers write new keys / values into their blocks and return what attention
+reads: a fresh prefill's own keys and values (everything it attends to is in them), or, when the
+binding says `paged`, the block storage itself, which the engine's attention function reads
+through the block tables it gets beside it (areno/engine/attention.py). Linear-attention layers
+work on gathered copies of the batch's states that `commit` writes back after the forward.
 
 Every storage tensor is allocated at the first forward that reaches its layer (the Generator
 runs a one-token prefill at start-up, so that is before any request), after a check that it fits
@@ -21,6 +30,7 @@ import math
 from dataclasses import dataclass
 
 import torch
+from torch.distributed.tensor import DTensor
 from transformers.cache_utils import Cache, CacheLayerMixin, LinearAttentionLayer
 
 from areno.engine.transfer import to_device
@@ -31,19 +41,24 @@ _GIB = 1 << 30
 
 @dataclass
 class BatchBinding:
-    """What one forward sees: the slots of its rows and where their new tokens go."""
+    """What one forward sees: the rows' slots, block tables and where their new tokens go."""
 
-    slots_B: torch.Tensor  # (B,) long
+    slots_B: torch.Tensor  # (B,) long: each row's slot (linear-attention state, rope delta)
     positions_BQ: torch.Tensor  # (B, Q) long: cache position of each new token
     kv_len: int  # keys to read back: max over rows of (last position + 1)
+    block_tables_BN: torch.Tensor  # (B, N) long: each row's blocks, the sink (0) past its own
     num_cached: int = 0  # tokens already cached before this forward (0 for a prefill)
     # (lo, hi) when the rows are exactly slots lo..hi-1 in order: state is then read and written
     # through views of the slot storage, without gathering copies.
     slot_range: tuple[int, int] | None = None
     # A prefill of prompts of unequal lengths, right-padded to the longest: each row's real
-    # token count (B,). Pad positions write keys that no query reads before its own decode
-    # overwrites them; linear-attention layers keep each row's state at its last real token.
+    # token count (B,). Pad positions write keys that no query reads (past each row's blocks
+    # they land in the sink); linear-attention layers keep each row's state at its last real
+    # token.
     lengths_B: torch.Tensor | None = None
+    # Attention layers return their block storage, read through `block_tables_BN` by the
+    # engine's attention function (the runner passes it the tables); else a prefill's own keys.
+    paged: bool = False
 
     def rows(self, storage: torch.Tensor) -> torch.Tensor:
         """The batch's rows of a per-slot `storage` tensor: a view when the slots are a range."""
@@ -55,8 +70,8 @@ class BatchBinding:
 def _static(storage: torch.Tensor) -> torch.Tensor:
     """A cache storage tensor whose sizes torch.compile keeps static under dynamic=True.
 
-    NOTE: a compiled step otherwise gave each layer's storage its own symbols for the slot count
-    and the context length (two per tensor, 112 for a 28-layer model's keys and values), and
+    NOTE: a compiled step otherwise gave each layer's storage its own symbols for the block count
+    and the block size (two per tensor, 112 for a 28-layer model's keys and values), and
     reasoning about them was most of the compile's time."""
     torch._dynamo.mark_static(storage)
     return storage
@@ -86,12 +101,29 @@ def available_bytes(device: torch.device) -> tuple[int, int] | None:
     return None
 
 
+def kv_heads_by_layer(text_stack: torch.nn.Module, layer_types: list[str]) -> dict[int, tuple]:
+    """{layer index: (kv heads on this rank, head dim)} of the attention layers that keep their
+    own keys and values (not linear-attention layers, not Gemma's KV-sharing ones), read off
+    their key projections (a tensor-parallel shard's local heads)."""
+    specs = {}
+    for i, layer in enumerate(text_stack.layers):
+        if layer_types[i] == "linear_attention":
+            continue
+        attn = layer.self_attn
+        if getattr(attn, "is_kv_shared_layer", False):
+            continue
+        weight = attn.k_proj.weight
+        rows = weight.to_local().shape[0] if isinstance(weight, DTensor) else weight.shape[0]
+        specs[i] = (rows // attn.head_dim, attn.head_dim)
+    return specs
+
+
 class CacheAllocator:
     """Allocates a cache's storage tensors, each after checking that it fits (module docstring),
     and counts their bytes."""
 
-    def __init__(self, num_slots: int, max_len: int):
-        self.num_slots, self.max_len = num_slots, max_len
+    def __init__(self, num_blocks: int, block_size: int, num_slots: int):
+        self.num_blocks, self.block_size, self.num_slots = num_blocks, block_size, num_slots
         self.num_bytes = 0
 
     def zeros(self, shape: tuple[int, ...], like: torch.Tensor, what: str) -> torch.Tensor:
@@ -117,47 +149,50 @@ class CacheAllocator:
         left = f"{free / _GIB:.2f} GiB" if free is not None else "less than that"
         return CacheMemoryError(
             f"the engine's cache does not fit in {device} memory: {num_bytes / _GIB:.2f} GiB "
-            f"for {what} ({self.num_slots} slots, --max-running-prompts, of {self.max_len} "
-            f"tokens, --max-context-len), with {left} left after the model, "
+            f"for {what} ({self.num_blocks} blocks of {self.block_size} tokens, "
+            f"--kv-cache-gib / --kv-cache-memory-fraction, and {self.num_slots} running "
+            f"sequences' states, --max-running-prompts), with {left} left after the model, "
             f"{self.num_bytes / _GIB:.2f} GiB for the cache's earlier layers and "
-            f"{HEADROOM_FRACTION:.0%} of the device kept for activations; lower "
-            "--max-running-prompts or --max-context-len",
-            param="max_running_prompts",
+            f"{HEADROOM_FRACTION:.0%} of the device kept for activations; lower --kv-cache-gib "
+            "or --kv-cache-memory-fraction",
+            param="kv_cache_gib",
         )
 
 
-class SlotAttentionLayer(CacheLayerMixin):
-    """KV storage (num_slots, kv_heads, max_len + 1, head_dim), allocated on first write."""
+class PagedAttentionLayer(CacheLayerMixin):
+    """KV block storage (num_blocks + 1, kv_heads, block_size, head_dim), allocated on first
+    write."""
 
     is_sliding = False
     is_compileable = False
 
-    def __init__(self, num_slots: int, max_len: int, allocator: CacheAllocator, what: str):
+    def __init__(self, allocator: CacheAllocator, max_len: int, what: str):
         super().__init__()
-        self.num_slots, self.max_len = num_slots, max_len
-        self.allocator, self.what = allocator, what
+        self.allocator, self.max_len, self.what = allocator, max_len, what
         self.binding: BatchBinding | None = None
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         _, heads, _, head_dim = key_states.shape
-        # NOTE: one position more than a row can reach, so that the keys a forward reads back
-        # are always a strict slice of the storage, never all of it. A compiled decode step
-        # decided from its first key length that the slice is not contiguous, and compiled again
-        # (in the middle of serving) for the first step whose key bucket was the whole storage.
-        shape = (self.num_slots, heads, self.max_len + 1, head_dim)
-        self.keys = self.allocator.zeros(shape, key_states, f"{self.what}'s keys")
-        self.values = self.allocator.zeros(shape, value_states, f"{self.what}'s values")
+        a = self.allocator
+        shape = (a.num_blocks + 1, heads, a.block_size, head_dim)
+        self.keys = a.zeros(shape, key_states, f"{self.what}'s keys")
+        self.values = a.zeros(shape, value_states, f"{self.what}'s values")
         self.is_initialized = True
 
     def update(self, key_states, value_states, *args, **kwargs):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         b = self.binding
-        slots_BQ = b.slots_B[:, None].expand_as(b.positions_BQ)
-        # (B, H, Q, D) -> (B, Q, H, D) to match the advanced-index layout [slot, :, pos, :].
-        self.keys[slots_BQ, :, b.positions_BQ] = key_states.transpose(1, 2)
-        self.values[slots_BQ, :, b.positions_BQ] = value_states.transpose(1, 2)
-        return b.rows(self.keys)[:, :, : b.kv_len], b.rows(self.values)[:, :, : b.kv_len]
+        block_size = self.allocator.block_size
+        blocks_BQ = b.block_tables_BN.gather(1, b.positions_BQ // block_size)
+        offsets_BQ = b.positions_BQ % block_size
+        # (B, H, Q, D) -> (B, Q, H, D) to match the advanced-index layout [block, :, offset, :].
+        self.keys[blocks_BQ, :, offsets_BQ] = key_states.transpose(1, 2)
+        self.values[blocks_BQ, :, offsets_BQ] = value_states.transpose(1, 2)
+        if b.paged:
+            return self.keys, self.values
+        assert b.num_cached == 0, "a forward over cached keys reads them paged"
+        return key_states, value_states
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.binding.kv_len, 0
@@ -207,14 +242,23 @@ class SlotLinearState:
         self.recurrent[binding.slots_B] = recurrent
 
 
-class SlotCache(Cache):
+class PagedCache(Cache):
     """The engine's cache for all layers of one model's text stack."""
 
-    def __init__(self, layer_types: list[str], num_slots: int, max_len: int):
+    def __init__(
+        self,
+        layer_types: list[str],
+        *,
+        num_blocks: int,
+        block_size: int,
+        num_slots: int,
+        max_len: int,
+    ):
         self.layer_types = list(layer_types)
-        self.allocator = CacheAllocator(num_slots, max_len)
+        self.block_size = block_size
+        self.allocator = CacheAllocator(num_blocks, block_size, num_slots)
         self.attention = {
-            i: SlotAttentionLayer(num_slots, max_len, self.allocator, f"layer {i}")
+            i: PagedAttentionLayer(self.allocator, max_len, f"layer {i}")
             for i, t in enumerate(layer_types)
             if t != "linear_attention"
         }
@@ -226,6 +270,10 @@ class SlotCache(Cache):
         super().__init__(layers=[None] * len(layer_types))
         self._binding: BatchBinding | None = None
         self._is_prefill = False
+
+    @property
+    def num_blocks(self) -> int:
+        return self.allocator.num_blocks
 
     def bind(self, binding: BatchBinding, *, is_prefill: bool) -> None:
         self._binding, self._is_prefill = binding, is_prefill
@@ -249,28 +297,32 @@ class SlotCache(Cache):
         return False
 
 
-def copy_slot(cache: SlotCache, src: int, dsts: list[int]) -> None:
-    """Fork a prefilled sequence: copy slot `src`'s whole state into `dsts` (n > 1 samples)."""
-    index = torch.tensor(dsts)
-    for layer in cache.attention.values():
-        if layer.is_initialized:
-            index = to_device(index, layer.keys.device)  # once; then already there
-            layer.keys[index] = layer.keys[src].clone()
-            layer.values[index] = layer.values[src].clone()
+def fork(cache: PagedCache, src_slot: int, dst_slots: list[int], block_copies) -> None:
+    """Fork a prefilled sequence (n > 1 samples): copy slot `src_slot`'s linear-attention state
+    into `dst_slots`, and each (source, destination) block of `block_copies` (the samples'
+    own copies of the prompt's last, partial block; its full blocks are shared)."""
+    if block_copies:
+        src = torch.tensor([s for s, _ in block_copies])
+        dst = torch.tensor([d for _, d in block_copies])
+        for layer in cache.attention.values():
+            if layer.is_initialized:
+                src, dst = to_device(src, layer.keys.device), to_device(dst, layer.keys.device)
+                layer.keys[dst] = layer.keys[src]
+                layer.values[dst] = layer.values[src]
+    if not dst_slots:
+        return
+    index = torch.tensor(dst_slots)
     for state in cache.linear.values():
         if state.conv is not None:
             index = to_device(index, state.conv.device)
-            state.conv[index] = state.conv[src].clone()
-            state.recurrent[index] = state.recurrent[src].clone()
+            state.conv[index] = state.conv[src_slot].clone()
+            state.recurrent[index] = state.recurrent[src_slot].clone()
 
 
-def save_rows(cache: SlotCache, num_rows: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """What a decode over slots 0..num_rows-1 at position 0 overwrites: (storage view, copy)
-    pairs for `restore_rows` (used around a CUDA-graph warm-up forward)."""
+def save_rows(cache: PagedCache, num_rows: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """What a decode over slots 0..num_rows-1 overwrites besides the sink block: (storage view,
+    copy) pairs for `restore_rows` (used around a CUDA-graph warm-up forward)."""
     views = []
-    for layer in cache.attention.values():
-        if layer.is_initialized:
-            views += [layer.keys[:num_rows, :, 0], layer.values[:num_rows, :, 0]]
     for state in cache.linear.values():
         if state.conv is not None:
             views += [state.conv[:num_rows], state.recurrent[:num_rows]]

@@ -14,15 +14,34 @@ ON_OFF_MODES = ("auto", "on", "off")
 
 
 @dataclass(frozen=True)
+class KVPoolOptions:
+    """What sizes the KV block pool (areno/engine/kv_pool.py): EngineConfig's `block_size`,
+    `kv_cache_gib` and `kv_cache_memory_fraction`; `profile_tokens`, the prompt tokens of the
+    forward whose activation peak the fraction leaves room for (the per-step prefill budget)."""
+
+    block_size: int = 16
+    kv_cache_gib: float | None = None
+    memory_fraction: float = 0.9
+    profile_tokens: int = 8192
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """How one Generator replica runs.
 
     tp_size: ranks of the tensor-parallel group (`--tp-size`).
-    max_running_prompts: cache slots, i.e. sequences decoding at once (`--max-running-prompts`);
-        each of a request's n samples takes one.
-    max_context_len: tokens one slot holds, prompt plus output (`--max-context-len`); None: the
-        model's max_position_embeddings, capped at DEFAULT_MAX_CONTEXT_LEN so an unset flag
-        never allocates a 128k-token cache per slot.
+    max_running_prompts: sequences running at once (`--max-running-prompts`); each of a
+        request's n samples is one, and samples beyond the free slots wait for one.
+    max_context_len: tokens one sequence may reach, prompt plus output (`--max-context-len`);
+        None: the model's max_position_embeddings, capped at DEFAULT_MAX_CONTEXT_LEN.
+    block_size: tokens per KV cache block (`--block-size`).
+    kv_cache_gib: GiB of KV blocks in the pool (`--kv-cache-gib`); None: on CUDA
+        `kv_cache_memory_fraction` sizes it, on CPU it holds max_context_len tokens for each of
+        max_running_prompts sequences (what a slot cache would take).
+    kv_cache_memory_fraction: on CUDA without kv_cache_gib, the fraction of the device's
+        memory the whole engine may use (`--kv-cache-memory-fraction`): the pool gets what is
+        left after the weights, the activation peak of a max_prefill_tokens_per_step prefill
+        (measured at start-up) and the running sequences' linear-attention states.
     max_prefill_tokens_per_step: prompt tokens admitted per step (see SchedulerConfig).
     dtype: "auto" is float32 on CPU and bfloat16 on CUDA.
     device: "auto" is CUDA when available.
@@ -62,6 +81,9 @@ class EngineConfig:
     tp_size: int = 1
     max_running_prompts: int = 8
     max_context_len: int | None = None
+    block_size: int = 16
+    kv_cache_gib: float | None = None
+    kv_cache_memory_fraction: float = 0.9
     max_prefill_tokens_per_step: int = 8192
     dtype: str = "auto"
     device: str = "auto"
@@ -74,7 +96,7 @@ class EngineConfig:
     fuse_projections: str = "auto"
 
     def __post_init__(self) -> None:
-        for name in ("tp_size", "max_running_prompts", "max_prefill_tokens_per_step"):
+        for name in ("tp_size", "max_running_prompts", "max_prefill_tokens_per_step", "block_size"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"{name} must be an integer >= 1; got {value!r}", param=name)
@@ -84,6 +106,23 @@ class EngineConfig:
             raise ConfigError(
                 f"max_context_len must be an integer >= 2; got {self.max_context_len!r}",
                 param="max_context_len",
+            )
+        gib = self.kv_cache_gib
+        if gib is not None and (
+            isinstance(gib, bool) or not isinstance(gib, int | float) or gib <= 0
+        ):
+            raise ConfigError(
+                f"kv_cache_gib must be a number > 0; got {gib!r}", param="kv_cache_gib"
+            )
+        fraction = self.kv_cache_memory_fraction
+        if (
+            isinstance(fraction, bool)
+            or not isinstance(fraction, int | float)
+            or not 0 < fraction <= 1
+        ):
+            raise ConfigError(
+                f"kv_cache_memory_fraction must be a number in (0, 1]; got {fraction!r}",
+                param="kv_cache_memory_fraction",
             )
         if not isinstance(self.num_cpus_per_rank, int | float) or self.num_cpus_per_rank < 0:
             raise ConfigError(
@@ -114,6 +153,12 @@ class EngineConfig:
                 raise ConfigError(
                     f"{name} must be one of {ON_OFF_MODES}; got {value!r}", param=name
                 )
+        if self.fuse_projections == "on" and self.tp_size > 1:
+            raise ConfigError(
+                "fuse_projections needs tp_size 1: a tensor-parallel rank's projections are "
+                "shards, which cannot be concatenated into one weight",
+                param="fuse_projections",
+            )
         if self.overlap_steps == "on" and self.tp_size > 1:
             raise ConfigError(
                 "overlap_steps needs tp_size 1: the followers of a tensor-parallel group take "
@@ -129,6 +174,16 @@ class EngineConfig:
 
 
 DEFAULT_MAX_CONTEXT_LEN = 8192
+
+
+def pool_options(config: EngineConfig) -> KVPoolOptions:
+    """How the engine's KV block pool is sized (areno/engine/kv_pool.py)."""
+    return KVPoolOptions(
+        block_size=config.block_size,
+        kv_cache_gib=config.kv_cache_gib,
+        memory_fraction=config.kv_cache_memory_fraction,
+        profile_tokens=config.max_prefill_tokens_per_step,
+    )
 
 
 def resolve_device(device: str) -> str:

@@ -15,6 +15,7 @@ from areno.engine.executor import Executor
 from areno.engine.outputs import RequestOutput, SampleDelta
 from areno.engine.sampling import SamplingParams
 from areno.engine.scheduler import (
+    ScheduledPrefill,
     Scheduler,
     SchedulerConfig,
     StopCheck,
@@ -133,25 +134,25 @@ class EngineCore:
         A sequence that drew a stop token therefore decodes one step more, and that token is
         dropped; max_tokens and the context length are known ahead and cost no extra step.
         """
+        early = []
+        if self._in_flight is not None and self.scheduler.would_preempt():
+            early = self.flush()  # only a sequence without a token in flight is preempted
         scheduled = self.scheduler.schedule()
         if scheduled.is_empty:
-            return self.flush()
+            return early + self.flush()
         # Decode rows in slot order: running slots are mostly a packed range, which the runner
         # reads through views instead of gathering copies.
         decode = sorted(scheduled.decode, key=lambda seq: seq.slot)
         step = self._step_input(scheduled.prefill, decode)
-        seqs = [seq for group in scheduled.prefill for seq in group.seqs] + decode
+        seqs = [seq for item in scheduled.prefill for seq in item.seqs] + decode
         if not self.overlap:
-            outputs = self._update(seqs, self.executor.execute(step))
-        else:
-            pending = self.executor.launch(step)
-            for seq in seqs:
-                seq.num_in_flight += 1
-            outputs = self.flush()
-            self._in_flight = (seqs, pending)
-        for group in scheduled.prefill:
-            group.inputs = None  # the media tensors are in the cache now; let them go
-        return outputs
+            return early + self._update(seqs, self.executor.execute(step))
+        pending = self.executor.launch(step)
+        for seq in seqs:
+            seq.num_in_flight += 1
+        outputs = self.flush()
+        self._in_flight = (seqs, pending)
+        return early + outputs
 
     def flush(self) -> list[RequestOutput]:
         """Wait for the step in flight, if any, and return its news."""
@@ -164,16 +165,22 @@ class EngineCore:
             seq.num_in_flight -= 1
         return self._update(seqs, result)
 
-    def _step_input(self, prefill: list[SequenceGroup], decode: list[Sequence]) -> StepInput:
-        step = StepInput(finished_seq_ids=self._freed_seq_ids)
+    def _step_input(self, prefill: list[ScheduledPrefill], decode: list[Sequence]) -> StepInput:
+        step = StepInput(finished_seq_ids=self._freed_seq_ids, decode_block_tables=[])
         self._freed_seq_ids = []
-        for group in prefill:
-            step.prefill.append(PrefillItem(group.inputs, [seq.slot for seq in group.seqs]))
-            step.rows += [RowSampling(seq.seq_id, seq.params, seq.seed) for seq in group.seqs]
+        for item in prefill:
+            inputs = item.group.inputs
+            if item.num_tokens != inputs.num_prompt_tokens:  # a resumed sequence: its tokens too
+                inputs = inputs.with_tokens(item.token_ids)
+            slots = [seq.slot for seq in item.seqs]
+            tables = [list(seq.block_ids) for seq in item.seqs]
+            step.prefill.append(PrefillItem(inputs, slots, tables))
+            step.rows += [RowSampling(seq.seq_id, seq.params, seq.seed) for seq in item.seqs]
         for seq in decode:
             step.decode_slots.append(seq.slot)
             step.decode_positions.append(seq.next_position)
             step.decode_token_ids.append(seq.last_token_id)
+            step.decode_block_tables.append(seq.block_ids)
             step.rows.append(RowSampling(seq.seq_id, seq.params, seq.seed))
         if self.overlap:
             step.decode_token_ids = None  # the worker's own, on the device (see `step`)

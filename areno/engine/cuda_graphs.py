@@ -5,12 +5,13 @@ costs several times the GPU time at batch 64 (measured on an H200: ~28 ms of CPU
 per step). A CUDA graph replays the whole step with one launch. Graphs need fixed shapes and fixed
 addresses, so a step decodes a prefix of the slots, rows 0..R-1 for R the smallest bucket above
 the highest decoding slot, with the key length padded to a multiple of `KV_BUCKET` (masked), and
-its inputs are copied into static buffers. Row i is slot i, so attention reads the cache through
-views and the linear-attention states update in place, without gathering copies.
+its inputs, block tables included, are copied into static buffers. Row i is slot i, so the
+linear-attention states update in place, without gathering copies.
 
-NOTE: rows of slots that are not decoding this step compute garbage into their slot (a key at
-position 0, a state update). That is safe because every allocated slot is either decoding or
-being prefilled in the same step, and the worker runs the prefill after the decode.
+NOTE: rows of slots that are not decoding this step compute garbage: their table is all sink
+blocks, so their key lands in the sink, and their linear-attention slot takes a state update.
+That is safe because every allocated slot is either decoding or being prefilled in the same
+step, and the worker runs the prefill after the decode.
 
 The same padded, static-buffer step also runs eagerly (`capture=False`), which is how CPU tests
 check it against the plain decode path.
@@ -27,6 +28,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from areno.engine.attention import BLOCK_TABLES_KWARG
+from areno.engine.block_manager import SINK_BLOCK, blocks_for
 from areno.engine.cache import BatchBinding, restore_rows, save_rows
 from areno.engine.compiled import CompiledForward
 
@@ -62,6 +65,14 @@ class DecodeGraphs:
         self.positions_B, self.token_ids_B, self.rope_delta_B, self._row_slots_B = self._inputs_4R
         on_cuda = device.type == "cuda"
         self._host_4R = torch.zeros((4, max_rows), dtype=torch.long, pin_memory=on_cuda)
+        # The rows' block tables: slot i's in row i, sink blocks in rows not decoding.
+        # NOTE: one column more than a table can reach, so that the columns a step reads are
+        # always a strict slice, never the whole buffer: a compiled step decided from its first
+        # key bucket that the slice is not contiguous, and compiled again (in the middle of
+        # serving) for the first bucket that was all of it.
+        shape = (max_rows, runner.max_blocks + 1)
+        self.tables_RN = torch.zeros(shape, dtype=torch.long, device=device)
+        self._host_tables_RN = torch.zeros(shape, dtype=torch.long, pin_memory=on_cuda)
         self._copied = torch.cuda.Event() if on_cuda else None
         self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         # Every graph writes its logits into rows of this one buffer (allocated at the first
@@ -97,7 +108,9 @@ class DecodeGraphs:
     ) -> torch.Tensor:
         """Like `ModelRunner.decode`; returns logits (B, V)."""
         rows = next(b for b in self.buckets if b > max(slots))
-        kv_len = min(-(-(max(positions) + 1) // KV_BUCKET) * KV_BUCKET, self.runner.max_len)
+        # A whole number of blocks: gathering the keys (CPU) then never slices a block.
+        whole = self.runner.max_blocks * self.runner.block_size
+        kv_len = min(-(-(max(positions) + 1) // KV_BUCKET) * KV_BUCKET, whole)
         if self._copied is not None:
             self._copied.synchronize()  # the last step's copy has left the pinned buffer
         host = self._host_4R
@@ -110,6 +123,10 @@ class DecodeGraphs:
         host[2, index] = torch.tensor([self.runner.rope_delta[s] for s in slots])
         host[3, : len(slots)] = index
         self._inputs_4R.copy_(host, non_blocking=True)
+        tables = self._host_tables_RN
+        tables[:rows] = SINK_BLOCK
+        tables[index, : self.runner.max_blocks] = self.runner.tables_SN[index]
+        self.tables_RN[:rows].copy_(tables[:rows], non_blocking=True)
         if self._copied is not None:
             self._copied.record()
         if by_slot:  # row i is slot i: the first rows of the per-slot tokens, on the device
@@ -127,7 +144,10 @@ class DecodeGraphs:
         """The padded step's logits (rows, V) in float32, written `into` a buffer if given."""
         runner = self.runner
         slots_B, pos_B = self.slots_B[:rows], self.positions_B[:rows]
-        binding = BatchBinding(slots_B, pos_B[:, None], kv_len, slot_range=(0, rows))
+        tables = self.tables_RN[:rows, : blocks_for(kv_len, runner.block_size)]
+        binding = BatchBinding(
+            slots_B, pos_B[:, None], kv_len, tables, slot_range=(0, rows), paged=True
+        )
         runner.cache.bind(binding, is_prefill=False)
         inputs = {
             "input_ids": self.token_ids_B[:rows, None],
@@ -135,6 +155,7 @@ class DecodeGraphs:
             "attention_mask": runner.masks(pos_B, kv_len),
             "past_key_values": runner.cache,
             "use_cache": True,
+            BLOCK_TABLES_KWARG: tables,
         }
         out = self._model(**inputs)
         runner.cache.commit()
@@ -146,10 +167,12 @@ class DecodeGraphs:
         # The warm-up forward really runs (capture only records) and would advance the decoding
         # rows' state a step: their cache rows are saved and restored around it, and their
         # inputs restored before the replay.
-        saved = [b[:rows].clone() for b in (self.positions_B, self.token_ids_B)]
+        buffers = (self.positions_B, self.token_ids_B, self.tables_RN)
+        saved = [b[:rows].clone() for b in buffers]
         saved_state = save_rows(self.runner.cache, rows)
         self.positions_B[:rows] = 0
         self.token_ids_B[:rows] = 0
+        self.tables_RN[:rows] = SINK_BLOCK  # the warm-up's keys go to the sink
         device = self.runner.device
         stream = torch.cuda.Stream(device)
         stream.wait_stream(torch.cuda.current_stream(device))
@@ -168,7 +191,7 @@ class DecodeGraphs:
         # its ranks' graphs held different collectives (a hang on the lent H200s).
         with torch.cuda.device(device), torch.cuda.graph(graph, pool=self._pool, stream=stream):
             logits = self._forward(rows, kv_len, into=self._logits_RV[:rows])
-        for buffer, values in zip((self.positions_B, self.token_ids_B), saved, strict=True):
+        for buffer, values in zip(buffers, saved, strict=True):
             buffer[:rows].copy_(values)
         self._graphs[(rows, kv_len)] = (graph, logits)
         return graph, logits

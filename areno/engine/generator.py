@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import gc
+import logging
 import os
 import threading
 import uuid
@@ -19,6 +20,7 @@ from typing import Any
 
 import torch
 
+from areno.engine.block_manager import blocks_for
 from areno.engine.config import (
     DEFAULT_MAX_CONTEXT_LEN,
     EngineConfig,
@@ -40,6 +42,8 @@ from areno.models.registry import adapter_for_checkpoint
 from areno.processing.types import PromptInputs
 
 PAUSE_MODES = ("keep", "drain", "abort")
+
+log = logging.getLogger(__name__)
 
 
 class EngineDeadError(RuntimeError):
@@ -91,11 +95,19 @@ class Generator:
         self.config = config
         self.tokenizer = tokenizer
         self.max_context_len = max_context_len
-        scheduler_config = SchedulerConfig(
-            max_running_seqs=config.max_running_prompts,
-            max_context_len=max_context_len,
-            max_prefill_tokens_per_step=config.max_prefill_tokens_per_step,
-        )
+        pool = executor.worker.pool
+        try:
+            scheduler_config = SchedulerConfig(
+                max_running_seqs=config.max_running_prompts,
+                max_context_len=max_context_len,
+                max_prefill_tokens_per_step=config.max_prefill_tokens_per_step,
+                num_blocks=pool.num_blocks,
+                block_size=pool.block_size,
+            )
+        except BaseException:
+            executor.shutdown()
+            raise
+        log.info("%s", pool.describe(max_context_len))
         self.core = EngineCore(
             executor,
             tokenizer,
@@ -150,8 +162,10 @@ class Generator:
             return
         if compiled_prefill:
             prompts = [PromptInputs([0] * n, {}) for n in (2, 3)]
+            # Blocks 1 and 2, or the sink for a pool of one block: nobody reads them after.
+            tables = [[min(slot + 1, runner.num_blocks)] for slot in range(len(prompts))]
             step = StepInput(
-                prefill=[PrefillItem(p, [slot]) for slot, p in enumerate(prompts)],
+                prefill=[PrefillItem(p, [slot], [tables[slot]]) for slot, p in enumerate(prompts)],
                 rows=[_DROPPED_ROW] * len(prompts),
             )
             self.core.executor.execute(step)
@@ -172,7 +186,9 @@ class Generator:
     def _prefill_and_drop(self, prompt: PromptInputs) -> None:
         """Prefill `prompt` into slot 0, which no request holds yet, and drop its token (the
         start-up runs; the next real prefill of slot 0 overwrites what it wrote)."""
-        step = StepInput(prefill=[PrefillItem(prompt, [0])], rows=[_DROPPED_ROW])
+        block_size = self.core.scheduler.config.block_size
+        table = list(range(1, blocks_for(prompt.num_prompt_tokens, block_size) + 1))
+        step = StepInput(prefill=[PrefillItem(prompt, [0], [table])], rows=[_DROPPED_ROW])
         self.core.executor.execute(step)
 
     # ---- construction -------------------------------------------------------------------
@@ -188,17 +204,7 @@ class Generator:
     ) -> Generator:
         """A single-process Generator over an already loaded model (tests, benchmarks)."""
         max_len = resolve_max_context_len(config, model.config)
-        worker = Worker(
-            model,
-            num_slots=config.max_running_prompts,
-            max_len=max_len,
-            sample=True,
-            graphs=config.decode_graphs,
-            compile=config.decode_compile,
-            prefill_compile=config.prefill_compile,
-            packed_linear=config.cpu_packed_linear,
-            fuse_projections=config.fuse_projections,
-        )
+        worker = Worker.from_config(model, config, max_len=max_len)
         eos = set(eos_token_ids) | set(model_eos_token_ids(model))
         return cls(
             LocalExecutor(worker), tokenizer, config, max_context_len=max_len, eos_token_ids=eos
@@ -215,33 +221,18 @@ class Generator:
         dtype = resolve_dtype(config.dtype, device)
         max_len = resolve_max_context_len(config, AutoConfig.from_pretrained(model_path))
         tokenizer = AutoTokenizer.from_pretrained(model_path)
-        num_slots = config.max_running_prompts
         if config.tp_size == 1:
             model = load_model_for_rank(adapter, model_path, tp_size=1, dtype=dtype, device=device)
-            worker = Worker(
-                model,
-                num_slots=num_slots,
-                max_len=max_len,
-                sample=True,
-                graphs=config.decode_graphs,
-                compile=config.decode_compile,
-                prefill_compile=config.prefill_compile,
-                packed_linear=config.cpu_packed_linear,
-                fuse_projections=config.fuse_projections,
-            )
-            executor = LocalExecutor(worker)
+            executor = LocalExecutor(Worker.from_config(model, config, max_len=max_len))
         else:
             from areno.engine.tp_executor import TPExecutor
 
             spec = {
                 "model_path": str(model_path),
-                "tp_size": config.tp_size,
                 "dtype": dtype,
                 "device": device,
-                "num_slots": num_slots,
                 "max_len": max_len,
-                "graphs": config.decode_graphs,
-                "compile": config.decode_compile,
+                "config": config,
             }
             executor = TPExecutor.create(spec, num_cpus_per_rank=config.num_cpus_per_rank)
             model = executor.worker.model
@@ -401,6 +392,9 @@ class Generator:
             "num_waiting": scheduler.num_waiting,
             "num_running": scheduler.num_running,
             "num_free_slots": scheduler.num_free_slots,
+            "num_blocks": scheduler.blocks.num_blocks,
+            "num_free_blocks": scheduler.blocks.num_free,
+            "num_preemptions": scheduler.num_preemptions,
             "policy_version": self.core.policy_version,
         }
 

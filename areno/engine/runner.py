@@ -1,8 +1,13 @@
 """The model runner: all tensor work of the engine (prefill with media, batched decode).
 
 It reuses transformers' modules and weights and supplies what their generate loop lacks for
-continuous batching: a slot cache, per-row positions (including Qwen's multimodal rope offset) and
-per-row attention masks (a sliding-window mask for Gemma 4's sliding layers).
+continuous batching: a paged cache (KV blocks per sequence, linear-attention state per slot),
+per-row positions (including Qwen's multimodal rope offset) and per-row attention masks (a
+sliding-window mask for Gemma 4's sliding layers).
+
+Every sequence runs in a slot (0..num_slots-1: its linear-attention state, its rope delta, its
+last token on the device) and keeps its keys and values in the blocks its table lists. The engine
+sends each row's table with the step; the runner keeps them, by slot, in one host tensor.
 """
 
 from __future__ import annotations
@@ -12,8 +17,9 @@ import contextlib
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from areno.engine.attention import EngineAttention
-from areno.engine.cache import BatchBinding, SlotCache, copy_slot
+from areno.engine.attention import BLOCK_TABLES_KWARG, EngineAttention
+from areno.engine.block_manager import SINK_BLOCK, blocks_for
+from areno.engine.cache import BatchBinding, PagedCache, fork
 from areno.engine.compiled import CompiledForward
 from areno.engine.config import COMPILE_MODES, GRAPH_MODES
 from areno.engine.cpu_linear import PackedLinears, can_pack
@@ -37,13 +43,17 @@ class ModelRunner:
         *,
         num_slots: int,
         max_len: int,
+        num_blocks: int | None = None,
+        block_size: int = 16,
         graphs: str = "auto",
         compile: str = "auto",
         prefill_compile: str = "off",
         packed_linear: bool = False,
         fuse_projections: bool = False,
     ):
-        """`graphs`: decode through CUDA graphs ("capture"), through the same padded static-shape
+        """`num_blocks` KV blocks of `block_size` tokens (None: as many as give every slot
+        `max_len` tokens, the blocks a slot's default table lists: see `default_table`).
+        `graphs`: decode through CUDA graphs ("capture"), through the same padded static-shape
         step without capturing ("static", for tests), or plainly ("off"); "auto" captures on
         CUDA only. `compile`: the torch.compile backend of that padded step's forward ("off",
         "inductor", "aot_eager"); "auto" compiles with inductor where graphs are captured.
@@ -68,7 +78,16 @@ class ModelRunner:
             ["full_attention"] * num_layers
         )
         self.sliding_window = getattr(self.text_config, "sliding_window", None)
-        self.cache = SlotCache(self.layer_types, num_slots=num_slots, max_len=max_len)
+        self.block_size = block_size
+        # A row's table covers max_len + 1 positions (a compiled step's key length bucket may
+        # round up to it).
+        self.max_blocks = blocks_for(max_len + 1, block_size)
+        if num_blocks is None:
+            num_blocks = num_slots * self.max_blocks
+        self.cache = self._new_cache(num_blocks, num_slots)
+        # Each slot's block table (SINK_BLOCK past its blocks) and how many blocks it lists.
+        self.tables_SN = torch.full((num_slots, self.max_blocks), SINK_BLOCK, dtype=torch.long)
+        self._table_lens = [0] * num_slots
         self._text_stack = model.get_decoder()
         # Qwen-style multimodal rope: text positions after media are offset by a per-request delta.
         self.uses_mrope = hasattr(model.model, "rope_deltas")
@@ -117,14 +136,100 @@ class ModelRunner:
             stack.enter_context(sdpa_kernel(_CUDA_ATTENTION))
         return stack
 
+    @property
+    def num_blocks(self) -> int:
+        return self.cache.num_blocks
+
+    def _new_cache(self, num_blocks: int, num_slots: int) -> PagedCache:
+        return PagedCache(
+            self.layer_types,
+            num_blocks=num_blocks,
+            block_size=self.block_size,
+            num_slots=num_slots,
+            max_len=self.max_len,
+        )
+
+    def reset_pool(self, num_blocks: int) -> None:
+        """Size the KV pool anew (before the first forward allocates it)."""
+        assert not any(layer.is_initialized for layer in self.cache.attention.values())
+        self.cache = self._new_cache(num_blocks, self.num_slots)
+
     @torch.inference_mode()
-    def prefill(self, inputs: PromptInputs, slots: list[int]) -> torch.Tensor:
-        """Run the prompt (media towers included) into `slots[0]`, fork it into the other slots,
-        and return the last position's logits (V,)."""
+    def measure_prefill_memory(self, num_tokens: int) -> tuple[int, int]:
+        """On CUDA: (the activation peak of a `num_tokens` prefill, beyond its cache; the bytes
+        of one slot's linear-attention state), from a prefill into a pool of its own size that
+        is dropped after."""
+        real = self.cache
+        num = blocks_for(num_tokens, self.block_size)
+        self.cache = self._new_cache(num, 1)
+        try:
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            before = torch.cuda.memory_allocated(self.device)
+            self.prefill(PromptInputs([0] * num_tokens, {}), [0], [list(range(1, num + 1))])
+            peak = torch.cuda.max_memory_allocated(self.device) - before
+            states = [t for s in self.cache.linear.values() for t in (s.conv, s.recurrent)]
+            state_bytes = sum(t.numel() * t.element_size() for t in states if t is not None)
+            return max(peak - self.cache.allocator.num_bytes, 0), state_bytes
+        finally:
+            self.cache = real
+            self.set_tables([0], [[]], new=True)
+
+    def default_table(self, slot: int) -> list[int]:
+        """The blocks a slot holds when the caller sends no tables (tests, benchmarks of the
+        runner alone): `max_blocks` of its own, in order."""
+        first = 1 + slot * self.max_blocks
+        assert first + self.max_blocks - 1 <= self.num_blocks, "the pool has no default tables"
+        return list(range(first, first + self.max_blocks))
+
+    def set_tables(self, slots: list[int], tables: list[list[int]] | None, *, new: bool) -> None:
+        """Record each slot's block table. `new`: the slot starts a sequence (a prefill); else
+        its table has only grown since it was last set, and only its new blocks are written."""
+        for i, slot in enumerate(slots):
+            table = tables[i] if tables is not None else self.default_table(slot)
+            known = 0 if new else self._table_lens[slot]
+            if new:
+                self.tables_SN[slot, len(table) :] = SINK_BLOCK
+            if len(table) > known:
+                self.tables_SN[slot, known : len(table)] = torch.tensor(table[known:])
+            self._table_lens[slot] = len(table)
+
+    def _device_tables(self, slots: list[int], num_tokens: int) -> torch.Tensor:
+        """The slots' tables as (B, blocks for num_tokens + 1) on the device.
+
+        NOTE: one column more than the tokens need: a compiled prefill's first tables were one
+        block wide, and torch.compile specializes a size-1 dimension (a compile for each)."""
+        num = min(blocks_for(num_tokens, self.block_size) + 1, self.max_blocks)
+        return to_device(self.tables_SN[torch.tensor(slots), :num], self.device)
+
+    def _fork(self, slots: list[int], num_tokens: int) -> None:
+        """Give slots[1:] the prefilled state of slots[0]: linear-attention state, and the
+        blocks of their tables that differ from slots[0]'s (their own last, partial block)."""
+        if len(slots) < 2:
+            return
+        num = blocks_for(num_tokens, self.block_size)
+        source = self.tables_SN[slots[0], :num].tolist()
+        copies = [
+            (src, dst)
+            for slot in slots[1:]
+            for src, dst in zip(source, self.tables_SN[slot, :num].tolist(), strict=True)
+            if src != dst
+        ]
+        fork(self.cache, slots[0], slots[1:], copies)
+
+    @torch.inference_mode()
+    def prefill(
+        self, inputs: PromptInputs, slots: list[int], block_tables: list[list[int]] | None = None
+    ) -> torch.Tensor:
+        """Run the prompt (media towers included) into `slots[0]` and its table's blocks, fork
+        it into the other slots (each slot i with `block_tables[i]`), and return the last
+        position's logits (V,)."""
         n = inputs.num_prompt_tokens
+        self.set_tables(slots, block_tables, new=True)
         positions = torch.arange(n, device=self.device)[None]
         first_slot = to_device(torch.tensor(slots[:1]), self.device)
-        self.cache.bind(BatchBinding(first_slot, positions, n), is_prefill=True)
+        tables = self._device_tables(slots[:1], n)
+        self.cache.bind(BatchBinding(first_slot, positions, n, tables), is_prefill=True)
         if self.uses_mrope:
             self.model.model.rope_deltas = None
         model_inputs = {k: to_device(v, self.device) for k, v in inputs.model_inputs().items()}
@@ -138,28 +243,37 @@ class ModelRunner:
             delta = int(self.model.model.rope_deltas[0, 0])
         for slot in slots:
             self.rope_delta[slot] = delta
-        if len(slots) > 1:
-            copy_slot(self.cache, slots[0], slots[1:])
+        self._fork(slots, n)
         return out.logits[0, -1].float()
 
     @torch.inference_mode()
-    def prefill_batch(self, prompts: list[PromptInputs], slots: list[list[int]]) -> torch.Tensor:
+    def prefill_batch(
+        self,
+        prompts: list[PromptInputs],
+        slots: list[list[int]],
+        block_tables: list[list[list[int]]] | None = None,
+    ) -> torch.Tensor:
         """Prefill prompts without media in one forward (`can_batch_prefill`); prompt i goes into
-        `slots[i][0]` and is forked into the rest. Returns logits (B, V).
+        `slots[i][0]` and is forked into the rest (tables `block_tables[i]`). Returns logits
+        (B, V).
 
         Prompts of unequal lengths are right-padded to the longest (`can_pad_prefill`): causal
-        attention keeps the pads out of every real position, the pads' keys sit past each row's
-        prompt until its decode overwrites them, linear-attention layers keep each row's state
-        at its last real token (see BatchBinding.lengths_B), and the logits are each row's last
-        real position's. The text stack runs compiled where `prefill_compile` asks."""
+        attention keeps the pads out of every real position, the pads' keys land past each
+        row's blocks, in the sink, linear-attention layers keep each row's state at its last
+        real token (see BatchBinding.lengths_B), and the logits are each row's last real
+        position's. The text stack runs compiled where `prefill_compile` asks."""
         lengths = [p.num_prompt_tokens for p in prompts]
         num_tokens = max(lengths)
         assert min(lengths) == num_tokens or self.can_pad_prefill, "unequal lengths need padding"
-        first_slots = to_device(torch.tensor([s[0] for s in slots]), self.device)
+        for i, row_slots in enumerate(slots):
+            self.set_tables(row_slots, block_tables[i] if block_tables else None, new=True)
+        first = [s[0] for s in slots]
+        first_slots = to_device(torch.tensor(first), self.device)
         positions = torch.arange(num_tokens, device=self.device).expand(len(prompts), -1)
         # NOTE: lengths travel even when all are equal, so that one compiled graph serves both.
         lengths_B = to_device(torch.tensor(lengths), self.device)
-        binding = BatchBinding(first_slots, positions, num_tokens, lengths_B=lengths_B)
+        tables = self._device_tables(first, num_tokens)
+        binding = BatchBinding(first_slots, positions, num_tokens, tables, lengths_B=lengths_B)
         self.cache.bind(binding, is_prefill=True)
         if self.uses_mrope:
             self.model.model.rope_deltas = None
@@ -185,8 +299,7 @@ class ModelRunner:
         for row, row_slots in enumerate(slots):
             for slot in row_slots:
                 self.rope_delta[slot] = int(deltas[row])
-            if len(row_slots) > 1:
-                copy_slot(self.cache, row_slots[0], row_slots[1:])
+            self._fork(row_slots, lengths[row])
         return out.logits[:, -1].float()
 
     @property
@@ -223,11 +336,18 @@ class ModelRunner:
 
     @torch.inference_mode()
     def decode(
-        self, slots: list[int], positions: list[int], token_ids: list[int] | torch.Tensor
+        self,
+        slots: list[int],
+        positions: list[int],
+        token_ids: list[int] | torch.Tensor,
+        block_tables: list[list[int]] | None = None,
     ) -> torch.Tensor:
         """One token for each row: `token_ids[i]` sits at cache position `positions[i]` of
-        `slots[i]`. Returns logits (B, V). A tensor `token_ids` is indexed by slot instead, on
-        the device: (num_slots,), row i feeds `token_ids[slots[i]]`."""
+        `slots[i]`, whose blocks `block_tables[i]` lists (None: the tables last set). Returns
+        logits (B, V). A tensor `token_ids` is indexed by slot instead, on the device:
+        (num_slots,), row i feeds `token_ids[slots[i]]`."""
+        if block_tables is not None:
+            self.set_tables(slots, block_tables, new=False)
         with self._engine_context():
             if self.graphs is not None:
                 return self.graphs.decode(slots, positions, token_ids)
@@ -241,7 +361,10 @@ class ModelRunner:
         kv_len = max(positions) + 1
         lo = slots[0]
         slot_range = (lo, lo + len(slots)) if slots == list(range(lo, lo + len(slots))) else None
-        binding = BatchBinding(slots_B, pos_B[:, None], kv_len, min(positions), slot_range)
+        tables = self._device_tables(slots, kv_len)
+        binding = BatchBinding(
+            slots_B, pos_B[:, None], kv_len, tables, min(positions), slot_range, paged=True
+        )
         self.cache.bind(binding, is_prefill=False)
         delta_B = torch.tensor([self.rope_delta[s] for s in slots], device=self.device)
         if isinstance(token_ids, torch.Tensor):
@@ -254,6 +377,7 @@ class ModelRunner:
             attention_mask=self.masks(pos_B, kv_len),
             past_key_values=self.cache,
             use_cache=True,
+            **{BLOCK_TABLES_KWARG: tables},
         )
         self.cache.commit()
         return out.logits[:, -1].float()

@@ -1,19 +1,27 @@
-"""The scheduler: which requests run this step. Pure Python over request state; no tensors.
+"""The scheduler: which sequences run this step. Pure Python over request state; no tensors.
 
-The cache is slot-based: `max_running_seqs` slots, each sized for `max_context_len` tokens and
-holding one sequence's KV / recurrent state. A running sequence can therefore always grow to the
-context limit, so preemption is never needed for capacity; a sequence that reaches
-`max_context_len` finishes with "length" (see `check_stop`). When slots run out, requests wait.
+Two resources bound what runs. Slots (`max_running_seqs`, `--max-running-prompts`) cap how many
+sequences run at once; each holds a row of linear-attention state. KV blocks of `block_size`
+tokens (areno/engine/block_manager.py) hold every running sequence's keys and values, taken as it
+grows and returned when it ends, so memory is spent on the tokens sequences have, not on
+`max_context_len` per slot. A sequence that reaches `max_context_len` finishes with "length"
+(see `check_stop`).
+
+Sequences, not requests, are the unit: a request of n samples runs as many of them at once as
+slots allow, the rest wait (never refused for lack of slots). Waiting sequences are admitted
+strictly first come, first served, oldest request first. When a running sequence needs a block
+and none is free, the newest running sequence is preempted: its slot and blocks are freed and it
+waits again, at the front (it is older than anything admitted after it), to be prefilled again
+from its prompt and the tokens it had (recomputation). It resumes with the same tokens.
 
 Step contract (one `schedule()` per engine step):
-- `prefill`: groups admitted this step, every sequence already holding its own slot. The runner
-  runs each prompt once, copies its cache state into the group's n slots, and samples each
-  sequence's first token from the prompt's last logits.
-- `decode`: every sequence that was running before this step (so it has at least one output
-  token). The runner feeds each one's `last_token_id` and samples one token. A group never
-  appears in both lists in the same step.
+- `prefill`: sequences admitted this step, in `ScheduledPrefill`s: the new samples of one request
+  admitted together share one prefill of the prompt (its full blocks shared, the last partial
+  block copied for each); a late or resumed sample has its own prefill of all its tokens.
+- `decode`: every sequence that was running before this step. The runner feeds each one's
+  `last_token_id` and samples one token; its blocks already cover that token's position.
 After executing, the engine appends each token, calls `check_stop`, marks finished sequences with
-`Sequence.finish`, and hands them to `update` to free their slots before the next `schedule()`.
+`Sequence.finish`, and hands them to `update` to free their slots and blocks.
 """
 
 from __future__ import annotations
@@ -21,8 +29,9 @@ from __future__ import annotations
 import bisect
 import heapq
 from collections.abc import Collection, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from areno.engine.block_manager import BlockManager, blocks_for
 from areno.engine.sequence import Sequence, SequenceGroup, SequenceStatus
 from areno.errors import ArenoError, ConfigError, PromptTooLongError
 
@@ -32,12 +41,6 @@ FLAG_MAX_RUNNING = "--max-running-prompts"
 
 class SequenceTooLongError(PromptTooLongError):
     """The prompt leaves no room for a single generated token within max_context_len."""
-
-
-class TooManySamplesError(ArenoError):
-    """A request asks for more samples (n) than the engine has cache slots, so it could never run."""
-
-    code = "too_many_samples"
 
 
 class DuplicateRequestError(ArenoError):
@@ -50,16 +53,21 @@ class DuplicateRequestError(ArenoError):
 class SchedulerConfig:
     """Scheduler limits.
 
-    max_running_seqs: cache slots, i.e. sequences decoding at once.
-    max_context_len: tokens one slot holds (prompt plus output).
+    max_running_seqs: cache slots, i.e. sequences running at once.
+    max_context_len: tokens one sequence may reach (prompt plus output).
     max_prefill_tokens_per_step: prompt tokens admitted per step, so a burst of long prompts does
         not stall running decodes for long; a single prompt over the budget is still admitted
         (alone) so that it never starves.
+    num_blocks: KV blocks in the pool (None: every slot's `max_context_len`, as a slot cache
+        would hold). It must hold one sequence of max_context_len tokens.
+    block_size: tokens per KV block.
     """
 
     max_running_seqs: int
     max_context_len: int
     max_prefill_tokens_per_step: int = 8192
+    num_blocks: int | None = None
+    block_size: int = 16
 
     def __post_init__(self) -> None:
         limits = {
@@ -67,6 +75,7 @@ class SchedulerConfig:
             # One prompt token plus one generated token is the least that makes sense.
             "max_context_len": 2,
             "max_prefill_tokens_per_step": 1,
+            "block_size": 1,
         }
         for name, least in limits.items():
             value = getattr(self, name)
@@ -75,6 +84,18 @@ class SchedulerConfig:
                     f"SchedulerConfig.{name} must be an integer >= {least}; got {value!r}",
                     param=name,
                 )
+        if self.num_blocks is None:
+            blocks = self.max_running_seqs * blocks_for(self.max_context_len, self.block_size)
+            object.__setattr__(self, "num_blocks", blocks)
+        least = blocks_for(self.max_context_len, self.block_size)
+        if self.num_blocks < least:
+            raise ConfigError(
+                f"the KV cache pool has {self.num_blocks} blocks of {self.block_size} tokens, "
+                f"fewer than the {least} one sequence of {self.max_context_len} tokens "
+                f"({FLAG_MAX_CONTEXT_LEN}) needs; give it more memory (--kv-cache-gib or "
+                f"--kv-cache-memory-fraction) or lower {FLAG_MAX_CONTEXT_LEN}",
+                param="kv_cache_gib",
+            )
 
 
 class SlotAllocator:
@@ -113,16 +134,35 @@ class SlotAllocator:
 
 
 @dataclass
+class ScheduledPrefill:
+    """Sequences of one group that share one prefill this step: the group's prompt for new
+    samples admitted together, or one resumed / late sequence's own tokens."""
+
+    group: SequenceGroup
+    seqs: list[Sequence]
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.seqs[0].token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return self.seqs[0].num_tokens
+
+
+@dataclass
 class SchedulerOutput:
     """What to run this step; see the module docstring for the prefill / decode contract.
 
-    num_waiting / num_running count sequences (slot units) after this step's admission.
+    num_waiting / num_running count sequences after this step's admission; `preempted` lists
+    the sequences preempted this step.
     """
 
-    prefill: list[SequenceGroup]
+    prefill: list[ScheduledPrefill]
     decode: list[Sequence]
     num_waiting: int
     num_running: int
+    preempted: list[Sequence] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
@@ -130,23 +170,36 @@ class SchedulerOutput:
 
     @property
     def num_prefill_tokens(self) -> int:
-        return sum(group.num_prompt_tokens for group in self.prefill)
+        return sum(item.num_tokens for item in self.prefill)
+
+
+def _queue_key(seq: Sequence) -> tuple[int, int]:
+    return seq.arrival, seq.sample_index
 
 
 class Scheduler:
-    """FCFS admission of waiting groups into free cache slots; running groups decode each step."""
+    """FCFS admission of waiting sequences into free slots and blocks; running sequences decode
+    each step, preempting the newest when blocks run out."""
+
+    # Blocks kept free at admission, as a share of the pool, so that admitting does not make
+    # the next step preempt at once (vLLM's watermark).
+    WATERMARK = 0.01
 
     def __init__(self, config: SchedulerConfig) -> None:
         self.config = config
         self.slots = SlotAllocator(config.max_running_seqs)
-        self._waiting: list[SequenceGroup] = []  # sorted by arrival
-        self._running: dict[str, SequenceGroup] = {}  # in admission order
+        self.blocks = BlockManager(config.num_blocks, config.block_size)
+        self._waiting: list[Sequence] = []  # sorted by (arrival, sample index)
+        self._running: list[Sequence] = []  # in admission order: the newest last
+        self._groups: dict[str, SequenceGroup] = {}  # unfinished requests, in arrival order
         self.hold_admission = False
+        self.num_preemptions = 0
+        self._watermark = int(self.WATERMARK * config.num_blocks)
 
     @property
     def num_waiting(self) -> int:
-        """Sequences waiting for a slot."""
-        return sum(group.num_seqs for group in self._waiting)
+        """Sequences waiting for a slot and blocks."""
+        return len(self._waiting)
 
     @property
     def num_running(self) -> int:
@@ -160,23 +213,25 @@ class Scheduler:
     @property
     def has_work(self) -> bool:
         """Whether any request is waiting or running (the engine loop may sleep when not)."""
-        return bool(self._waiting or self._running)
+        return bool(self._groups)
 
     def add(self, group: SequenceGroup) -> None:
-        """Queue a new request; it runs once slots free up (requests are never dropped).
+        """Queue a new request; it runs once slots and blocks free up (requests are never
+        dropped).
 
-        Raises SequenceTooLongError, TooManySamplesError or DuplicateRequestError for a request
-        that could never run, so it fails at once instead of waiting forever.
+        Raises SequenceTooLongError or DuplicateRequestError for a request that could never
+        run, so it fails at once instead of waiting forever.
         """
         self.check_fits(group.num_prompt_tokens, group.num_seqs)
-        if group.request_id in self._running or any(
-            g.request_id == group.request_id for g in self._waiting
-        ):
+        if group.request_id in self._groups:
             raise DuplicateRequestError(f"request id {group.request_id!r} is already in use")
-        bisect.insort(self._waiting, group, key=lambda g: g.arrival)
+        self._groups[group.request_id] = group
+        for seq in group.seqs:
+            bisect.insort(self._waiting, seq, key=_queue_key)
 
     def check_fits(self, num_prompt_tokens: int, num_seqs: int) -> None:
-        """Raise for a request that could never run (see `add`)."""
+        """Raise for a request that could never run (see `add`). Any number of samples fits:
+        they run as slots allow."""
         limit = self.config.max_context_len
         if num_prompt_tokens >= limit:
             raise SequenceTooLongError(
@@ -185,12 +240,6 @@ class Scheduler:
                 f"{limit - 1} tokens or raise {FLAG_MAX_CONTEXT_LEN}",
                 param="messages",
             )
-        if num_seqs > self.config.max_running_seqs:
-            raise TooManySamplesError(
-                f"n={num_seqs} needs {num_seqs} cache slots but the engine has "
-                f"{self.config.max_running_seqs} ({FLAG_MAX_RUNNING}); ask for fewer samples",
-                param="n",
-            )
 
     @property
     def max_context_len(self) -> int:
@@ -198,87 +247,151 @@ class Scheduler:
 
     def find(self, request_id: str) -> SequenceGroup | None:
         """The waiting or running group of `request_id`, if any."""
-        group = self._running.get(request_id)
-        if group is None:
-            group = next((g for g in self._waiting if g.request_id == request_id), None)
-        return group
+        return self._groups.get(request_id)
 
     def request_ids(self) -> list[str]:
         """Ids of every waiting or running request."""
-        return [*self._running, *(g.request_id for g in self._waiting)]
+        return list(self._groups)
 
     def schedule(self) -> SchedulerOutput:
-        """Decide this step's work: decode every running sequence, then admit waiting groups
-        (unless `hold_admission` is set, e.g. while the engine drains for a pause)."""
-        decode = [
+        """Decide this step's work: decode every running sequence (preempting the newest where
+        blocks run out), then admit waiting sequences (unless `hold_admission` is set, e.g.
+        while the engine drains for a pause, or this step preempted)."""
+        decode, preempted = self._reserve_decode_blocks()
+        prefill = [] if self.hold_admission or preempted else self._admit()
+        return SchedulerOutput(prefill, decode, self.num_waiting, self.num_running, preempted)
+
+    def would_preempt(self) -> bool:
+        """Whether this step's decodes need more blocks than are free (an overlapped engine
+        reads the step in flight first: only a sequence with no unread token is preempted)."""
+        return self._blocks_needed(self._decoding()) > self.blocks.num_free
+
+    def _decoding(self) -> list[Sequence]:
+        return [
             seq
-            for group in self._running.values()
-            for seq in group.seqs
+            for seq in self._running
             if seq.status is SequenceStatus.RUNNING and self._may_decode(seq)
         ]
-        prefill = [] if self.hold_admission else self._admit()
-        return SchedulerOutput(prefill, decode, self.num_waiting, self.num_running)
+
+    def _new_blocks(self, seq: Sequence) -> int:
+        """Blocks `seq` needs beyond its own to write the token it feeds this step."""
+        return blocks_for(seq.next_position + 1, self.config.block_size) - len(seq.block_ids)
+
+    def _blocks_needed(self, seqs: list[Sequence]) -> int:
+        return sum(max(self._new_blocks(seq), 0) for seq in seqs)
+
+    def _reserve_decode_blocks(self) -> tuple[list[Sequence], list[Sequence]]:
+        """Give every decoding sequence, oldest first, the blocks its next token needs,
+        preempting the newest running sequences while blocks are short."""
+        decode, preempted = [], []
+        for seq in self._decoding():
+            if seq.status is not SequenceStatus.RUNNING:
+                continue  # preempted by an older sequence of this step
+            need = self._new_blocks(seq)
+            while need > 0 and not self.blocks.can_allocate(need):
+                victim = self._running[-1]
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is seq:
+                    break
+            if seq.status is not SequenceStatus.RUNNING:
+                continue
+            if need > 0:
+                seq.block_ids += self.blocks.allocate(need)
+            decode.append(seq)
+        return decode, preempted
+
+    def _preempt(self, seq: Sequence) -> None:
+        assert not seq.num_in_flight, "read a sequence's token in flight before preempting it"
+        self._release(seq)
+        self._running.remove(seq)
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        bisect.insort(self._waiting, seq, key=_queue_key)
 
     def _may_decode(self, seq: Sequence) -> bool:
         """False for a sequence whose in-flight token is sure to be its last (by max_tokens or
-        the context length): another step would be wasted, or write past its cache slot. A stop
+        the context length): another step would be wasted, or write past its context. A stop
         token it may have drawn is only known once the host reads it, so such a sequence
         decodes one step more and the engine drops that token."""
         return not seq.num_in_flight or not reaches_length_limit(
             seq, self.config.max_context_len, ahead=seq.num_in_flight
         )
 
-    def _admit(self) -> list[SequenceGroup]:
-        # NOTE: strict FCFS: the head of the queue blocks later groups, even smaller ones, so that
-        # a group with large n (needing many slots at once) or a long prompt cannot starve.
-        admitted: list[SequenceGroup] = []
+    def _admit(self) -> list[ScheduledPrefill]:
+        # NOTE: strict FCFS: the head of the queue blocks later sequences, even smaller ones, so
+        # that a long prompt cannot starve.
+        admitted: list[ScheduledPrefill] = []
         budget = self.config.max_prefill_tokens_per_step
-        while self._waiting:
-            group = self._waiting[0]
-            if not self.slots.can_allocate(group.num_seqs):
-                break
-            if admitted and group.num_prompt_tokens > budget:
+        block_size = self.config.block_size
+        while self._waiting and self.slots.can_allocate(1):
+            seq = self._waiting[0]
+            group = self._groups[seq.request_id]
+            last = admitted[-1] if admitted else None
+            # A new sample of the group whose new samples were admitted just before shares
+            # their prefill: only its own copy of the last, partial block is new.
+            joins = (
+                last is not None
+                and last.group is group
+                and not seq.output_token_ids
+                and not last.seqs[0].output_token_ids
+            )
+            if joins:
+                shared = seq.num_prompt_tokens // block_size
+                need = len(last.seqs[0].block_ids) - shared
+            else:
+                need = blocks_for(seq.num_tokens, block_size)
+                if admitted and seq.num_tokens > budget:
+                    break
+            if self.blocks.num_free - need < (self._watermark if self._running else 0):
                 break
             self._waiting.pop(0)
-            for seq, slot in zip(group.seqs, self.slots.allocate(group.num_seqs), strict=True):
-                seq.slot = slot
-                seq.status = SequenceStatus.RUNNING
-            self._running[group.request_id] = group
-            admitted.append(group)
-            budget -= group.num_prompt_tokens
+            seq.slot = self.slots.allocate(1)[0]
+            seq.status = SequenceStatus.RUNNING
+            if joins:
+                own = last.seqs[0].block_ids
+                seq.block_ids = self.blocks.share(own[:shared]) + self.blocks.allocate(need)
+                last.seqs.append(seq)
+            else:
+                seq.block_ids = self.blocks.allocate(need)
+                admitted.append(ScheduledPrefill(group, [seq]))
+                budget -= seq.num_tokens
+            self._running.append(seq)
         return admitted
 
-    def update(self, finished: Iterable[Sequence]) -> list[int]:
-        """Free the slots of sequences the engine finished this step (`Sequence.finish` already
-        called); a group leaves the running set when all its sequences are done. Returns the
-        slots freed. Sequences already freed (e.g. by `cancel`) are ignored."""
-        freed = []
+    def _release(self, seq: Sequence) -> None:
+        if seq.slot is not None:
+            self.slots.free(seq.slot)
+            seq.slot = None
+        self.blocks.free(seq.block_ids)
+        seq.block_ids = []
+
+    def update(self, finished: Iterable[Sequence]) -> None:
+        """Free the slots and blocks of sequences the engine finished this step
+        (`Sequence.finish` already called); a group leaves when all its sequences are done.
+        Sequences already freed (e.g. by `cancel`) are ignored."""
         for seq in finished:
             assert seq.is_finished, f"sequence {seq.seq_id} is not finished ({seq.status})"
-            if seq.slot is not None:
-                self.slots.free(seq.slot)
-                freed.append(seq.slot)
-                seq.slot = None
-            group = self._running.get(seq.request_id)
+            if seq in self._running:
+                self._running.remove(seq)
+            elif seq in self._waiting:
+                self._waiting.remove(seq)
+            self._release(seq)
+            group = self._groups.get(seq.request_id)
             if group is not None and group.is_finished:
-                del self._running[seq.request_id]
-        return freed
+                del self._groups[seq.request_id]
 
-    def cancel(self, request_id: str) -> list[int]:
+    def cancel(self, request_id: str) -> None:
         """Abort a waiting or running request: its unfinished sequences finish with "abort" and
-        every slot it held is freed (returned, so the engine can reset them). Unknown or already
-        finished ids return [] because cancellation races with natural completion."""
-        group = self._running.pop(request_id, None)
+        every slot and block it held is freed. Unknown or already finished ids are ignored
+        because cancellation races with natural completion."""
+        group = self._groups.get(request_id)
         if group is None:
-            index = next(
-                (i for i, g in enumerate(self._waiting) if g.request_id == request_id), None
-            )
-            if index is None:
-                return []
-            group = self._waiting.pop(index)
+            return
         for seq in group.unfinished_seqs():
             seq.finish("abort")
-        return self.update(group.seqs)
+        self.update(group.seqs)
 
 
 @dataclass(frozen=True)

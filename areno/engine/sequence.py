@@ -1,7 +1,9 @@
 """Request state the scheduler works on: one `Sequence` per sample, one `SequenceGroup` per request.
 
-A request with `n` samples is a group of n sequences sharing one prompt: the prompt is prefilled
-once and its cache state copied into the n slots, after which each sequence decodes on its own.
+A request with `n` samples is a group of n sequences sharing one prompt. Samples admitted in the
+same step share one prefill: the prompt's full KV blocks are shared and each sample gets its own
+copy of the last, partial one; later each sequence decodes on its own. A sample admitted later
+(the slots were busy) or resumed after a preemption prefills its own tokens again.
 """
 
 from __future__ import annotations
@@ -19,7 +21,8 @@ _next_arrival = itertools.count()
 
 
 class SequenceStatus(enum.Enum):
-    """Where a sequence is in its life: waiting for a slot, running, or finished (and why)."""
+    """Where a sequence is in its life: waiting for a slot (new, or preempted), running, or
+    finished (and why)."""
 
     WAITING = "waiting"
     RUNNING = "running"
@@ -56,7 +59,8 @@ _FINISH_REASONS = {
 # NOTE: eq=False: sequences are compared by identity, never by their (possibly equal) token lists.
 @dataclass(eq=False)
 class Sequence:
-    """One sample of a request: its prompt, the tokens generated so far, and its cache slot."""
+    """One sample of a request: its prompt, the tokens generated so far, its cache slot and the
+    KV blocks its tokens are in."""
 
     request_id: str
     prompt_token_ids: list[int]
@@ -67,7 +71,9 @@ class Sequence:
     output_token_ids: list[int] = field(default_factory=list)
     status: SequenceStatus = SequenceStatus.WAITING
     slot: int | None = None
+    block_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
+    num_preemptions: int = 0
     # Tokens sampled on the device that the host has not read yet (0 or 1: an overlapped step
     # runs while the previous one's tokens are read; see areno/engine/core.py).
     num_in_flight: int = 0
@@ -92,6 +98,11 @@ class Sequence:
         return self.num_tokens + self.num_in_flight - 1
 
     @property
+    def token_ids(self) -> list[int]:
+        """Prompt plus generated tokens: what a resumed (preempted) sequence prefills again."""
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
     def last_token_id(self) -> int:
         """The token the next decode step feeds to the model."""
         return self.output_token_ids[-1] if self.output_token_ids else self.prompt_token_ids[-1]
@@ -114,8 +125,8 @@ class Sequence:
         self.output_token_ids.append(token_id)
 
     def finish(self, reason: str) -> None:
-        """Mark the sequence finished with "stop", "length" or "abort" (the slot is freed by the
-        scheduler's `update` / `cancel`, not here)."""
+        """Mark the sequence finished with "stop", "length" or "abort" (its slot and blocks are
+        freed by the scheduler's `update` / `cancel`, not here)."""
         self.status = SequenceStatus.finished_for(reason)
         self.finish_reason = reason
 
@@ -125,7 +136,8 @@ class SequenceGroup:
     """The n sequences of one request, sharing one prompt and one arrival time.
 
     `inputs` is opaque to the scheduler: the engine keeps the request's processor outputs (media
-    tensors, positions) there so that prefill can find them.
+    tensors, positions) there so that prefill can find them, until the last sample finishes (a
+    sample admitted late or resumed after a preemption prefills from them again).
     """
 
     request_id: str
@@ -164,7 +176,7 @@ class SequenceGroup:
 
     @property
     def num_seqs(self) -> int:
-        """How many cache slots the group needs while running."""
+        """How many sequences (samples) the group has."""
         return len(self.seqs)
 
     @property

@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from areno.engine import parallel
+from areno.engine.config import EngineConfig
 from areno.engine.ipc import visible_gpu_uuids
 from areno.engine.worker import StepInput, StepOutput, Worker
 from areno.errors import ConfigError
@@ -48,33 +49,29 @@ class RankSpec:
     """What every rank needs to load its shard and join the group."""
 
     model_path: str
-    tp_size: int
     dtype: torch.dtype
     device: str
-    num_slots: int
     max_len: int
-    graphs: str
-    compile: str
+    config: EngineConfig  # the engine's: every rank builds its worker from it
     master_port: int
     bind_device: bool = True  # see parallel.can_bind_device
 
 
 def _load_worker(rank: int, spec: RankSpec) -> Worker:
     parallel.init_distributed(
-        rank, spec.tp_size, LOOPBACK, spec.master_port, spec.device, bind_device=spec.bind_device
+        rank,
+        spec.config.tp_size,
+        LOOPBACK,
+        spec.master_port,
+        spec.device,
+        bind_device=spec.bind_device,
     )
     adapter = adapter_for_checkpoint(spec.model_path)
     model = parallel.load_model_for_rank(
-        adapter, spec.model_path, tp_size=spec.tp_size, dtype=spec.dtype, device=spec.device
+        adapter, spec.model_path, tp_size=spec.config.tp_size, dtype=spec.dtype, device=spec.device
     )
-    return Worker(
-        model,
-        num_slots=spec.num_slots,
-        max_len=spec.max_len,
-        sample=rank == 0,
-        tensor_parallel=True,
-        graphs=spec.graphs,
-        compile=spec.compile,
+    return Worker.from_config(
+        model, spec.config, max_len=spec.max_len, sample=rank == 0, tensor_parallel=True
     )
 
 
@@ -129,7 +126,7 @@ class TPExecutor:
         import ray
 
         # A family without a plan fails here, before any rank exists or joins a group.
-        parallel.tp_plan_for(adapter_for_checkpoint(spec.model_path), spec.tp_size)
+        parallel.tp_plan_for(adapter_for_checkpoint(spec.model_path), spec.config.tp_size)
         if not ray.is_initialized():
             ray.init()
         num_gpus = 1 if torch.device(spec.device).type == "cuda" else 0
@@ -141,9 +138,9 @@ class TPExecutor:
                 name=f"{FOLLOWER_NAME_PREFIX}{group_id}-rank{rank}",
                 num_cpus=num_cpus_per_rank,
                 num_gpus=num_gpus,
-                scheduling_strategy=_follower_strategy(rank, spec.tp_size),
+                scheduling_strategy=_follower_strategy(rank, spec.config.tp_size),
             ).remote(rank, spec)
-            for rank in range(1, spec.tp_size)
+            for rank in range(1, spec.config.tp_size)
         ]
         try:
             if num_gpus:

@@ -14,6 +14,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from areno.engine.config import EngineConfig, KVPoolOptions, pool_options
+from areno.engine.kv_pool import KVPool, agree_across_ranks, block_bytes, fraction_budget
 from areno.engine.runner import ModelRunner, can_batch_prefill
 from areno.engine.sampler import SamplerOutput, SamplingTensors, generator_for, sample
 from areno.engine.sampling import SamplingParams
@@ -30,10 +32,12 @@ class WeightUpdateError(ArenoError):
 
 @dataclass
 class PrefillItem:
-    """One prompt to run into `slots[0]` and fork into the rest (its n samples)."""
+    """One prompt to run into `slots[0]` and fork into the rest (its n samples), slot i keeping
+    its keys and values in `block_tables[i]` (None: the runner's default tables)."""
 
     inputs: PromptInputs
     slots: list[int]
+    block_tables: list[list[int]] | None = None
 
 
 @dataclass
@@ -57,6 +61,8 @@ class StepInput:
     decode_slots: list[int] = field(default_factory=list)
     decode_positions: list[int] = field(default_factory=list)
     decode_token_ids: list[int] | None = field(default_factory=list)
+    # Each decode row's block table (None: the tables the runner last had for those slots).
+    decode_block_tables: list[list[int]] | None = None
     rows: list[RowSampling] = field(default_factory=list)
     finished_seq_ids: list[int] = field(default_factory=list)  # drop their generators
 
@@ -67,7 +73,11 @@ class StepInput:
     def for_followers(self) -> StepInput:
         """What a non-sampling rank needs: the forward inputs only (keeps the message small)."""
         return StepInput(
-            self.prefill, self.decode_slots, self.decode_positions, self.decode_token_ids
+            self.prefill,
+            self.decode_slots,
+            self.decode_positions,
+            self.decode_token_ids,
+            self.decode_block_tables,
         )
 
 
@@ -134,6 +144,8 @@ class Worker:
         num_slots: int,
         max_len: int,
         sample: bool,
+        pool: KVPoolOptions | None = None,
+        num_blocks: int | None = None,
         tensor_parallel: bool = False,
         graphs: str = "auto",
         compile: str = "auto",
@@ -141,7 +153,8 @@ class Worker:
         packed_linear: bool = False,
         fuse_projections: str = "off",
     ):
-        """`packed_linear`: on CPU in float32, linear layers run on prepacked oneDNN weights
+        """`pool`: how the KV block pool is sized (areno/engine/kv_pool.py); `num_blocks` sets
+        its size directly (None: every slot `max_len` tokens). `packed_linear`: on CPU in float32, linear layers run on prepacked oneDNN weights
         (areno/engine/cpu_linear.py); not under tensor parallelism, whose shards are DTensors.
         `prefill_compile` "auto" compiles batched prefills as the decode step is compiled, but
         not under tensor parallelism (not yet run there on a GPU). `fuse_projections` "auto"
@@ -155,6 +168,8 @@ class Worker:
             model,
             num_slots=num_slots,
             max_len=max_len,
+            num_blocks=num_blocks,
+            block_size=(pool or KVPoolOptions()).block_size,
             graphs=graphs,
             compile=compile,
             prefill_compile=prefill_compile,
@@ -163,6 +178,14 @@ class Worker:
         )
         self.samples = sample
         self.tensor_parallel = tensor_parallel
+        if pool is not None and num_blocks is None:
+            self._size_pool(pool)
+        runner = self.runner
+        self.pool = KVPool(
+            runner.num_blocks,
+            runner.block_size,
+            block_bytes(runner.model, runner.layer_types, runner.block_size),
+        )
         self._generators: dict[int, torch.Generator] = {}
         # The token last sampled into each slot, on the device (see `launch`).
         self._last_tokens = torch.zeros(num_slots, dtype=torch.long, device=self.device)
@@ -173,9 +196,55 @@ class Worker:
             torch.tensor(banned, dtype=torch.long, device=self.device) if banned else None
         )
 
+    @classmethod
+    def from_config(
+        cls,
+        model: torch.nn.Module,
+        config: EngineConfig,
+        *,
+        max_len: int,
+        sample: bool = True,
+        tensor_parallel: bool = False,
+    ) -> Worker:
+        """The worker an engine of `config` runs on every rank: the one place that turns the
+        config into worker options, so no rank drops one."""
+        return cls(
+            model,
+            num_slots=config.max_running_prompts,
+            max_len=max_len,
+            sample=sample,
+            pool=pool_options(config),
+            tensor_parallel=tensor_parallel,
+            graphs=config.decode_graphs,
+            compile=config.decode_compile,
+            prefill_compile=config.prefill_compile,
+            packed_linear=config.cpu_packed_linear,
+            fuse_projections=config.fuse_projections,
+        )
+
     @property
     def model(self) -> torch.nn.Module:
         return self.runner.model
+
+    def _size_pool(self, options: KVPoolOptions) -> None:
+        """Resize the runner's pool as `options` ask: `kv_cache_gib`, else on CUDA the memory
+        fraction, else (CPU) keep every slot's `max_len` tokens."""
+        runner = self.runner
+        per_block = block_bytes(runner.model, runner.layer_types, runner.block_size)
+        if options.kv_cache_gib is not None:
+            num_blocks = int(options.kv_cache_gib * (1 << 30)) // per_block
+        elif self.device.type == "cuda":
+            tokens = min(options.profile_tokens, runner.max_len)
+            activation, state_per_slot = runner.measure_prefill_memory(tokens)
+            states = state_per_slot * runner.num_slots
+            budget = fraction_budget(self.device, options.memory_fraction, activation, states)
+            num_blocks = budget // per_block
+        else:
+            return
+        num_blocks = max(num_blocks, 1)
+        if self.tensor_parallel:
+            num_blocks = agree_across_ranks(num_blocks, self.device)
+        runner.reset_pool(num_blocks)
 
     @property
     def device(self) -> torch.device:
@@ -206,7 +275,11 @@ class Worker:
             if token_ids is None:
                 assert self.samples, "only the sampling worker keeps the last tokens"
                 token_ids = self._last_tokens
-            decoded.append(self.runner.decode(step.decode_slots, step.decode_positions, token_ids))
+            decoded.append(
+                self.runner.decode(
+                    step.decode_slots, step.decode_positions, token_ids, step.decode_block_tables
+                )
+            )
         logits = self._prefill(step.prefill) + decoded
         if not self.samples or not logits:
             return None
@@ -223,17 +296,19 @@ class Worker:
             if can_batch_prefill(item.inputs):
                 batchable.append(i)
             else:
-                last[i] = self.runner.prefill(item.inputs, item.slots)
+                last[i] = self.runner.prefill(item.inputs, item.slots, item.block_tables)
         lengths = [items[i].inputs.num_prompt_tokens for i in batchable]
         for group in prefill_groups(lengths, pad=self.runner.can_pad_prefill):
             indices = [batchable[g] for g in group]
             if len(indices) == 1:
-                last[indices[0]] = self.runner.prefill(
-                    items[indices[0]].inputs, items[indices[0]].slots
-                )
+                item = items[indices[0]]
+                last[indices[0]] = self.runner.prefill(item.inputs, item.slots, item.block_tables)
                 continue
+            tables = [items[i].block_tables for i in indices]
             logits_BV = self.runner.prefill_batch(
-                [items[i].inputs for i in indices], [items[i].slots for i in indices]
+                [items[i].inputs for i in indices],
+                [items[i].slots for i in indices],
+                tables if all(t is not None for t in tables) else None,
             )
             for row, i in enumerate(indices):
                 last[i] = logits_BV[row]

@@ -36,9 +36,9 @@ class Admission:
     """The requests one replica holds, in arrival order, and whether one more may wait.
 
     The scheduler admits strictly first-come first-served into `num_slots` cache slots (a
-    request of n samples takes n at once), so the held requests run in arrival order: counting
-    from the oldest, those whose slots fit are running, and the rest, from the first that does
-    not fit, are waiting. Counting here rather than from `Generator.stats()` keeps the limit
+    request of n samples takes up to n; more samples than slots run as slots free up), so the
+    held requests run in arrival order: counting from the oldest, those whose slots fit are
+    running, and the rest, from the first that does not fit, are waiting. Counting here rather than from `Generator.stats()` keeps the limit
     exact under a burst: a request counts the moment it is admitted, before the engine thread
     has seen it. (A request is released when its stream ends, a moment after its slots free,
     so the count errs toward refusing.)
@@ -60,12 +60,8 @@ class Admission:
 
     def admit(self, request_id: str, num_seqs: int) -> None:
         """Hold a request, or raise QueueFullError when it would wait and the queue is full.
-
-        A request of more samples than slots is not held: it can never run, and the engine
-        refuses it with its own 400.
-        """
-        if num_seqs > self.num_slots:
-            return
+        A request of more samples than slots counts as all the slots."""
+        num_seqs = min(num_seqs, self.num_slots)
         num_running, num_used = self._fit()
         num_queued = len(self._held) - num_running
         would_wait = num_queued > 0 or num_used + num_seqs > self.num_slots

@@ -45,6 +45,9 @@ class RolloutConfig:
     max_running_prompts: int = 16
     max_prompt_tokens: int | None = None
     max_context_len: int = 1024
+    block_size: int = 16  # tokens per KV cache block
+    kv_cache_gib: float | None = None  # None: as serving sizes its pool (see EngineConfig)
+    kv_cache_memory_fraction: float = 0.9
     max_tokens_per_turn: int = 64
     temperature: float = 1.0
     top_p: float = 1.0

@@ -118,7 +118,9 @@ def test_n_samples_share_a_prefill_and_match_separate_seeded_requests(setups, ov
     prefills = []
     runner = gen.core.executor.worker.runner
     original = runner.prefill
-    runner.prefill = lambda inputs, slots: prefills.append(slots) or original(inputs, slots)
+    runner.prefill = lambda inputs, slots, tables: (
+        prefills.append(slots) or original(inputs, slots, tables)
+    )
     try:
         together = run(gen.generate_all(x, params))
         apart = [
@@ -154,9 +156,9 @@ def test_text_prompts_of_unequal_lengths_arriving_together_equal_generate(
     batched: list[list[int]] = []
     prefill_batch = runner.prefill_batch
 
-    def recording(prompts, slots):
+    def recording(prompts, slots, tables):
         batched.append([p.num_prompt_tokens for p in prompts])
-        return prefill_batch(prompts, slots)
+        return prefill_batch(prompts, slots, tables)
 
     runner.prefill_batch = recording
 

@@ -15,7 +15,7 @@ from areno.engine.config import EngineConfig, resolve_overlap
 from areno.engine.generator import Generator
 from areno.engine.outputs import merge_outputs
 from areno.engine.sampling import SamplingParams
-from areno.engine.scheduler import SequenceTooLongError, TooManySamplesError
+from areno.engine.scheduler import SequenceTooLongError
 from areno.engine.worker import WeightUpdateError
 from areno.errors import ConfigError
 from tests.engine.generating import (
@@ -67,10 +67,12 @@ def test_max_tokens_and_context_limit(setups, overlap):
         capped = run(gen.generate_all(x, SamplingParams(max_tokens=50, ignore_eos=True, seed=1)))
         with pytest.raises(SequenceTooLongError, match="max_context_len"):
             run(gen.generate_all(setup.encode(text("word " * 40)), GREEDY))
-        with pytest.raises(TooManySamplesError, match="--max-running-prompts"):
-            run(gen.generate_all(x, SamplingParams(n=5)))
+        # More samples than the 4 slots: they run as slots free up, never refused.
+        many = run(gen.generate_all(x, SamplingParams(n=6, max_tokens=3, seed=2)))
     finally:
         gen.shutdown()
+    assert sorted(s.index for s in many.samples) == list(range(6))
+    assert all(len(s.token_ids) == 3 for s in many.samples)
     assert len(short.samples[0].token_ids) == 3 and short.samples[0].finish_reason == "length"
     assert len(capped.samples[0].token_ids) == 5 and capped.samples[0].finish_reason == "length"
 
@@ -364,23 +366,20 @@ def test_the_cache_is_allocated_whole_at_start_up(setups, family):
 
 
 def test_a_cache_too_large_for_memory_fails_at_start_up_naming_the_flags(setups):
-    """Slots enough that one layer's keys need twice the memory this machine has available: the
-    start-up fails with CacheMemoryError before allocating them, and an engine of sane size
-    starts right after."""
+    """A pool of twice the memory this machine has available: the start-up fails with
+    CacheMemoryError before allocating its first layer, and an engine of sane size starts
+    right after."""
     from areno.engine.cache import available_bytes
     from areno.errors import CacheMemoryError
 
     setup = setups("qwen3_5")
-    config = setup.model.config.get_text_config()
-    # keys of one full-attention layer: slots x kv heads x (4096 + 1) positions x head_dim x fp32
-    slot_bytes = config.num_key_value_heads * 4097 * config.head_dim * 4
-    num_slots = 2 * available_bytes(torch.device("cpu"))[0] // slot_bytes
+    gib = 2 * available_bytes(torch.device("cpu"))[0] / (1 << 30)
     with pytest.raises(CacheMemoryError) as raised:
-        setup.generator(max_running_prompts=num_slots, max_context_len=4096)
+        setup.generator(kv_cache_gib=gib)
     message = str(raised.value)
-    need = num_slots * slot_bytes / (1 << 30)
-    assert f"{need:.2f} GiB for layer" in message and f"{num_slots} slots" in message
-    assert "--max-running-prompts" in message and "--max-context-len" in message
+    # the tiny model has one full-attention layer: its keys are half the pool
+    assert "GiB for layer 1's keys" in message
+    assert "blocks of 16 tokens" in message and "--kv-cache-gib" in message
     assert isinstance(raised.value, ConfigError) and raised.value.code == "cache_too_large"
     gen = setup.generator()
     try:

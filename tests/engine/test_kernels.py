@@ -48,30 +48,40 @@ def test_the_kernels_under_the_triton_interpreter():
     assert re.match(r"\d+ passed, 1 skipped in", proc.stdout.splitlines()[-1]), proc.stdout
 
 
-def _slot_rows(batch: int, heads: int, length: int, dim: int, dtype) -> torch.Tensor:
-    """Like the slot cache's view: rows 1..batch of a longer storage, keys cut to `length`."""
-    storage = torch.randn(batch + 2, heads, length + 50, dim, dtype=dtype, device=DEVICE)
-    return storage[1 : batch + 1, :, :length]
+def _paged(batch: int, heads: int, length: int, dim: int, dtype, page: int = 16):
+    """Block storage and tables as the paged cache keeps them: every row's blocks scattered
+    over the pool (a shuffled permutation), past each table's end more blocks than it uses."""
+    num = -(-length // page) + 1
+    storage = torch.randn(batch * num + 1, heads, page, dim, dtype=dtype, device=DEVICE)
+    order = torch.randperm(batch * num, generator=torch.Generator().manual_seed(1)) + 1
+    return storage, order.reshape(batch, num).to(DEVICE)
 
 
 @needs_kernels
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(
-    "heads, kv_heads, dim, window",
-    [(16, 8, 128, None), (8, 2, 256, None), (4, 4, 32, None), (4, 1, 64, 48), (8, 2, 512, 100)],
+    "heads, kv_heads, dim, window, page",
+    [
+        (16, 8, 128, None, 16),
+        (8, 2, 256, None, 16),
+        (4, 4, 32, None, 32),
+        (4, 1, 64, 48, 16),
+        (8, 2, 512, 100, 8),
+    ],
 )
-def test_decode_attention_matches_its_reference(dtype, heads, kv_heads, dim, window):
+def test_decode_attention_matches_its_reference(dtype, heads, kv_heads, dim, window, page):
     torch.manual_seed(0)
     ends = torch.tensor([1, 100, 384, 250, 129], device=DEVICE)  # a row per split boundary
     kv_len = int(ends.max())
     query = torch.randn(len(ends), heads, dim, dtype=dtype, device=DEVICE)
-    key, value = (_slot_rows(len(ends), kv_heads, kv_len, dim, dtype) for _ in range(2))
+    key, tables = _paged(len(ends), kv_heads, kv_len, dim, dtype, page)
+    value = torch.randn_like(key)
     keys = torch.arange(kv_len, device=DEVICE)[None]
     mask = keys < ends[:, None]
     if window:
         mask &= keys >= ends[:, None] - window
-    want = decode_attention_reference(query, key, value, mask, dim**-0.5)
-    have = decode_attention(query, key, value, mask, dim**-0.5)
+    want = decode_attention_reference(query, key, value, tables, mask, dim**-0.5)
+    have = decode_attention(query, key, value, tables, mask, dim**-0.5)
     assert have.shape == want.shape and have.dtype == dtype
     torch.testing.assert_close(have.float(), want.float(), atol=TOLERANCE[dtype], rtol=0)
 

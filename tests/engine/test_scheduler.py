@@ -1,9 +1,12 @@
-"""Scheduler: FCFS admission into slots, prefill budget, n > 1, cancellation, stop checks."""
+"""Scheduler: FCFS admission into slots and KV blocks, prefill budget, n > 1 (shared prompt
+blocks, samples beyond the slots), blocks taken as sequences grow, preemption and resumption,
+cancellation, stop checks."""
 
 from __future__ import annotations
 
 import pytest
 
+from areno.engine.block_manager import BlockManager
 from areno.engine.sampling import SamplingParams
 from areno.engine.scheduler import (
     DuplicateRequestError,
@@ -11,7 +14,6 @@ from areno.engine.scheduler import (
     SchedulerConfig,
     SequenceTooLongError,
     SlotAllocator,
-    TooManySamplesError,
     check_stop,
 )
 from areno.engine.sequence import SequenceGroup, SequenceStatus
@@ -26,18 +28,34 @@ def group(request_id: str, num_prompt_tokens: int = 4, **params) -> SequenceGrou
     )
 
 
-def scheduler(max_running_seqs: int = 4, max_context_len: int = 64, budget: int = 1000):
-    return Scheduler(SchedulerConfig(max_running_seqs, max_context_len, budget))
+def scheduler(
+    max_running_seqs: int = 4,
+    max_context_len: int = 64,
+    budget: int = 1000,
+    num_blocks: int | None = None,
+    block_size: int = 16,
+) -> Scheduler:
+    return Scheduler(
+        SchedulerConfig(max_running_seqs, max_context_len, budget, num_blocks, block_size)
+    )
 
 
-def ids(groups: list[SequenceGroup]) -> list[str]:
-    return [g.request_id for g in groups]
+def ids(prefill) -> list[str]:
+    return [item.group.request_id for item in prefill]
 
 
-def finish_all(sched: Scheduler, g: SequenceGroup, reason: str = "stop") -> list[int]:
+def finish_all(sched: Scheduler, g: SequenceGroup, reason: str = "stop") -> None:
     for seq in g.seqs:
         seq.finish(reason)
-    return sched.update(g.seqs)
+    sched.update(g.seqs)
+
+
+def decode_step(sched: Scheduler, token: int = 5):
+    """One step whose decodes and prefills all get a token (as the engine appends them)."""
+    out = sched.schedule()
+    for seq in [s for item in out.prefill for s in item.seqs] + out.decode:
+        seq.append_token(token)
+    return out
 
 
 def test_config_is_validated() -> None:
@@ -47,6 +65,9 @@ def test_config_is_validated() -> None:
         SchedulerConfig(4, 1)
     with pytest.raises(ConfigError, match="max_prefill_tokens_per_step"):
         SchedulerConfig(4, 64, 0)
+    assert SchedulerConfig(4, 64).num_blocks == 16  # every slot's 64 tokens, as slots were
+    with pytest.raises(ConfigError, match="3 blocks of 16 tokens, fewer than the 4 one sequence"):
+        SchedulerConfig(4, 64, num_blocks=3)
 
 
 def test_slot_allocator_hands_out_lowest_free_slots() -> None:
@@ -63,25 +84,38 @@ def test_slot_allocator_hands_out_lowest_free_slots() -> None:
         slots.free(2)
 
 
+def test_block_manager_counts_references() -> None:
+    blocks = BlockManager(4, 16)
+    a = blocks.allocate(2)
+    assert a == [1, 2] and blocks.num_free == 2  # block 0 is the sink: never handed out
+    shared = blocks.share(a[:1])
+    blocks.free(a)
+    assert blocks.num_free == 3 and blocks.num_refs(1) == 1  # still held by the fork
+    blocks.free(shared)
+    assert blocks.num_free == 4
+    with pytest.raises(RuntimeError, match="double free"):
+        blocks.free([1])
+
+
 def test_fcfs_admission_respects_max_running_and_queues() -> None:
     sched = scheduler(max_running_seqs=2)
     groups = [group(f"r{i}") for i in range(4)]
     for g in groups:
         sched.add(g)
-    out = sched.schedule()
+    out = decode_step(sched)
     assert ids(out.prefill) == ["r0", "r1"] and out.decode == []
     assert (out.num_running, out.num_waiting) == (2, 2)
-    assert [g.seqs[0].slot for g in out.prefill] == [0, 1]
-    assert all(g.seqs[0].status is SequenceStatus.RUNNING for g in out.prefill)
+    assert [item.seqs[0].slot for item in out.prefill] == [0, 1]
+    assert all(item.seqs[0].status is SequenceStatus.RUNNING for item in out.prefill)
 
     # Full: the next step only decodes; nothing is dropped.
-    out = sched.schedule()
+    out = decode_step(sched)
     assert out.prefill == [] and [s.request_id for s in out.decode] == ["r0", "r1"]
     assert sched.num_free_slots == 0 and sched.num_waiting == 2
 
     # Freeing r0 admits r2 (the oldest waiting) into r0's slot; r2 does not decode this step.
-    assert finish_all(sched, groups[0]) == [0]
-    out = sched.schedule()
+    finish_all(sched, groups[0])
+    out = decode_step(sched)
     assert ids(out.prefill) == ["r2"] and groups[2].seqs[0].slot == 0
     assert [s.request_id for s in out.decode] == ["r1"]
     out = sched.schedule()
@@ -113,38 +147,101 @@ def test_prompt_over_budget_is_admitted_alone() -> None:
     assert ids(sched.schedule().prefill) == ["short"]
 
 
-def test_group_with_n_samples_needs_n_slots_and_is_admitted_atomically() -> None:
+def test_samples_beyond_the_free_slots_wait_for_them() -> None:
     sched = scheduler(max_running_seqs=4)
-    sched.add(group("one", n=2))
-    sched.add(group("pair", n=3))
+    sched.add(one := group("one", n=2))
+    sched.add(pair := group("pair", n=3))
     sched.add(group("small"))
-    out = sched.schedule()
-    # "pair" needs 3 slots with 2 free: it waits whole, and FCFS keeps "small" behind it.
-    assert ids(out.prefill) == ["one"] and [s.slot for s in out.prefill[0].seqs] == [0, 1]
-    assert out.num_waiting == 4 and sched.num_free_slots == 2
-    out = sched.schedule()
-    assert out.prefill == [] and len(out.decode) == 2
+    out = decode_step(sched)
+    # Two of pair's samples take the last two slots (one prefill); its third and "small" wait.
+    assert ids(out.prefill) == ["one", "pair"]
+    assert [s.slot for s in out.prefill[0].seqs] == [0, 1]
+    assert [s.sample_index for s in out.prefill[1].seqs] == [0, 1]
+    assert [s.slot for s in out.prefill[1].seqs] == [2, 3]
+    assert out.num_waiting == 2 and sched.num_free_slots == 0
 
-    first = sched.schedule().decode[0]
-    first.finish("length")
-    assert sched.update([first]) == [0]
-    out = sched.schedule()  # 3 slots free now: "pair" takes all of them, "small" keeps waiting
-    assert ids(out.prefill) == ["pair"] and [s.slot for s in out.prefill[0].seqs] == [0, 2, 3]
-    assert out.num_waiting == 1 and out.num_running == 4
+    finish_all(sched, one)
+    out = decode_step(sched)
+    # pair's third sample prefills its prompt alone; "small" follows it in arrival order.
+    assert ids(out.prefill) == ["pair", "small"] and out.prefill[0].seqs == [pair.seqs[2]]
+    assert out.num_waiting == 0 and out.num_running == 4
 
 
-def test_n_samples_fork_after_one_admission() -> None:
-    sched = scheduler(max_running_seqs=4)
-    g = group("fork", n=3, seed=7)
+def test_n_samples_share_the_prompts_full_blocks_and_own_its_last_one() -> None:
+    sched = scheduler(max_running_seqs=4, num_blocks=16, block_size=4)
+    g = group("fork", num_prompt_tokens=10, n=3, seed=7)
     sched.add(g)
     out = sched.schedule()
-    assert out.prefill == [g] and sorted(s.slot for s in g.seqs) == [0, 1, 2]
-    assert [s.sample_index for s in g.seqs] == [0, 1, 2]
+    assert len(out.prefill) == 1 and out.prefill[0].seqs == g.seqs
+    assert sorted(s.slot for s in g.seqs) == [0, 1, 2]
     assert [s.seed for s in g.seqs] == [7, 8, 9]
-    assert len({s.seq_id for s in g.seqs}) == 3
+    tables = [s.block_ids for s in g.seqs]
+    # 10 tokens: two full blocks shared by all, a partial third block for each.
+    assert all(t[:2] == tables[0][:2] for t in tables) and len({t[2] for t in tables}) == 3
+    assert sched.blocks.num_used == 5 and sched.blocks.num_refs(tables[0][0]) == 3
     for seq in g.seqs:
         seq.append_token(5)
     assert [s.slot for s in sched.schedule().decode] == [0, 1, 2]
+    finish_all(sched, g)
+    assert sched.blocks.num_free == 16
+
+
+def test_a_sequence_takes_a_block_when_it_crosses_into_one() -> None:
+    sched = scheduler(num_blocks=16, block_size=4)
+    sched.add(g := group("a", num_prompt_tokens=3))
+    seq = g.seqs[0]
+    decode_step(sched)  # prefill: 3 tokens in one block; a token sampled (position 3)
+    assert len(seq.block_ids) == 1
+    decode_step(sched)  # feeds position 3: still the first block
+    assert len(seq.block_ids) == 1
+    decode_step(sched)  # feeds position 4: a second block
+    assert len(seq.block_ids) == 2 and sched.blocks.num_used == 2
+
+
+def test_the_newest_sequence_is_preempted_and_resumes_with_its_tokens() -> None:
+    # 4 blocks of 4 tokens; two prompts of 7 tokens take 2 blocks each, and the first to need a
+    # third block takes it from the newest sequence.
+    sched = scheduler(max_running_seqs=2, max_context_len=16, num_blocks=4, block_size=4)
+    sched.add(old := group("old", num_prompt_tokens=7))
+    sched.add(new := group("new", num_prompt_tokens=7))
+    a, b = old.seqs[0], new.seqs[0]
+    decode_step(sched, token=5)  # both prefilled, each with a token at position 7
+    out = decode_step(sched, token=6)  # positions 7: the second block holds them
+    assert out.decode == [a, b] and sched.blocks.num_free == 0
+    out = decode_step(sched, token=7)  # position 8 needs a third block: "new" gives way
+    assert out.preempted == [b] and out.decode == [a] and out.prefill == []
+    assert b.status is SequenceStatus.WAITING and b.slot is None and b.block_ids == []
+    assert b.num_preemptions == 1 and sched.num_preemptions == 1
+    assert len(a.block_ids) == 3 and sched.num_waiting == 1
+    finish_all(sched, old)
+    out = sched.schedule()
+    # resumed: prefills its prompt and the two tokens it had, then samples its third
+    assert ids(out.prefill) == ["new"] and out.prefill[0].token_ids == new.prompt_token_ids + [5, 6]
+    assert out.prefill[0].num_tokens == 9 and len(b.block_ids) == 3
+
+
+def test_a_sequence_alone_that_outgrows_the_pool_preempts_itself_only_when_it_must() -> None:
+    sched = scheduler(max_running_seqs=2, max_context_len=8, num_blocks=2, block_size=4)
+    sched.add(g := group("a", num_prompt_tokens=5))
+    for _ in range(3):
+        out = decode_step(sched)
+        assert out.preempted == []
+    assert len(g.seqs[0].block_ids) == 2  # 8 tokens: the whole pool, the whole context
+
+
+def test_an_overlapped_engine_reads_its_tokens_before_a_preemption() -> None:
+    sched = scheduler(max_running_seqs=2, max_context_len=16, num_blocks=5, block_size=4)
+    sched.add(old := group("old", num_prompt_tokens=8))
+    sched.add(new := group("new", num_prompt_tokens=7))
+    decode_step(sched)
+    assert not sched.would_preempt()  # "old" crosses into a third block: the last free one
+    sched.schedule()
+    old.seqs[0].append_token(5)  # read
+    new.seqs[0].num_in_flight = 1  # not read yet: it feeds position 8 next, a third block
+    assert sched.would_preempt()
+    new.seqs[0].num_in_flight = 0
+    new.seqs[0].append_token(5)
+    assert sched.schedule().preempted == [new.seqs[0]]
 
 
 def test_cancel_waiting_request() -> None:
@@ -153,26 +250,28 @@ def test_cancel_waiting_request() -> None:
     sched.add(running)
     sched.add(waiting)
     sched.schedule()
-    assert sched.cancel("wait") == []
+    sched.cancel("wait")
     assert waiting.seqs[0].status is SequenceStatus.FINISHED_ABORTED
     assert waiting.seqs[0].finish_reason == "abort"
-    assert sched.num_waiting == 0 and sched.cancel("wait") == []
+    assert sched.num_waiting == 0 and sched.find("wait") is None
+    sched.cancel("wait")  # a second cancel is a no-op
 
 
-def test_cancel_running_request_frees_its_slots() -> None:
+def test_cancel_running_request_frees_its_slots_and_blocks() -> None:
     sched = scheduler(max_running_seqs=3)
     g = group("big", n=3)
     sched.add(g)
     sched.add(group("next"))
     sched.schedule()
     g.seqs[1].finish("stop")  # one sample already done and freed; cancel skips it
-    assert sched.update([g.seqs[1]]) == [1]
-    assert sorted(sched.cancel("big")) == [0, 2]
+    sched.update([g.seqs[1]])
+    assert sched.num_free_slots == 1
+    sched.cancel("big")
     assert [s.finish_reason for s in g.seqs] == ["abort", "stop", "abort"]
-    assert all(s.slot is None for s in g.seqs)
-    assert sched.num_free_slots == 3
+    assert all(s.slot is None and s.block_ids == [] for s in g.seqs)
+    assert sched.num_free_slots == 3 and sched.blocks.num_used == 0
     assert ids(sched.schedule().prefill) == ["next"]
-    assert sched.cancel("unknown") == []
+    sched.cancel("unknown")
 
 
 def test_finished_group_leaves_and_has_work_ends() -> None:
@@ -180,7 +279,7 @@ def test_finished_group_leaves_and_has_work_ends() -> None:
     g = group("a", n=2)
     sched.add(g)
     assert sched.has_work
-    sched.schedule()
+    decode_step(sched)
     g.seqs[0].finish("stop")
     sched.update([g.seqs[0]])
     assert sched.has_work and len(sched.schedule().decode) == 1
@@ -219,10 +318,9 @@ def test_too_long_prompt_is_rejected_with_lengths() -> None:
     sched.add(group("fits", 15))  # one token of room is enough
 
 
-def test_unschedulable_or_duplicate_requests_are_rejected() -> None:
+def test_duplicate_requests_are_rejected_and_many_samples_are_not() -> None:
     sched = scheduler(max_running_seqs=2)
-    with pytest.raises(TooManySamplesError, match="n=3 needs 3 cache slots but the engine has 2"):
-        sched.add(group("many", n=3))
+    sched.add(group("many", n=8))
     sched.add(group("dup"))
     with pytest.raises(DuplicateRequestError, match="'dup'"):
         sched.add(group("dup"))

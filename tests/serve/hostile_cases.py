@@ -96,8 +96,6 @@ CASES: list[Case] = [
          ("greater than or equal to 1",), param="n"),
     Case("n_over_limit", "field values", "`n`: 17 (the protocol's limit is 16)", chat("hi", n=17),
          400, INVALID, ("less than or equal to 16",), param="n"),
-    Case("n_over_cache_slots", "field values", "`n`: 3 with 2 cache slots", chat("hi", n=3), 400,
-         "too_many_samples", ("n=3", "--max-running-prompts"), param="n"),
     Case("negative_max_tokens", "field values", "`max_tokens`: -1", chat("hi", max_tokens=-1), 400,
          INVALID, ("greater than or equal to 1",), param="max_tokens"),
     Case("zero_max_tokens", "field values", "`max_tokens`: 0", chat("hi", max_tokens=0), 400,

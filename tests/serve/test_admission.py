@@ -55,11 +55,14 @@ def test_zero_queue_refuses_whatever_cannot_run_at_once():
     admission.admit("b", 1)
 
 
-def test_a_request_that_can_never_run_is_left_to_the_engine():
-    admission = Admission(num_slots=2, max_queued_requests=0)
-    admission.admit("a", 2)
-    admission.admit("huge", 3)  # not held, not refused: the engine answers it with a 400
-    assert admission.num_held == 1
+def test_a_request_of_more_samples_than_slots_counts_as_all_of_them():
+    admission = Admission(num_slots=2, max_queued_requests=1)
+    admission.admit("huge", 8)  # runs as slots allow: it holds both
+    admission.admit("next", 1)  # waits
+    with pytest.raises(QueueFullError):
+        admission.admit("more", 1)
+    admission.release("huge")
+    assert admission.num_queued == 0
 
 
 def test_config_bounds_the_queue():

@@ -171,6 +171,14 @@ def test_n_samples_with_logprobs(server):
     )
 
 
+def test_more_samples_than_running_slots_are_all_answered(server):
+    # The server runs 2 sequences at once: the other samples wait for a slot, never a 400.
+    response = ask(server, "Pick a word.", n=8, temperature=1.0, seed=5, max_tokens=5)
+    assert sorted(c.index for c in response.choices) == list(range(8))
+    assert all(c.finish_reason in {"stop", "length"} for c in response.choices)
+    assert response.usage.completion_tokens > 0
+
+
 def test_more_concurrent_requests_than_running_slots_all_answered(server):
     with concurrent.futures.ThreadPoolExecutor(6) as pool:
         futures = [pool.submit(ask, server, f"Request {i}", max_tokens=6) for i in range(6)]

@@ -1,7 +1,7 @@
-"""Decode attention over the slot cache: one query token per row, a grouped-query model's query
-heads packed onto their key / value head, each row reading only the keys its mask lets through,
-and the key range split over programs whose partial results a second kernel combines
-(flash-decoding).
+"""Decode attention over the paged KV cache: one query token per row, a grouped-query model's
+query heads packed onto their key / value head, each row reading its keys through its block table
+and only those its mask lets through, and the key range split over programs whose partial results
+a second kernel combines (flash-decoding).
 
 Why not SDPA: the only SDPA kernel that takes a per-row mask (memory-efficient attention) runs one
 program per (row, head) over the whole padded key length. In the compiled decode step of a
@@ -20,13 +20,13 @@ if triton is not None:
 
     @triton.jit
     def _split_kernel(
-        Q, K, V, M, Part, Lse,
+        Q, K, V, T, M, Part, Lse,
         stride_qb, stride_qh,
         stride_kb, stride_kh, stride_kn,
         stride_vb, stride_vh, stride_vn,
-        stride_mb,
+        stride_tb, stride_mb,
         kv_len, scale,
-        G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr,
+        G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
         BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, IEEE: tl.constexpr,
     ):  # fmt: skip
         b, h, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -38,15 +38,19 @@ if triton is not None:
         m_i = tl.full([G_PAD], float("-inf"), tl.float32)
         l_i = tl.zeros([G_PAD], tl.float32)
         acc = tl.zeros([G_PAD, D], tl.float32)
-        k_base = K + b * stride_kb + h * stride_kh
-        v_base = V + b * stride_vb + h * stride_vh
+        k_base = K + h * stride_kh
+        v_base = V + h * stride_vh
         for start in range(s * SPLIT, (s + 1) * SPLIT, BLOCK_N):
             offs_n = start + tl.arange(0, BLOCK_N)
             in_range = offs_n < kv_len
             # Masked-off keys are never loaded: a row reads only its own keys.
             valid = tl.load(M + b * stride_mb + offs_n, mask=in_range, other=0) != 0
+            # Key n of the row sits at offset n % PAGE of block table[n // PAGE].
+            page = tl.load(T + b * stride_tb + offs_n // PAGE, mask=valid, other=0)
+            k_offs = page.to(tl.int64) * stride_kb + (offs_n % PAGE) * stride_kn
+            v_offs = page.to(tl.int64) * stride_vb + (offs_n % PAGE) * stride_vn
             k = tl.load(
-                k_base + offs_n[:, None] * stride_kn + offs_d[None, :],
+                k_base + k_offs[:, None] + offs_d[None, :],
                 mask=valid[:, None],
                 other=0.0,
             )
@@ -61,7 +65,7 @@ if triton is not None:
             p = tl.exp(scores - m_safe[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)
             v = tl.load(
-                v_base + offs_n[:, None] * stride_vn + offs_d[None, :],
+                v_base + v_offs[:, None] + offs_d[None, :],
                 mask=valid[:, None],
                 other=0.0,
             )
@@ -126,29 +130,44 @@ def split_launch(dim: int) -> dict:
     return {"BLOCK_N": max(16, 8192 // dim)}
 
 
-def fits(query_BHD: torch.Tensor, key_BHKD: torch.Tensor) -> bool:
+def fits(query_BHD: torch.Tensor, key_NHPD: torch.Tensor) -> bool:
     """Whether the kernel takes these shapes: a power-of-two head dim of at least 16 (tl.dot's
     smallest tile), at most 512, and whole query groups per key / value head."""
     head_dim = query_BHD.shape[-1]
     return (
         16 <= head_dim <= 512
         and head_dim & (head_dim - 1) == 0
-        and key_BHKD.shape[-1] == head_dim
-        and query_BHD.shape[1] % key_BHKD.shape[1] == 0
+        and key_NHPD.shape[-1] == head_dim
+        and query_BHD.shape[1] % key_NHPD.shape[1] == 0
     )
+
+
+def gather_keys(storage_NHPD: torch.Tensor, block_tables_BT: torch.Tensor, kv_len: int):
+    """Rows' keys (or values) in position order, (B, H, kv_len, D), copied out of block storage
+    (num_blocks, H, page, D) through their block tables (B, T >= kv_len / page)."""
+    _, heads, page, dim = storage_NHPD.shape
+    num = -(-kv_len // page)
+    blocks = storage_NHPD[block_tables_BT[:, :num]]  # (B, num, H, page, D)
+    batch = block_tables_BT.shape[0]
+    return blocks.transpose(1, 2).reshape(batch, heads, num * page, dim)[:, :, :kv_len]
 
 
 def decode_attention_reference(
     query_BHD: torch.Tensor,
-    key_BHKD: torch.Tensor,
-    value_BHKD: torch.Tensor,
+    key_NHPD: torch.Tensor,
+    value_NHPD: torch.Tensor,
+    block_tables_BT: torch.Tensor,
     mask_BK: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
-    """Plain PyTorch: query (B, H, D), cached keys / values (B, H_kv, K, D), boolean mask (B, K)
-    of the keys each row attends to. Returns (B, H, D) in the query's dtype."""
+    """Plain PyTorch: query (B, H, D), key / value block storage (num_blocks, H_kv, page, D),
+    each row's block table (B, T), boolean mask (B, K) of the keys (positions) each row attends
+    to. Returns (B, H, D) in the query's dtype."""
     batch, heads, dim = query_BHD.shape
-    groups = heads // key_BHKD.shape[1]
+    groups = heads // key_NHPD.shape[1]
+    kv_len = mask_BK.shape[-1]
+    key_BHKD = gather_keys(key_NHPD, block_tables_BT, kv_len)
+    value_BHKD = gather_keys(value_NHPD, block_tables_BT, kv_len)
     q = query_BHD.float().reshape(batch, -1, groups, dim)
     scores = torch.einsum("bhgd,bhkd->bhgk", q, key_BHKD.float()) * scale
     scores = scores.masked_fill(~mask_BK[:, None, None, :], float("-inf"))
@@ -159,32 +178,35 @@ def decode_attention_reference(
 @torch.library.custom_op("areno::decode_attention", mutates_args=())
 def decode_attention(
     query_BHD: torch.Tensor,
-    key_BHKD: torch.Tensor,
-    value_BHKD: torch.Tensor,
+    key_NHPD: torch.Tensor,
+    value_NHPD: torch.Tensor,
+    block_tables_BT: torch.Tensor,
     mask_BK: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
     """`decode_attention_reference`'s arithmetic in two Triton kernels (see the module
     docstring). A custom op, so a compiled decode step calls it without a graph break."""
     batch, heads, dim = query_BHD.shape
-    kv_heads, kv_len = key_BHKD.shape[1], key_BHKD.shape[2]
+    kv_heads, page = key_NHPD.shape[1], key_NHPD.shape[2]
+    kv_len = mask_BK.shape[-1]
     groups = heads // kv_heads
     group_pad = max(16, triton.next_power_of_2(groups))
     num_splits = triton.cdiv(kv_len, SPLIT_KEYS)
-    query_BHD, key_BHKD, value_BHKD = (
-        t if t.stride(-1) == 1 else t.contiguous() for t in (query_BHD, key_BHKD, value_BHKD)
+    query_BHD, key_NHPD, value_NHPD = (
+        t if t.stride(-1) == 1 else t.contiguous() for t in (query_BHD, key_NHPD, value_NHPD)
     )
     mask_BK = mask_BK if mask_BK.stride(-1) == 1 else mask_BK.contiguous()
+    tables = block_tables_BT if block_tables_BT.stride(-1) == 1 else block_tables_BT.contiguous()
     part = query_BHD.new_empty((batch, kv_heads, num_splits, groups, dim), dtype=torch.float32)
     lse = query_BHD.new_empty((batch, kv_heads, num_splits, groups), dtype=torch.float32)
     _split_kernel[(batch, kv_heads, num_splits)](
-        query_BHD, key_BHKD, value_BHKD, mask_BK, part, lse,
+        query_BHD, key_NHPD, value_NHPD, tables, mask_BK, part, lse,
         query_BHD.stride(0), query_BHD.stride(1),
-        key_BHKD.stride(0), key_BHKD.stride(1), key_BHKD.stride(2),
-        value_BHKD.stride(0), value_BHKD.stride(1), value_BHKD.stride(2),
-        mask_BK.stride(0),
+        key_NHPD.stride(0), key_NHPD.stride(1), key_NHPD.stride(2),
+        value_NHPD.stride(0), value_NHPD.stride(1), value_NHPD.stride(2),
+        tables.stride(0), mask_BK.stride(0),
         kv_len, scale,
-        G=groups, G_PAD=group_pad, D=dim,
+        G=groups, G_PAD=group_pad, D=dim, PAGE=page,
         SPLIT=SPLIT_KEYS, IEEE=query_BHD.dtype == torch.float32, **split_launch(dim),
     )  # fmt: skip
     out = torch.empty_like(query_BHD, memory_format=torch.contiguous_format)
@@ -196,5 +218,5 @@ def decode_attention(
 
 
 @decode_attention.register_fake
-def _(query_BHD, key_BHKD, value_BHKD, mask_BK, scale):
+def _(query_BHD, key_NHPD, value_NHPD, block_tables_BT, mask_BK, scale):
     return torch.empty_like(query_BHD, memory_format=torch.contiguous_format)

@@ -1,0 +1,78 @@
+"""How many KV blocks the pool holds: from `--kv-cache-gib`, from `--kv-cache-memory-fraction` of
+a GPU (after the weights, a measured activation peak and the running sequences' linear-attention
+states), or, on CPU without a size, as many as give every slot `--max-context-len` tokens.
+
+The bytes of one block are read off the model's attention layers (areno/engine/cache.py,
+`kv_heads_by_layer`): keys and values of `block_size` tokens in every layer that keeps its own.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from areno.engine.block_manager import blocks_for
+from areno.engine.cache import kv_heads_by_layer
+
+_GIB = 1 << 30
+
+
+@dataclass(frozen=True)
+class KVPool:
+    """The pool one runner allocates: `num_blocks` blocks of `block_size` tokens."""
+
+    num_blocks: int
+    block_size: int
+    block_bytes: int
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_blocks * self.block_size
+
+    @property
+    def gib(self) -> float:
+        return self.num_blocks * self.block_bytes / _GIB
+
+    def max_concurrency(self, max_len: int) -> float:
+        """How many sequences of `max_len` tokens fit at once."""
+        return self.num_blocks / blocks_for(max_len, self.block_size)
+
+    def describe(self, max_len: int) -> str:
+        return (
+            f"KV cache pool: {self.num_blocks} blocks of {self.block_size} tokens "
+            f"({self.num_tokens} tokens, {self.gib:.2f} GiB); "
+            f"{self.max_concurrency(max_len):.1f} sequences at --max-context-len {max_len}"
+        )
+
+
+def block_bytes(model: torch.nn.Module, layer_types: list[str], block_size: int) -> int:
+    """Bytes of one block: keys and values of `block_size` tokens in every layer that keeps
+    its own (at least 1, for a model without any)."""
+    stack = model.get_decoder()
+    dtype_size = next(model.parameters()).element_size()
+    per_token = sum(
+        2 * heads * dim for heads, dim in kv_heads_by_layer(stack, layer_types).values()
+    )
+    return max(per_token * dtype_size * block_size, 1)
+
+
+def fraction_budget(
+    device: torch.device, fraction: float, activation_bytes: int, state_bytes: int
+) -> int:
+    """Bytes the pool may take on a GPU: `fraction` of its memory, less what is allocated now
+    (weights), an activation peak and the running sequences' states."""
+    _, total = torch.cuda.mem_get_info(device)
+    used = torch.cuda.memory_allocated(device)
+    return int(fraction * total) - used - activation_bytes - state_bytes
+
+
+def agree_across_ranks(num_blocks: int, device: torch.device) -> int:
+    """The smallest of every tensor-parallel rank's count: each rank measured its own memory,
+    and rank 0's scheduler hands out block ids that every rank must have."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return num_blocks
+    count = torch.tensor([num_blocks], device=device)
+    dist.all_reduce(count, op=dist.ReduceOp.MIN)
+    return int(count.item())

@@ -1,0 +1,83 @@
+"""The paged KV cache end to end on tiny checkpoints of every family: a pool too small for the
+running requests preempts the newest and resumes it from its tokens (media included), and every
+request still gets transformers' greedy tokens; samples beyond the slots wait for one."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from areno.engine.block_manager import blocks_for
+from areno.engine.kv_pool import block_bytes
+from areno.engine.sampling import SamplingParams
+from tests.engine.generating import FAMILIES, GREEDY, mixed_requests, run, text
+
+
+def pool_gib(setup, num_blocks: int, block_size: int = 16) -> float:
+    """--kv-cache-gib for a pool of `num_blocks` blocks of this model."""
+    config = setup.model.config.get_text_config()
+    layer_types = getattr(config, "layer_types", None) or (
+        ["full_attention"] * config.num_hidden_layers
+    )
+    return (num_blocks + 0.5) * block_bytes(setup.model, layer_types, block_size) / (1 << 30)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_pool_too_small_preempts_and_resumes_with_the_same_tokens(setups, media, family, overlap):
+    setup = setups(family)
+    inputs = mixed_requests(setup, media)
+    expected = [setup.reference(x, GREEDY.max_tokens) for x in inputs]
+    longest = max(x.num_prompt_tokens for x in inputs)
+    # Blocks of 4 tokens for the prompts of the first four (the slots) and two more (the
+    # admission watermark is one): they are all admitted, and the first decodes to need more
+    # blocks than that preempt the newest; the waiting ones (new or resumed) are admitted as
+    # blocks free up, while the others decode.
+    max_len = longest + GREEDY.max_tokens + 1
+    prompts = sum(blocks_for(x.num_prompt_tokens, 4) for x in inputs[:4])
+    num_blocks = max(blocks_for(max_len, 4), prompts + 2)
+    gen = setup.generator(
+        max_running_prompts=4,
+        max_context_len=max_len,
+        block_size=4,
+        kv_cache_gib=pool_gib(setup, num_blocks, block_size=4),
+        overlap_steps=overlap,
+    )
+
+    async def main():
+        await gen.pause("keep")  # all arrive at once: admission fills the pool
+        tasks = [asyncio.create_task(gen.generate_all(x, GREEDY)) for x in inputs]
+        while gen.stats()["num_waiting"] < len(inputs):
+            await asyncio.sleep(0.005)
+        await gen.resume()
+        return await asyncio.gather(*tasks)
+
+    try:
+        assert gen.stats()["num_blocks"] == num_blocks
+        outputs = run(main())
+        stats = gen.stats()
+    finally:
+        gen.shutdown()
+    for i, (want, output) in enumerate(zip(expected, outputs, strict=True)):
+        assert output.samples[0].token_ids == want, (i, output.samples[0].token_ids, want)
+    assert stats["num_preemptions"] > 0
+    assert stats["num_free_blocks"] == num_blocks and stats["num_running"] == 0
+
+
+def test_samples_beyond_the_slots_run_later_and_equal_separate_requests(setups, overlap):
+    setup = setups("qwen3_5")
+    x = setup.encode(text("Tell me a story."))
+    gen = setup.generator(max_running_prompts=2, overlap_steps=overlap)
+    params = SamplingParams(temperature=1.0, max_tokens=6, seed=11, n=8, ignore_eos=True)
+    try:
+        together = run(gen.generate_all(x, params))
+        apart = [
+            run(gen.generate_all(x, SamplingParams(temperature=1.0, max_tokens=6, seed=11 + i)))
+            for i in (0, 5, 7)
+        ]
+    finally:
+        gen.shutdown()
+    samples = sorted(together.samples, key=lambda s: s.index)
+    assert [s.index for s in samples] == list(range(8))
+    for i, one in zip((0, 5, 7), apart, strict=True):
+        assert samples[i].token_ids == one.samples[0].token_ids
