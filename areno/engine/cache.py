@@ -122,8 +122,11 @@ class CacheAllocator:
     """Allocates a cache's storage tensors, each after checking that it fits (module docstring),
     and counts their bytes."""
 
-    def __init__(self, num_blocks: int, block_size: int, num_slots: int):
+    def __init__(
+        self, num_blocks: int, block_size: int, num_slots: int, headroom: float = HEADROOM_FRACTION
+    ):
         self.num_blocks, self.block_size, self.num_slots = num_blocks, block_size, num_slots
+        self.headroom = headroom
         self.num_bytes = 0
 
     def zeros(self, shape: tuple[int, ...], like: torch.Tensor, what: str) -> torch.Tensor:
@@ -135,7 +138,7 @@ class CacheAllocator:
         free = None
         if not torch.compiler.is_compiling() and (memory := available_bytes(like.device)):
             available, total = memory
-            free = max(available - int(HEADROOM_FRACTION * total), 0)
+            free = max(available - int(self.headroom * total), 0)
         if free is not None and num_bytes > free:
             raise self._error(what, num_bytes, free, like.device)
         try:
@@ -153,10 +156,35 @@ class CacheAllocator:
             f"--kv-cache-gib / --kv-cache-memory-fraction, and {self.num_slots} running "
             f"sequences' states, --max-running-prompts), with {left} left after the model, "
             f"{self.num_bytes / _GIB:.2f} GiB for the cache's earlier layers and "
-            f"{HEADROOM_FRACTION:.0%} of the device kept for activations; lower --kv-cache-gib "
+            f"{self.headroom:.0%} of the device kept for activations; lower --kv-cache-gib "
             "or --kv-cache-memory-fraction",
             param="kv_cache_gib",
         )
+
+
+@torch.library.custom_op("areno::write_kv_", mutates_args=("keys", "values"))
+def write_kv_(
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    key_states: torch.Tensor,
+    value_states: torch.Tensor,
+    blocks_BQ: torch.Tensor,
+    offsets_BQ: torch.Tensor,
+) -> None:
+    """Write new keys / values (B, H, Q, D) into block storage at [block, :, offset, :].
+
+    NOTE: a custom op, so that a compiled step calls it in place rather than inductor
+    generating the scatter as a kernel of its own: inductor benchmarks such a kernel's launch
+    configs on copies of the tensors it mutates, and a copy of a pool of 62 GiB failed the
+    first compiled decode on an H200 with an out-of-memory error."""
+    # (B, H, Q, D) -> (B, Q, H, D) to match the advanced-index layout [block, :, offset, :].
+    keys[blocks_BQ, :, offsets_BQ] = key_states.transpose(1, 2)
+    values[blocks_BQ, :, offsets_BQ] = value_states.transpose(1, 2)
+
+
+@write_kv_.register_fake
+def _(keys, values, key_states, value_states, blocks_BQ, offsets_BQ) -> None:
+    return None
 
 
 class PagedAttentionLayer(CacheLayerMixin):
@@ -186,9 +214,7 @@ class PagedAttentionLayer(CacheLayerMixin):
         block_size = self.allocator.block_size
         blocks_BQ = b.block_tables_BN.gather(1, b.positions_BQ // block_size)
         offsets_BQ = b.positions_BQ % block_size
-        # (B, H, Q, D) -> (B, Q, H, D) to match the advanced-index layout [block, :, offset, :].
-        self.keys[blocks_BQ, :, offsets_BQ] = key_states.transpose(1, 2)
-        self.values[blocks_BQ, :, offsets_BQ] = value_states.transpose(1, 2)
+        write_kv_(self.keys, self.values, key_states, value_states, blocks_BQ, offsets_BQ)
         if b.paged:
             return self.keys, self.values
         assert b.num_cached == 0, "a forward over cached keys reads them paged"
@@ -253,10 +279,13 @@ class PagedCache(Cache):
         block_size: int,
         num_slots: int,
         max_len: int,
+        headroom: float = HEADROOM_FRACTION,
     ):
+        """`headroom`: the share of the device's memory the cache leaves free (module
+        docstring); 0 where the pool was sized from measured memory (kv_pool.py)."""
         self.layer_types = list(layer_types)
         self.block_size = block_size
-        self.allocator = CacheAllocator(num_blocks, block_size, num_slots)
+        self.allocator = CacheAllocator(num_blocks, block_size, num_slots, headroom)
         self.attention = {
             i: PagedAttentionLayer(self.allocator, max_len, f"layer {i}")
             for i, t in enumerate(layer_types)

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from areno.engine.block_manager import blocks_for
-from areno.engine.cache import kv_heads_by_layer
+from areno.engine.cache import available_bytes, kv_heads_by_layer
 
 _GIB = 1 << 30
 
@@ -58,14 +58,23 @@ def block_bytes(model: torch.nn.Module, layer_types: list[str], block_size: int)
     return max(per_token * dtype_size * block_size, 1)
 
 
+# Memory a measured pool leaves free on the device besides: what the CUDA context and libraries
+# take outside PyTorch's allocator as the engine runs (cuBLAS workspaces, graph pools).
+MARGIN_BYTES = 1 << 30
+
+
 def fraction_budget(
     device: torch.device, fraction: float, activation_bytes: int, state_bytes: int
 ) -> int:
-    """Bytes the pool may take on a GPU: `fraction` of its memory, less what is allocated now
-    (weights), an activation peak and the running sequences' states."""
-    _, total = torch.cuda.mem_get_info(device)
-    used = torch.cuda.memory_allocated(device)
-    return int(fraction * total) - used - activation_bytes - state_bytes
+    """Bytes the pool may take on a GPU so that this engine uses at most `fraction` of the
+    device's memory (as vLLM's gpu_memory_utilization: its own share, so that engines and a
+    trainer can share a GPU): that share less what this process's PyTorch already holds
+    (weights), an activation peak and the running sequences' states, and never more than is
+    free on the device less those and MARGIN_BYTES."""
+    available, total = available_bytes(device)
+    need = activation_bytes + state_bytes
+    share = int(fraction * total) - torch.cuda.memory_reserved(device) - need
+    return min(share, available - need - MARGIN_BYTES)
 
 
 def agree_across_ranks(num_blocks: int, device: torch.device) -> int:

@@ -140,19 +140,22 @@ class ModelRunner:
     def num_blocks(self) -> int:
         return self.cache.num_blocks
 
-    def _new_cache(self, num_blocks: int, num_slots: int) -> PagedCache:
+    def _new_cache(self, num_blocks: int, num_slots: int, **kwargs) -> PagedCache:
         return PagedCache(
             self.layer_types,
             num_blocks=num_blocks,
             block_size=self.block_size,
             num_slots=num_slots,
             max_len=self.max_len,
+            **kwargs,
         )
 
-    def reset_pool(self, num_blocks: int) -> None:
-        """Size the KV pool anew (before the first forward allocates it)."""
+    def reset_pool(self, num_blocks: int, *, measured: bool = False) -> None:
+        """Size the KV pool anew (before the first forward allocates it). `measured`: its size
+        already leaves the device's activation room (no headroom kept besides)."""
         assert not any(layer.is_initialized for layer in self.cache.attention.values())
-        self.cache = self._new_cache(num_blocks, self.num_slots)
+        kwargs = {"headroom": 0.0} if measured else {}
+        self.cache = self._new_cache(num_blocks, self.num_slots, **kwargs)
 
     @torch.inference_mode()
     def measure_prefill_memory(self, num_tokens: int) -> tuple[int, int]:

@@ -231,9 +231,11 @@ class Worker:
         fraction, else (CPU) keep every slot's `max_len` tokens."""
         runner = self.runner
         per_block = block_bytes(runner.model, runner.layer_types, runner.block_size)
+        measured = False
         if options.kv_cache_gib is not None:
             num_blocks = int(options.kv_cache_gib * (1 << 30)) // per_block
         elif self.device.type == "cuda":
+            measured = True
             tokens = min(options.profile_tokens, runner.max_len)
             activation, state_per_slot = runner.measure_prefill_memory(tokens)
             states = state_per_slot * runner.num_slots
@@ -244,7 +246,7 @@ class Worker:
         num_blocks = max(num_blocks, 1)
         if self.tensor_parallel:
             num_blocks = agree_across_ranks(num_blocks, self.device)
-        runner.reset_pool(num_blocks)
+        runner.reset_pool(num_blocks, measured=measured)
 
     @property
     def device(self) -> torch.device:

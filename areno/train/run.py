@@ -24,7 +24,8 @@ def rollout_spec(config: GRPOConfig, model_path: str) -> RolloutSpec:
         max_context_len=r.max_context_len,
         block_size=r.block_size,
         kv_cache_gib=r.kv_cache_gib,
-        kv_cache_memory_fraction=r.kv_cache_memory_fraction,
+        # A worker on a share of a GPU (beside the trainer) takes that share of its memory.
+        kv_cache_memory_fraction=r.kv_cache_memory_fraction * min(r.num_gpus_per_worker or 1, 1),
         dtype=r.dtype,
         device=r.device,
         num_cpus_per_rank=r.num_cpus_per_worker,
