@@ -385,8 +385,14 @@ class Generator:
         except Exception as error:
             raise EngineDeadError(f"the engine cannot step: {error}") from error
 
+    @property
+    def pool(self):
+        """The KV block pool (`KVPool`: blocks, block size, bytes; `describe()` for the log)."""
+        return self.core.executor.worker.pool
+
     def stats(self) -> dict[str, int]:
-        """Queue depth and occupancy (read without locking: a snapshot for metrics)."""
+        """Queue depth, occupancy of slots and KV blocks, and preemptions so far (read without
+        locking: a snapshot for metrics)."""
         scheduler = self.core.scheduler
         return {
             "num_waiting": scheduler.num_waiting,

@@ -228,9 +228,18 @@ class GeneratorServer:
         from ray.serve import metrics
 
         self.queue_depth = metrics.Gauge(
-            "areno_engine_waiting", "Sequences waiting for a cache slot in this engine."
+            "areno_engine_waiting", "Sequences waiting for a slot and KV blocks in this engine."
         )
         self.running = metrics.Gauge("areno_engine_running", "Sequences decoding in this engine.")
+        self.free_blocks = metrics.Gauge(
+            "areno_engine_free_kv_blocks", "KV cache blocks free in this engine's pool."
+        )
+        self.preemptions = metrics.Counter(
+            "areno_engine_preemptions",
+            "Sequences preempted for KV blocks (recomputed later) in this engine.",
+        )
+        self._num_preemptions = 0
+        logger.info("%s", self.generator.pool.describe(self.generator.max_context_len))
 
     async def generate_all(self, inputs, params: SamplingParams, request_id: str):
         """The whole request in one reply (non-streaming HTTP: no per-delta handle traffic)."""
@@ -265,6 +274,10 @@ class GeneratorServer:
         stats = self.generator.stats()
         self.queue_depth.set(stats["num_waiting"])
         self.running.set(stats["num_running"])
+        self.free_blocks.set(stats["num_free_blocks"])
+        if stats["num_preemptions"] > self._num_preemptions:
+            self.preemptions.inc(stats["num_preemptions"] - self._num_preemptions)
+            self._num_preemptions = stats["num_preemptions"]
 
     def stats(self) -> dict[str, int]:
         return self.generator.stats()
