@@ -54,4 +54,4 @@ class LocalExecutor:
         pass  # the worker is in this process: it lives as long as the engine
 
     def shutdown(self) -> None:
-        pass
+        self.worker.release_cache()

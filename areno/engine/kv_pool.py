@@ -73,7 +73,7 @@ def fraction_budget(
     free on the device less those and MARGIN_BYTES."""
     available, total = available_bytes(device)
     need = activation_bytes + state_bytes
-    share = int(fraction * total) - torch.cuda.memory_reserved(device) - need
+    share = int(fraction * total) - torch.cuda.memory_allocated(device) - need
     return min(share, available - need - MARGIN_BYTES)
 
 

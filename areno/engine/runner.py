@@ -157,6 +157,12 @@ class ModelRunner:
         kwargs = {"headroom": 0.0} if measured else {}
         self.cache = self._new_cache(num_blocks, self.num_slots, **kwargs)
 
+    def release_cache(self) -> None:
+        """Drop the cache's storage (a new, unallocated cache of one block takes its place)."""
+        self.cache = self._new_cache(1, self.num_slots)
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
     @torch.inference_mode()
     def measure_prefill_memory(self, num_tokens: int) -> tuple[int, int]:
         """On CUDA: (the activation peak of a `num_tokens` prefill, beyond its cache; the bytes

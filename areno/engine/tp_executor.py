@@ -111,7 +111,7 @@ class TPFollower:
                 elif kind == "load_weights":
                     self.worker.load_weights((n, torch.empty(s, dtype=d)) for n, s, d in payload)
                 elif kind == "stop":
-                    self.worker.release_graphs()
+                    self.worker.release_cache()
                     parallel.shutdown_distributed()
                     return num_steps
             except Exception:
@@ -216,7 +216,7 @@ class TPExecutor:
         import ray
 
         self._stopped = True
-        self.worker.release_graphs()
+        self.worker.release_cache()
         ended, _ = ray.wait(self._loops, num_returns=len(self._loops), timeout=0)
         if ended:  # a follower is gone: no collective can complete, so leave without one
             parallel.leave_distributed()

@@ -252,6 +252,12 @@ class Worker:
     def device(self) -> torch.device:
         return self.runner.device
 
+    def release_cache(self) -> None:
+        """Let the KV pool and the decode graphs go (the engine is shutting down): a pool sized
+        to most of a GPU must not outlive its engine until a garbage collection finds it."""
+        self.release_graphs()
+        self.runner.release_cache()
+
     def release_graphs(self) -> None:
         """Drop captured decode graphs (before leaving a TP group; see DecodeGraphs.release)."""
         if self.runner.graphs is not None:
