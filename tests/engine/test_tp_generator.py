@@ -10,6 +10,7 @@ import time
 import pytest
 import torch
 
+from areno.engine import kv_pool
 from areno.engine.config import EngineConfig
 from areno.engine.generator import EngineDeadError, Generator
 from areno.engine.sampling import SamplingParams
@@ -84,6 +85,55 @@ def test_tp2_gives_the_same_tokens_as_tp1(tiny_path, tmp_path, family):
         assert torch.allclose(
             torch.tensor(h.samples[0].logprobs), torch.tensor(w.samples[0].logprobs), atol=1e-4
         )
+
+
+def test_tp2_over_a_pool_that_preempts_gives_tp1s_tokens(tiny_path, tmp_path):
+    """Blocks of 4 tokens, as many as the prompts of the four running requests take and one
+    more: decodes preempt, on both sides; each rank pages its own heads (half the bytes a
+    block on each of two ranks, the same block count)."""
+    path = tiny_path("qwen3_5")
+    inputs = encode_requests(path, tmp_path)
+    processor = Processor(path)
+    decoder = MediaDecoder(MediaPolicy.for_training(), processor.decode_options())
+    for words in ("Count to ten.", "Name three rivers of Europe, please."):
+        inputs.append(process_messages(processor, decoder, [{"role": "user", "content": words}]))
+    num_blocks = sum(-(-x.num_prompt_tokens // 4) for x in inputs) + 1
+    longest = max(x.num_prompt_tokens for x in inputs) + PARAMS.max_tokens + 1
+
+    def start(tp_size: int, block_bytes: int) -> Generator:
+        gib = (num_blocks + 0.5) * block_bytes / tp_size / (1 << 30)
+        engine = EngineConfig(
+            tp_size=tp_size,
+            max_running_prompts=4,
+            max_context_len=longest,
+            block_size=4,
+            kv_cache_gib=gib,
+            num_cpus_per_rank=0.5,
+        )
+        return Generator.from_config(path, engine)
+
+    async def together(gen: Generator) -> list:
+        await gen.pause("keep")  # all arrive at once
+        tasks = [asyncio.create_task(gen.generate_all(x, PARAMS)) for x in inputs]
+        while gen.stats()["num_waiting"] < len(inputs):
+            await asyncio.sleep(0.005)
+        await gen.resume()
+        return await asyncio.gather(*tasks)
+
+    model = processor.adapter.load_model(path)
+    block_bytes = kv_pool.block_bytes(model, model.config.get_text_config().layer_types, 4)
+    results = {}
+    for tp_size in (1, 2):
+        gen = start(tp_size, block_bytes)
+        try:
+            assert gen.stats()["num_blocks"] == num_blocks
+            results[tp_size] = (asyncio.run(together(gen)), gen.stats()["num_preemptions"])
+        finally:
+            gen.shutdown()
+    (want, preempted_1), (have, preempted_2) = results[1], results[2]
+    assert preempted_1 > 0 and preempted_2 > 0
+    for w, h in zip(want, have, strict=True):
+        assert h.samples[0].token_ids == w.samples[0].token_ids
 
 
 def test_tp2_update_weights_reaches_every_shard(tiny_path, tmp_path):
