@@ -13,6 +13,7 @@ from typing import Any
 from areno.engine.detokenizer import IncrementalDetokenizer
 from areno.engine.executor import Executor
 from areno.engine.outputs import RequestOutput, SampleDelta
+from areno.engine.runner import can_batch_prefill
 from areno.engine.sampling import SamplingParams
 from areno.engine.scheduler import (
     ScheduledPrefill,
@@ -108,7 +109,9 @@ class EngineCore:
 
     def add_request(self, request_id: str, inputs: PromptInputs, params: SamplingParams) -> None:
         """Queue a request; its outputs come from later `step()` calls."""
-        group = SequenceGroup.create(request_id, inputs.input_ids, params, inputs=inputs)
+        group = SequenceGroup.create(
+            request_id, inputs.input_ids, params, inputs=inputs, can_chunk=can_batch_prefill(inputs)
+        )
         self.scheduler.add(group)
         if params.detokenize:
             for seq in group.seqs:
@@ -144,14 +147,15 @@ class EngineCore:
         # reads through views instead of gathering copies.
         decode = sorted(scheduled.decode, key=lambda seq: seq.slot)
         step = self._step_input(scheduled.prefill, decode)
-        seqs = [seq for item in scheduled.prefill for seq in item.seqs] + decode
+        seqs = [seq for item in scheduled.prefill if item.is_final for seq in item.seqs] + decode
         if not self.overlap:
             return early + self._update(seqs, self.executor.execute(step))
         pending = self.executor.launch(step)
-        for seq in seqs:
-            seq.num_in_flight += 1
         outputs = self.flush()
-        self._in_flight = (seqs, pending)
+        if pending is not None:  # None: only chunks that do not end their prompts ran
+            for seq in seqs:
+                seq.num_in_flight += 1
+            self._in_flight = (seqs, pending)
         return early + outputs
 
     def flush(self) -> list[RequestOutput]:
@@ -174,8 +178,9 @@ class EngineCore:
                 inputs = inputs.with_tokens(item.token_ids)
             slots = [seq.slot for seq in item.seqs]
             tables = [list(seq.block_ids) for seq in item.seqs]
-            step.prefill.append(PrefillItem(inputs, slots, tables))
-            step.rows += [RowSampling(seq.seq_id, seq.params, seq.seed) for seq in item.seqs]
+            step.prefill.append(PrefillItem(inputs, slots, tables, item.start, item.end))
+            if item.is_final:
+                step.rows += [RowSampling(s.seq_id, s.params, s.seed) for s in item.seqs]
         for seq in decode:
             step.decode_slots.append(seq.slot)
             step.decode_positions.append(seq.next_position)

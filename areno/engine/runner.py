@@ -311,6 +311,57 @@ class ModelRunner:
             self._fork(row_slots, lengths[row])
         return out.logits[:, -1].float()
 
+    @torch.inference_mode()
+    def prefill_chunk(
+        self,
+        inputs: PromptInputs,
+        slot: int,
+        block_table: list[int] | None,
+        start: int,
+        end: int,
+    ) -> torch.Tensor:
+        """Prefill tokens start..end-1 of a prompt without media (`can_batch_prefill`) into
+        `slot`, whose blocks hold its tokens before `start` (earlier chunks); returns the last
+        position's logits (V,). The chunk's queries attend to the cached keys through the block
+        table and to their own causally; linear-attention layers continue the slot's state."""
+        if start == 0:
+            return self.prefill(
+                _prefix(inputs, end), [slot], [block_table] if block_table else None
+            )
+        self.set_tables([slot], [block_table] if block_table else None, new=False)
+        pos_Q = torch.arange(start, end, device=self.device)
+        tables = self._device_tables([slot], end)
+        slot_B = to_device(torch.tensor([slot]), self.device)
+        binding = BatchBinding(slot_B, pos_Q[None], end, tables, num_cached=start, paged=True)
+        self.cache.bind(binding, is_prefill=False)
+        ids = to_device(torch.tensor([inputs.input_ids[start:end]]), self.device)
+        delta = torch.tensor([self.rope_delta[slot]], device=self.device)
+        position_ids = self.position_ids(pos_Q, delta.expand(len(pos_Q)))
+        # (4, L, 1) or (L, 1) as for a decode of L rows: one row of L positions instead
+        position_ids = position_ids.transpose(-1, -2)
+        with self._engine_context():
+            out = self.model(
+                input_ids=ids,
+                position_ids=position_ids,
+                attention_mask=self._chunk_masks(pos_Q, end),
+                past_key_values=self.cache,
+                use_cache=True,
+                logits_to_keep=1,
+                **{BLOCK_TABLES_KWARG: tables},
+            )
+        self.cache.commit()
+        return out.logits[0, -1].float()
+
+    def _chunk_masks(self, pos_Q: torch.Tensor, kv_len: int):
+        """A chunk's masks (1, 1, Q, kv_len) over its cached and own keys: causal, and windowed
+        for sliding layers."""
+        keys = torch.arange(kv_len, device=self.device)[None, :]
+        full = (keys <= pos_Q[:, None])[None, None]
+        if not self.sliding_window or "sliding_attention" not in self.layer_types:
+            return full
+        recent = (keys > pos_Q[:, None] - self.sliding_window)[None, None]
+        return {"full_attention": full, "sliding_attention": full & recent}
+
     @property
     def can_pad_prefill(self) -> bool:
         """Whether prompts of unequal lengths may share a prefill: the model's text stack is a
@@ -428,6 +479,14 @@ def _pad_tokens(value_1L: torch.Tensor, length: int) -> torch.Tensor:
     if not extra:
         return value_1L
     return torch.nn.functional.pad(value_1L, (0, extra))
+
+
+def _prefix(inputs: PromptInputs, end: int) -> PromptInputs:
+    """A prompt without media cut to its first `end` tokens (its per-token tensors too)."""
+    if end == inputs.num_prompt_tokens:
+        return inputs
+    mm_inputs = {key: value[:, :end] for key, value in inputs.mm_inputs.items()}
+    return PromptInputs(inputs.input_ids[:end], mm_inputs, [], inputs.prompt_text)
 
 
 def can_batch_prefill(inputs: PromptInputs) -> bool:

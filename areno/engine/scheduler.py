@@ -14,10 +14,16 @@ and none is free, the newest running sequence is preempted: its slot and blocks 
 waits again, at the front (it is older than anything admitted after it), to be prefilled again
 from its prompt and the tokens it had (recomputation). It resumes with the same tokens.
 
+A prompt longer than what is left of the step's prefill budget (`max_prefill_tokens_per_step`,
+`--max-num-batched-tokens`) is prefilled in chunks over several steps when its group allows it
+(no media), beside the running decodes, so that a long prompt does not stall every stream; a
+prompt that may not be chunked is admitted alone when it is over the budget.
+
 Step contract (one `schedule()` per engine step):
 - `prefill`: sequences admitted this step, in `ScheduledPrefill`s: the new samples of one request
   admitted together share one prefill of the prompt (its full blocks shared, the last partial
-  block copied for each); a late or resumed sample has its own prefill of all its tokens.
+  block copied for each); a late or resumed sample has its own prefill of all its tokens. An
+  item covers tokens `start`..`end` of its sequences; only a final one (`end` the whole) samples.
 - `decode`: every sequence that was running before this step. The runner feeds each one's
   `last_token_id` and samples one token; its blocks already cover that token's position.
 After executing, the engine appends each token, calls `check_stop`, marks finished sequences with
@@ -136,10 +142,17 @@ class SlotAllocator:
 @dataclass
 class ScheduledPrefill:
     """Sequences of one group that share one prefill this step: the group's prompt for new
-    samples admitted together, or one resumed / late sequence's own tokens."""
+    samples admitted together, or one resumed / late sequence's own tokens; tokens
+    `start`..`end` of them (a chunk, or all)."""
 
     group: SequenceGroup
     seqs: list[Sequence]
+    start: int = 0
+    end: int | None = None  # None: all the sequences' tokens
+
+    def __post_init__(self) -> None:
+        if self.end is None:
+            self.end = self.seqs[0].prefill_end or self.seqs[0].num_tokens
 
     @property
     def token_ids(self) -> list[int]:
@@ -147,7 +160,17 @@ class ScheduledPrefill:
 
     @property
     def num_tokens(self) -> int:
-        return self.seqs[0].num_tokens
+        """The tokens the sequences' prefill covers in all (its last chunk's end)."""
+        return self.seqs[0].prefill_end
+
+    @property
+    def num_chunk_tokens(self) -> int:
+        return self.end - self.start
+
+    @property
+    def is_final(self) -> bool:
+        """Whether this prefill reaches the sequences' last token (and so samples)."""
+        return self.end == self.num_tokens
 
 
 @dataclass
@@ -170,7 +193,7 @@ class SchedulerOutput:
 
     @property
     def num_prefill_tokens(self) -> int:
-        return sum(item.num_tokens for item in self.prefill)
+        return sum(item.num_chunk_tokens for item in self.prefill)
 
 
 def _queue_key(seq: Sequence) -> tuple[int, int]:
@@ -258,8 +281,31 @@ class Scheduler:
         blocks run out), then admit waiting sequences (unless `hold_admission` is set, e.g.
         while the engine drains for a pause, or this step preempted)."""
         decode, preempted = self._reserve_decode_blocks()
-        prefill = [] if self.hold_admission or preempted else self._admit()
+        budget = self.config.max_prefill_tokens_per_step
+        prefill = self._continue_chunks(budget)
+        budget -= sum(item.num_chunk_tokens for item in prefill)
+        if not (self.hold_admission or preempted):
+            prefill += self._admit(budget, first=not prefill)
         return SchedulerOutput(prefill, decode, self.num_waiting, self.num_running, preempted)
+
+    def _is_prefilling(self, seq: Sequence) -> bool:
+        return seq.num_computed_tokens < seq.prefill_end
+
+    def _continue_chunks(self, budget: int) -> list[ScheduledPrefill]:
+        """The next chunk of every sequence whose prompt is being prefilled in chunks, oldest
+        first, within `budget` tokens (the oldest always gets one: it never starves)."""
+        items = []
+        for seq in self._running:
+            if not self._is_prefilling(seq):
+                continue
+            if budget <= 0 and items:
+                break
+            start = seq.num_computed_tokens
+            end = min(seq.prefill_end, start + max(budget, self.config.block_size))
+            seq.num_computed_tokens = end
+            items.append(ScheduledPrefill(self._groups[seq.request_id], [seq], start, end))
+            budget -= end - start
+        return items
 
     def would_preempt(self) -> bool:
         """Whether this step's decodes need more blocks than are free (an overlapped engine
@@ -270,7 +316,8 @@ class Scheduler:
         return [
             seq
             for seq in self._running
-            if seq.status is SequenceStatus.RUNNING and self._may_decode(seq)
+            if seq.status is SequenceStatus.RUNNING and not self._is_prefilling(seq)
+            if self._may_decode(seq)
         ]
 
     def _new_blocks(self, seq: Sequence) -> int:
@@ -304,6 +351,7 @@ class Scheduler:
     def _preempt(self, seq: Sequence) -> None:
         assert not seq.num_in_flight, "read a sequence's token in flight before preempting it"
         self._release(seq)
+        seq.num_computed_tokens = seq.prefill_end = 0
         self._running.remove(seq)
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
@@ -319,11 +367,13 @@ class Scheduler:
             seq, self.config.max_context_len, ahead=seq.num_in_flight
         )
 
-    def _admit(self) -> list[ScheduledPrefill]:
+    def _admit(self, budget: int, *, first: bool) -> list[ScheduledPrefill]:
+        """Admit waiting sequences, oldest first, into free slots and blocks, within `budget`
+        prompt tokens. `first`: nothing else prefills this step, so a prompt over the budget
+        that may not be chunked runs alone rather than never."""
         # NOTE: strict FCFS: the head of the queue blocks later sequences, even smaller ones, so
         # that a long prompt cannot starve.
         admitted: list[ScheduledPrefill] = []
-        budget = self.config.max_prefill_tokens_per_step
         block_size = self.config.block_size
         while self._waiting and self.slots.can_allocate(1):
             seq = self._waiting[0]
@@ -334,29 +384,36 @@ class Scheduler:
             joins = (
                 last is not None
                 and last.group is group
+                and last.is_final
+                and last.start == 0
                 and not seq.output_token_ids
                 and not last.seqs[0].output_token_ids
             )
+            end = seq.num_tokens
             if joins:
                 shared = seq.num_prompt_tokens // block_size
                 need = len(last.seqs[0].block_ids) - shared
             else:
                 need = blocks_for(seq.num_tokens, block_size)
-                if admitted and seq.num_tokens > budget:
-                    break
+                if seq.num_tokens > budget:
+                    if group.can_chunk and budget >= block_size:
+                        end = budget  # the first chunk; the rest in later steps
+                    elif admitted or not first:
+                        break
             if self.blocks.num_free - need < (self._watermark if self._running else 0):
                 break
             self._waiting.pop(0)
             seq.slot = self.slots.allocate(1)[0]
             seq.status = SequenceStatus.RUNNING
+            seq.prefill_end, seq.num_computed_tokens = seq.num_tokens, end
             if joins:
                 own = last.seqs[0].block_ids
                 seq.block_ids = self.blocks.share(own[:shared]) + self.blocks.allocate(need)
                 last.seqs.append(seq)
             else:
                 seq.block_ids = self.blocks.allocate(need)
-                admitted.append(ScheduledPrefill(group, [seq]))
-                budget -= seq.num_tokens
+                admitted.append(ScheduledPrefill(group, [seq], 0, end))
+                budget -= end
             self._running.append(seq)
         return admitted
 

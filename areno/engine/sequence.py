@@ -72,6 +72,10 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     slot: int | None = None
     block_ids: list[int] = field(default_factory=list)
+    # The tokens its admission's prefill covers, and how many of them the prefills scheduled so
+    # far write: below `prefill_end` while a long prompt is prefilled in chunks (scheduler.py).
+    prefill_end: int = 0
+    num_computed_tokens: int = 0
     finish_reason: str | None = None
     num_preemptions: int = 0
     # Tokens sampled on the device that the host has not read yet (0 or 1: an overlapped step
@@ -143,6 +147,9 @@ class SequenceGroup:
     request_id: str
     seqs: list[Sequence]
     inputs: Any = None
+    # Whether the prompt may be prefilled in chunks over several steps (the engine sets it:
+    # prompts without media).
+    can_chunk: bool = False
 
     @classmethod
     def create(
@@ -151,6 +158,7 @@ class SequenceGroup:
         prompt_token_ids: list[int],
         params: SamplingParams,
         inputs: Any = None,
+        can_chunk: bool = False,
     ) -> SequenceGroup:
         """A new waiting group of `params.n` sequences, stamped with the next arrival."""
         if not prompt_token_ids:
@@ -160,7 +168,7 @@ class SequenceGroup:
             Sequence(request_id, list(prompt_token_ids), params, sample_index=i, arrival=arrival)
             for i in range(params.n)
         ]
-        return cls(request_id, seqs, inputs)
+        return cls(request_id, seqs, inputs, can_chunk)
 
     @property
     def params(self) -> SamplingParams:

@@ -38,6 +38,18 @@ class PrefillItem:
     inputs: PromptInputs
     slots: list[int]
     block_tables: list[list[int]] | None = None
+    # A chunk of a long prompt: tokens start..end-1 (end None: to the prompt's end). Only the
+    # chunk that ends the prompt samples (has output rows).
+    start: int = 0
+    end: int | None = None
+
+    @property
+    def is_chunk(self) -> bool:
+        return self.start > 0 or (self.end is not None and self.end < self.inputs.num_prompt_tokens)
+
+    @property
+    def is_final(self) -> bool:
+        return self.end is None or self.end == self.inputs.num_prompt_tokens
 
 
 @dataclass
@@ -68,7 +80,8 @@ class StepInput:
 
     @property
     def num_rows(self) -> int:
-        return sum(len(item.slots) for item in self.prefill) + len(self.decode_slots)
+        prefill_rows = sum(len(item.slots) for item in self.prefill if item.is_final)
+        return prefill_rows + len(self.decode_slots)
 
     def for_followers(self) -> StepInput:
         """What a non-sampling rank needs: the forward inputs only (keeps the message small)."""
@@ -292,16 +305,24 @@ class Worker:
         if not self.samples or not logits:
             return None
         logits_BV = logits[0] if len(logits) == 1 else torch.cat(logits)
-        row_slots = [slot for item in step.prefill for slot in item.slots] + step.decode_slots
+        row_slots = [s for item in step.prefill if item.is_final for s in item.slots]
+        row_slots += step.decode_slots
         return self._sample(logits_BV, step.rows, row_slots)
 
     def _prefill(self, items: list[PrefillItem]) -> list[torch.Tensor]:
-        """Each item's last logits, repeated for its n rows, in item order. Prompts without
-        media share forwards (`prefill_groups`)."""
+        """Each final item's last logits, repeated for its n rows, in item order (a chunk that
+        does not end its prompt has none). Whole prompts without media share forwards
+        (`prefill_groups`)."""
         last: list[torch.Tensor | None] = [None] * len(items)
         batchable = []
         for i, item in enumerate(items):
-            if can_batch_prefill(item.inputs):
+            if item.is_chunk:
+                table = item.block_tables[0] if item.block_tables else None
+                end = item.end if item.end is not None else item.inputs.num_prompt_tokens
+                last[i] = self.runner.prefill_chunk(
+                    item.inputs, item.slots[0], table, item.start, end
+                )
+            elif can_batch_prefill(item.inputs):
                 batchable.append(i)
             else:
                 last[i] = self.runner.prefill(item.inputs, item.slots, item.block_tables)
@@ -320,7 +341,11 @@ class Worker:
             )
             for row, i in enumerate(indices):
                 last[i] = logits_BV[row]
-        return [v.expand(len(item.slots), -1) for v, item in zip(last, items, strict=True)]
+        return [
+            v.expand(len(item.slots), -1)
+            for v, item in zip(last, items, strict=True)
+            if item.is_final
+        ]
 
     def _sample(
         self, logits_BV: torch.Tensor, rows: list[RowSampling], row_slots: list[int]

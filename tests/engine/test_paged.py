@@ -81,3 +81,45 @@ def test_samples_beyond_the_slots_run_later_and_equal_separate_requests(setups, 
     assert [s.index for s in samples] == list(range(8))
     for i, one in zip((0, 5, 7), apart, strict=True):
         assert samples[i].token_ids == one.samples[0].token_ids
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_long_text_prompts_prefilled_in_chunks_beside_decodes_equal_generate(
+    setups, family, overlap
+):
+    """A budget of 16 prompt tokens a step: the long prompts (past Gemma 4's 64-token sliding
+    window) are prefilled in chunks over several steps while the short request decodes, and
+    every request gets transformers' greedy tokens."""
+    setup = setups(family)
+    inputs = [
+        setup.encode(text("Hi.")),
+        setup.encode(text("Tell me everything about " + "the rivers and the hills " * 12)),
+        setup.encode(text("List " + "numbers and letters, " * 20)),
+    ]
+    assert all(x.num_prompt_tokens > 64 for x in inputs[1:])
+    expected = [setup.reference(x, GREEDY.max_tokens) for x in inputs]
+    gen = setup.generator(max_prefill_tokens_per_step=16, overlap_steps=overlap)
+    chunks: list[tuple[int, int]] = []
+    runner = gen.core.executor.worker.runner
+    prefill_chunk = runner.prefill_chunk
+
+    def recording(inputs, slot, table, start, end):
+        chunks.append((start, end))
+        return prefill_chunk(inputs, slot, table, start, end)
+
+    runner.prefill_chunk = recording
+
+    async def main():
+        first = asyncio.create_task(gen.generate_all(inputs[0], GREEDY))
+        while gen.stats()["num_running"] == 0:
+            await asyncio.sleep(0.001)
+        rest = [asyncio.create_task(gen.generate_all(x, GREEDY)) for x in inputs[1:]]
+        return await asyncio.gather(first, *rest)
+
+    try:
+        outputs = run(main())
+    finally:
+        gen.shutdown()
+    for i, (want, output) in enumerate(zip(expected, outputs, strict=True)):
+        assert output.samples[0].token_ids == want, (i, output.samples[0].token_ids, want)
+    assert len(chunks) >= 8 and max(end - start for start, end in chunks) <= 16

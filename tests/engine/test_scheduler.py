@@ -51,9 +51,9 @@ def finish_all(sched: Scheduler, g: SequenceGroup, reason: str = "stop") -> None
 
 
 def decode_step(sched: Scheduler, token: int = 5):
-    """One step whose decodes and prefills all get a token (as the engine appends them)."""
+    """One step whose decodes and final prefills get a token (as the engine appends them)."""
     out = sched.schedule()
-    for seq in [s for item in out.prefill for s in item.seqs] + out.decode:
+    for seq in [s for item in out.prefill if item.is_final for s in item.seqs] + out.decode:
         seq.append_token(token)
     return out
 
@@ -145,6 +145,33 @@ def test_prompt_over_budget_is_admitted_alone() -> None:
     out = sched.schedule()
     assert ids(out.prefill) == ["long"] and out.num_prefill_tokens == 30
     assert ids(sched.schedule().prefill) == ["short"]
+
+
+def test_a_long_prompt_is_prefilled_in_chunks_beside_the_decodes() -> None:
+    sched = scheduler(max_running_seqs=4, budget=10, num_blocks=32, block_size=4)
+    sched.add(short := group("short", 3))
+    decode_step(sched)
+    long = group("long", 25)
+    long.can_chunk = True
+    sched.add(long)
+    seq = long.seqs[0]
+    spans = []
+    for _ in range(3):
+        out = decode_step(sched)
+        assert out.decode == [short.seqs[0]]  # the stream keeps decoding every step
+        spans += [(p.start, p.end, p.is_final) for p in out.prefill]
+    assert spans == [(0, 10, False), (10, 20, False), (20, 25, True)]
+    assert len(seq.block_ids) == 7 and seq.output_token_ids == [5]  # only the last samples
+    assert sched.schedule().decode == [short.seqs[0], seq]
+
+
+def test_a_prompt_that_may_not_be_chunked_runs_alone_over_the_budget() -> None:
+    sched = scheduler(max_running_seqs=4, budget=10)
+    sched.add(group("media", 25))  # can_chunk False: a prompt with media
+    sched.add(group("next", 3))
+    out = sched.schedule()
+    assert ids(out.prefill) == ["media"] and out.prefill[0].is_final
+    assert ids(sched.schedule().prefill) == ["next"]
 
 
 def test_samples_beyond_the_free_slots_wait_for_them() -> None:
