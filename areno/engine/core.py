@@ -13,7 +13,6 @@ from typing import Any
 from areno.engine.detokenizer import IncrementalDetokenizer
 from areno.engine.executor import Executor
 from areno.engine.outputs import RequestOutput, SampleDelta
-from areno.engine.runner import can_batch_prefill
 from areno.engine.sampling import SamplingParams
 from areno.engine.scheduler import (
     ScheduledPrefill,
@@ -110,7 +109,12 @@ class EngineCore:
     def add_request(self, request_id: str, inputs: PromptInputs, params: SamplingParams) -> None:
         """Queue a request; its outputs come from later `step()` calls."""
         group = SequenceGroup.create(
-            request_id, inputs.input_ids, params, inputs=inputs, can_chunk=can_batch_prefill(inputs)
+            request_id,
+            inputs.input_ids,
+            params,
+            inputs=inputs,
+            can_chunk=True,
+            first_chunk_min=max((span.end for span in inputs.mm_spans), default=0),
         )
         self.scheduler.add(group)
         if params.detokenize:

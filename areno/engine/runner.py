@@ -320,15 +320,18 @@ class ModelRunner:
         start: int,
         end: int,
     ) -> torch.Tensor:
-        """Prefill tokens start..end-1 of a prompt without media (`can_batch_prefill`) into
-        `slot`, whose blocks hold its tokens before `start` (earlier chunks); returns the last
-        position's logits (V,). The chunk's queries attend to the cached keys through the block
-        table and to their own causally; linear-attention layers continue the slot's state."""
+        """Prefill tokens start..end-1 of a prompt into `slot`, whose blocks hold its tokens
+        before `start` (earlier chunks); returns the last position's logits (V,). A first chunk
+        (start 0) is a prefill of the prompt's first `end` tokens, media included; a later one
+        holds text only (a first chunk covers every media item). Its queries attend to the
+        cached keys through the block table and to their own causally; linear-attention layers
+        continue the slot's state; Qwen's text positions keep the rope delta of the media
+        before them."""
+        table = [block_table] if block_table else None
         if start == 0:
-            return self.prefill(
-                _prefix(inputs, end), [slot], [block_table] if block_table else None
-            )
-        self.set_tables([slot], [block_table] if block_table else None, new=False)
+            return self.prefill(inputs.prefix(end), [slot], table)
+        assert all(span.end <= start for span in inputs.mm_spans), "media in a later chunk"
+        self.set_tables([slot], table, new=False)
         pos_Q = torch.arange(start, end, device=self.device)
         tables = self._device_tables([slot], end)
         slot_B = to_device(torch.tensor([slot]), self.device)
@@ -479,14 +482,6 @@ def _pad_tokens(value_1L: torch.Tensor, length: int) -> torch.Tensor:
     if not extra:
         return value_1L
     return torch.nn.functional.pad(value_1L, (0, extra))
-
-
-def _prefix(inputs: PromptInputs, end: int) -> PromptInputs:
-    """A prompt without media cut to its first `end` tokens (its per-token tensors too)."""
-    if end == inputs.num_prompt_tokens:
-        return inputs
-    mm_inputs = {key: value[:, :end] for key, value in inputs.mm_inputs.items()}
-    return PromptInputs(inputs.input_ids[:end], mm_inputs, [], inputs.prompt_text)
 
 
 def can_batch_prefill(inputs: PromptInputs) -> bool:

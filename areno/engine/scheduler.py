@@ -15,9 +15,11 @@ waits again, at the front (it is older than anything admitted after it), to be p
 from its prompt and the tokens it had (recomputation). It resumes with the same tokens.
 
 A prompt longer than what is left of the step's prefill budget (`max_prefill_tokens_per_step`,
-`--max-num-batched-tokens`) is prefilled in chunks over several steps when its group allows it
-(no media), beside the running decodes, so that a long prompt does not stall every stream; a
-prompt that may not be chunked is admitted alone when it is over the budget.
+`--max-num-batched-tokens`) is prefilled in chunks over several steps when its group allows it,
+beside the running decodes, so that a long prompt does not stall every stream. The first chunk
+covers at least the group's `first_chunk_min` tokens (a prompt's media items, whole: their
+towers run once, in one forward); a first chunk over the budget, or a prompt that may not be
+chunked, is admitted alone.
 
 Step contract (one `schedule()` per engine step):
 - `prefill`: sequences admitted this step, in `ScheduledPrefill`s: the new samples of one request
@@ -397,8 +399,9 @@ class Scheduler:
                 need = blocks_for(seq.num_tokens, block_size)
                 if seq.num_tokens > budget:
                     if group.can_chunk and budget >= block_size:
-                        end = budget  # the first chunk; the rest in later steps
-                    elif admitted or not first:
+                        # the first chunk (all its media, whole); the rest in later steps
+                        end = min(max(budget, group.first_chunk_min), seq.num_tokens)
+                    if end > budget and (admitted or not first):
                         break
             if self.blocks.num_free - need < (self._watermark if self._running else 0):
                 break

@@ -147,9 +147,11 @@ class SequenceGroup:
     request_id: str
     seqs: list[Sequence]
     inputs: Any = None
-    # Whether the prompt may be prefilled in chunks over several steps (the engine sets it:
-    # prompts without media).
+    # Whether the prompt may be prefilled in chunks over several steps, and the tokens its first
+    # chunk must cover (the engine sets both: a first chunk holds every media item whole, so
+    # the media towers run once, in one forward; the text after them comes in chunks).
     can_chunk: bool = False
+    first_chunk_min: int = 0
 
     @classmethod
     def create(
@@ -159,6 +161,7 @@ class SequenceGroup:
         params: SamplingParams,
         inputs: Any = None,
         can_chunk: bool = False,
+        first_chunk_min: int = 0,
     ) -> SequenceGroup:
         """A new waiting group of `params.n` sequences, stamped with the next arrival."""
         if not prompt_token_ids:
@@ -168,7 +171,7 @@ class SequenceGroup:
             Sequence(request_id, list(prompt_token_ids), params, sample_index=i, arrival=arrival)
             for i in range(params.n)
         ]
-        return cls(request_id, seqs, inputs, can_chunk)
+        return cls(request_id, seqs, inputs, can_chunk, first_chunk_min)
 
     @property
     def params(self) -> SamplingParams:

@@ -11,7 +11,7 @@ import pytest
 from areno.engine.block_manager import blocks_for
 from areno.engine.kv_pool import block_bytes
 from areno.engine.sampling import SamplingParams
-from tests.engine.generating import FAMILIES, GREEDY, mixed_requests, run, text
+from tests.engine.generating import FAMILIES, GREEDY, mixed_requests, run, text, with_media
 
 
 def pool_gib(setup, num_blocks: int, block_size: int = 16) -> float:
@@ -123,3 +123,50 @@ def test_long_text_prompts_prefilled_in_chunks_beside_decodes_equal_generate(
     for i, (want, output) in enumerate(zip(expected, outputs, strict=True)):
         assert output.samples[0].token_ids == want, (i, output.samples[0].token_ids, want)
     assert len(chunks) >= 8 and max(end - start for start, end in chunks) <= 16
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_media_prompts_prefill_their_media_whole_then_their_text_in_chunks(
+    setups, media, family, overlap
+):
+    """A budget of 16 prompt tokens a step: each media prompt's first chunk holds its media
+    item whole (its tower runs once), the long text after it comes in chunks continuing the
+    media's rope positions, and every request gets transformers' greedy tokens."""
+    setup = setups(family)
+    tail = "Describe it for me, and " * 10
+    kinds = ["image", "video"] + (
+        ["audio"] if "audio" in setup.processor.adapter.modalities else []
+    )
+    inputs = [setup.encode(text("Hi."))] + [
+        setup.encode(with_media(kind, media[kind], tail)) for kind in kinds
+    ]
+    expected = [setup.reference(x, GREEDY.max_tokens) for x in inputs]
+    gen = setup.generator(max_prefill_tokens_per_step=16, overlap_steps=overlap)
+    chunks: list[tuple[int, int, int]] = []
+    runner = gen.core.executor.worker.runner
+    prefill_chunk = runner.prefill_chunk
+
+    def recording(inputs, slot, table, start, end):
+        chunks.append((inputs.num_prompt_tokens, start, end))
+        return prefill_chunk(inputs, slot, table, start, end)
+
+    runner.prefill_chunk = recording
+
+    async def main():
+        first = asyncio.create_task(gen.generate_all(inputs[0], GREEDY))
+        while gen.stats()["num_running"] == 0:
+            await asyncio.sleep(0.001)
+        rest = [asyncio.create_task(gen.generate_all(x, GREEDY)) for x in inputs[1:]]
+        return await asyncio.gather(first, *rest)
+
+    try:
+        outputs = run(main())
+    finally:
+        gen.shutdown()
+    for i, (want, output) in enumerate(zip(expected, outputs, strict=True)):
+        assert output.samples[0].token_ids == want, (i, output.samples[0].token_ids, want)
+    for x in inputs[1:]:
+        media_end = max(span.end for span in x.mm_spans)
+        mine = [(start, end) for n, start, end in chunks if n == x.num_prompt_tokens]
+        assert mine[0][0] == 0 and mine[0][1] >= media_end  # the media, whole, first
+        assert len(mine) >= 4 and mine[-1][1] == x.num_prompt_tokens
