@@ -5,7 +5,9 @@ table, and only those its mask keeps.
 
 A forward over cached keys (a decode step) passes the rows' block tables as the keyword
 `areno_block_tables` (B, N), which transformers hands down to every attention call; the cache's
-layers then return their block storage as keys and values (areno/engine/cache.py). Where the
+layers then return their block storage as keys and values (areno/engine/cache.py). A model with
+sliding-window layers gets a mapping by layer kind instead: its sliding layers read their
+slot's ring of blocks, or (None) return their keys in position order (a prompt's chunk). Where the
 kernel does not run (CPU, a head shape it does not take), the rows' keys and values are gathered
 out of the blocks in position order and attention runs as before.
 
@@ -63,6 +65,9 @@ def engine_sdpa_forward(
     mask_is_shared = attention_mask is None or attention_mask.shape[1] == 1
     plain = kwargs.get("position_bias") is None and kwargs.get("softcap") is None
     block_tables = kwargs.pop(BLOCK_TABLES_KWARG, None)
+    if isinstance(block_tables, dict):  # by layer kind: a sliding layer's ring, or None
+        kind = "full_attention" if kwargs.get("sliding_window") is None else "sliding_attention"
+        block_tables = block_tables[kind]
     if block_tables is not None:
         if q_len == 1 and plain and _takes_decode_kernel(query, key, attention_mask):
             scale = scaling if scaling is not None else query.shape[-1] ** -0.5

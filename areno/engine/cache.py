@@ -33,6 +33,7 @@ import torch
 from torch.distributed.tensor import DTensor
 from transformers.cache_utils import Cache, CacheLayerMixin, LinearAttentionLayer
 
+from areno.engine.kernels.decode_attention import gather_keys
 from areno.engine.transfer import to_device
 from areno.errors import CacheMemoryError
 
@@ -59,6 +60,8 @@ class BatchBinding:
     # Attention layers return their block storage, read through `block_tables_BN` by the
     # engine's attention function (the runner passes it the tables); else a prefill's own keys.
     paged: bool = False
+    # A chunk of a prompt after its first (its sliding-window layers return their keys in order).
+    chunk: bool = False
 
     def rows(self, storage: torch.Tensor) -> torch.Tensor:
         """The batch's rows of a per-slot `storage` tensor: a view when the slots are a range."""
@@ -101,13 +104,22 @@ def available_bytes(device: torch.device) -> tuple[int, int] | None:
     return None
 
 
-def kv_heads_by_layer(text_stack: torch.nn.Module, layer_types: list[str]) -> dict[int, tuple]:
-    """{layer index: (kv heads on this rank, head dim)} of the attention layers that keep their
-    own keys and values (not linear-attention layers, not Gemma's KV-sharing ones), read off
-    their key projections (a tensor-parallel shard's local heads)."""
+def kv_heads_by_layer(
+    text_stack: torch.nn.Module, layer_types: list[str], kinds=("full_attention",)
+) -> dict[int, tuple]:
+    """{layer index: (kv heads on this rank, head dim)} of the attention layers of `kinds` that
+    keep their own keys and values (not Gemma's KV-sharing ones), read off their key
+    projections (a tensor-parallel shard's local heads). A layer type other than linear or
+    sliding attention counts as full attention."""
+    kinds = set(kinds)
+    if "full_attention" in kinds:
+        layer_types = [
+            t if t in ("linear_attention", "sliding_attention") else "full_attention"
+            for t in layer_types
+        ]
     specs = {}
     for i, layer in enumerate(text_stack.layers):
-        if layer_types[i] == "linear_attention":
+        if layer_types[i] not in kinds:
             continue
         attn = layer.self_attn
         if getattr(attn, "is_kv_shared_layer", False):
@@ -187,22 +199,41 @@ def _(keys, values, key_states, value_states, blocks_BQ, offsets_BQ) -> None:
     return None
 
 
+def ring_tables(slots_B: torch.Tensor, ring_blocks: int, num_cols: int) -> torch.Tensor:
+    """Block tables (B, num_cols) of sliding-window layers, whose slot s owns the ring of blocks
+    1 + s * ring_blocks ...: position p lives in its block (p // block_size) % ring_blocks.
+    Logical blocks behind the window map to blocks that newer positions took (masked)."""
+    cols = torch.arange(num_cols, device=slots_B.device) % ring_blocks
+    return 1 + slots_B[:, None] * ring_blocks + cols[None, :]
+
+
 class PagedAttentionLayer(CacheLayerMixin):
     """KV block storage (num_blocks + 1, kv_heads, block_size, head_dim), allocated on first
-    write."""
+    write.
+
+    A sliding-window layer (`ring_blocks` set) keeps only its window: each slot owns a ring of
+    `ring_blocks` blocks (storage num_slots * ring_blocks + 1), the window's blocks and one
+    more, and a position overwrites the one `ring_blocks` blocks before it (`ring_tables`).
+    A forward writes only each row's newest ring of positions (older ones, read by nobody
+    after, go to the sink, so that no two writes share a place). A chunk of a prompt reads the
+    ring's keys before it writes its own, and returns both, in position order."""
 
     is_sliding = False
     is_compileable = False
 
-    def __init__(self, allocator: CacheAllocator, max_len: int, what: str):
+    def __init__(
+        self, allocator: CacheAllocator, max_len: int, what: str, ring_blocks: int | None = None
+    ):
         super().__init__()
         self.allocator, self.max_len, self.what = allocator, max_len, what
+        self.ring_blocks = ring_blocks
         self.binding: BatchBinding | None = None
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         _, heads, _, head_dim = key_states.shape
         a = self.allocator
-        shape = (a.num_blocks + 1, heads, a.block_size, head_dim)
+        blocks = a.num_blocks if self.ring_blocks is None else a.num_slots * self.ring_blocks
+        shape = (blocks + 1, heads, a.block_size, head_dim)
         self.keys = a.zeros(shape, key_states, f"{self.what}'s keys")
         self.values = a.zeros(shape, value_states, f"{self.what}'s values")
         self.is_initialized = True
@@ -212,12 +243,34 @@ class PagedAttentionLayer(CacheLayerMixin):
             self.lazy_initialization(key_states, value_states)
         b = self.binding
         block_size = self.allocator.block_size
-        blocks_BQ = b.block_tables_BN.gather(1, b.positions_BQ // block_size)
-        offsets_BQ = b.positions_BQ % block_size
+        positions_BQ, offsets_BQ = b.positions_BQ, b.positions_BQ % block_size
+        if self.ring_blocks is None:
+            blocks_BQ = b.block_tables_BN.gather(1, positions_BQ // block_size)
+            write_kv_(self.keys, self.values, key_states, value_states, blocks_BQ, offsets_BQ)
+            if b.paged:
+                return self.keys, self.values
+            assert b.num_cached == 0, "a forward over cached keys reads them paged"
+            return key_states, value_states
+        ring = self.ring_blocks
+        last_B = positions_BQ[:, -1] if b.lengths_B is None else b.lengths_B - 1
+        newest_BQ = (positions_BQ <= last_B[:, None]) & (
+            positions_BQ > last_B[:, None] - ring * block_size
+        )
+        blocks_BQ = 1 + b.slots_B[:, None] * ring + (positions_BQ // block_size) % ring
+        blocks_BQ = torch.where(newest_BQ, blocks_BQ, 0)
+        older = None
+        if b.chunk:  # the ring's keys before the chunk writes its own
+            tables = ring_tables(b.slots_B, ring, -(-b.num_cached // block_size))
+            older = (
+                gather_keys(self.keys, tables, b.num_cached),
+                gather_keys(self.values, tables, b.num_cached),
+            )
         write_kv_(self.keys, self.values, key_states, value_states, blocks_BQ, offsets_BQ)
+        if older is not None:
+            keys = torch.cat([older[0], key_states.to(older[0].dtype)], dim=2)
+            return keys, torch.cat([older[1], value_states.to(older[1].dtype)], dim=2)
         if b.paged:
             return self.keys, self.values
-        assert b.num_cached == 0, "a forward over cached keys reads them paged"
         return key_states, value_states
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
@@ -280,14 +333,23 @@ class PagedCache(Cache):
         num_slots: int,
         max_len: int,
         headroom: float = HEADROOM_FRACTION,
+        ring_blocks: int | None = None,
     ):
         """`headroom`: the share of the device's memory the cache leaves free (module
-        docstring); 0 where the pool was sized from measured memory (kv_pool.py)."""
+        docstring); 0 where the pool was sized from measured memory (kv_pool.py).
+        `ring_blocks`: the blocks of each slot's ring in sliding-window layers (None: they page
+        like full-attention layers)."""
         self.layer_types = list(layer_types)
         self.block_size = block_size
+        self.ring_blocks = ring_blocks
         self.allocator = CacheAllocator(num_blocks, block_size, num_slots, headroom)
         self.attention = {
-            i: PagedAttentionLayer(self.allocator, max_len, f"layer {i}")
+            i: PagedAttentionLayer(
+                self.allocator,
+                max_len,
+                f"layer {i}",
+                ring_blocks if t == "sliding_attention" else None,
+            )
             for i, t in enumerate(layer_types)
             if t != "linear_attention"
         }
@@ -334,12 +396,20 @@ def fork(cache: PagedCache, src_slot: int, dst_slots: list[int], block_copies) -
         src = torch.tensor([s for s, _ in block_copies])
         dst = torch.tensor([d for _, d in block_copies])
         for layer in cache.attention.values():
-            if layer.is_initialized:
+            if layer.is_initialized and layer.ring_blocks is None:
                 src, dst = to_device(src, layer.keys.device), to_device(dst, layer.keys.device)
                 layer.keys[dst] = layer.keys[src]
                 layer.values[dst] = layer.values[src]
     if not dst_slots:
         return
+    ring = cache.ring_blocks
+    for layer in cache.attention.values():
+        if layer.is_initialized and layer.ring_blocks is not None:
+            src = slice(1 + src_slot * ring, 1 + (src_slot + 1) * ring)
+            for dst_slot in dst_slots:
+                dst = slice(1 + dst_slot * ring, 1 + (dst_slot + 1) * ring)
+                layer.keys[dst] = layer.keys[src]
+                layer.values[dst] = layer.values[src]
     index = torch.tensor(dst_slots)
     for state in cache.linear.values():
         if state.conv is not None:
@@ -349,9 +419,14 @@ def fork(cache: PagedCache, src_slot: int, dst_slots: list[int], block_copies) -
 
 
 def save_rows(cache: PagedCache, num_rows: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """What a decode over slots 0..num_rows-1 overwrites besides the sink block: (storage view,
-    copy) pairs for `restore_rows` (used around a CUDA-graph warm-up forward)."""
+    """What a decode over slots 0..num_rows-1 overwrites besides the sink block (their
+    linear-attention states and sliding-window rings): (storage view, copy) pairs for
+    `restore_rows` (used around a CUDA-graph warm-up forward)."""
     views = []
+    for layer in cache.attention.values():
+        if layer.is_initialized and layer.ring_blocks is not None:
+            rows = slice(1, 1 + num_rows * layer.ring_blocks)
+            views += [layer.keys[rows], layer.values[rows]]
     for state in cache.linear.values():
         if state.conv is not None:
             views += [state.conv[:num_rows], state.recurrent[:num_rows]]

@@ -155,7 +155,7 @@ class DecodeGraphs:
             "attention_mask": runner.masks(pos_B, kv_len),
             "past_key_values": runner.cache,
             "use_cache": True,
-            BLOCK_TABLES_KWARG: tables,
+            BLOCK_TABLES_KWARG: runner.attention_tables(tables, slots_B),
         }
         out = self._model(**inputs)
         runner.cache.commit()

@@ -19,7 +19,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from areno.engine.attention import BLOCK_TABLES_KWARG, EngineAttention
 from areno.engine.block_manager import SINK_BLOCK, blocks_for
-from areno.engine.cache import BatchBinding, PagedCache, fork
+from areno.engine.cache import BatchBinding, PagedCache, fork, ring_tables
 from areno.engine.compiled import CompiledForward
 from areno.engine.config import COMPILE_MODES, GRAPH_MODES
 from areno.engine.cpu_linear import PackedLinears, can_pack
@@ -82,6 +82,10 @@ class ModelRunner:
         # A row's table covers max_len + 1 positions (a compiled step's key length bucket may
         # round up to it).
         self.max_blocks = blocks_for(max_len + 1, block_size)
+        # Sliding-window layers keep a ring of their window's blocks and one more per slot.
+        self.ring_blocks = None
+        if self.sliding_window and "sliding_attention" in self.layer_types:
+            self.ring_blocks = blocks_for(self.sliding_window, block_size) + 1
         if num_blocks is None:
             num_blocks = num_slots * self.max_blocks
         self.cache = self._new_cache(num_blocks, num_slots)
@@ -147,6 +151,7 @@ class ModelRunner:
             block_size=self.block_size,
             num_slots=num_slots,
             max_len=self.max_len,
+            ring_blocks=self.ring_blocks,
             **kwargs,
         )
 
@@ -178,7 +183,13 @@ class ModelRunner:
             self.prefill(PromptInputs([0] * num_tokens, {}), [0], [list(range(1, num + 1))])
             peak = torch.cuda.max_memory_allocated(self.device) - before
             states = [t for s in self.cache.linear.values() for t in (s.conv, s.recurrent)]
-            state_bytes = sum(t.numel() * t.element_size() for t in states if t is not None)
+            rings = [
+                t[1:]  # the slot's ring, not the sink
+                for layer in self.cache.attention.values()
+                if layer.is_initialized and layer.ring_blocks is not None
+                for t in (layer.keys, layer.values)
+            ]
+            state_bytes = sum(t.numel() * t.element_size() for t in states + rings if t is not None)
             return max(peak - self.cache.allocator.num_bytes, 0), state_bytes
         finally:
             self.cache = real
@@ -335,7 +346,9 @@ class ModelRunner:
         pos_Q = torch.arange(start, end, device=self.device)
         tables = self._device_tables([slot], end)
         slot_B = to_device(torch.tensor([slot]), self.device)
-        binding = BatchBinding(slot_B, pos_Q[None], end, tables, num_cached=start, paged=True)
+        binding = BatchBinding(
+            slot_B, pos_Q[None], end, tables, num_cached=start, paged=True, chunk=True
+        )
         self.cache.bind(binding, is_prefill=False)
         ids = to_device(torch.tensor([inputs.input_ids[start:end]]), self.device)
         delta = torch.tensor([self.rope_delta[slot]], device=self.device)
@@ -350,7 +363,8 @@ class ModelRunner:
                 past_key_values=self.cache,
                 use_cache=True,
                 logits_to_keep=1,
-                **{BLOCK_TABLES_KWARG: tables},
+                # sliding layers return their ring's keys and the chunk's, in order (cache.py)
+                **{BLOCK_TABLES_KWARG: self.attention_tables(tables, None)},
             )
         self.cache.commit()
         return out.logits[0, -1].float()
@@ -440,10 +454,21 @@ class ModelRunner:
             attention_mask=self.masks(pos_B, kv_len),
             past_key_values=self.cache,
             use_cache=True,
-            **{BLOCK_TABLES_KWARG: tables},
+            **{BLOCK_TABLES_KWARG: self.attention_tables(tables, slots_B)},
         )
         self.cache.commit()
         return out.logits[:, -1].float()
+
+    def attention_tables(self, tables_BN: torch.Tensor, slots_B: torch.Tensor | None):
+        """The block tables a forward's attention reads through: `tables_BN`, or with
+        sliding-window layers a mapping by layer kind whose sliding tables are the rows' rings
+        (`slots_B`; None where those layers return their keys in order, a chunk's)."""
+        if self.ring_blocks is None:
+            return tables_BN
+        rings = None
+        if slots_B is not None:
+            rings = ring_tables(slots_B, self.ring_blocks, tables_BN.shape[1])
+        return {"full_attention": tables_BN, "sliding_attention": rings}
 
     def position_ids(self, pos_B: torch.Tensor, rope_delta_B: torch.Tensor) -> torch.Tensor:
         """Decode position ids: (B, 1), or Qwen's (4, B, 1) multimodal rope positions."""

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+import torch
 
 from areno.engine.block_manager import blocks_for
 from areno.engine.kv_pool import block_bytes
@@ -170,3 +171,34 @@ def test_media_prompts_prefill_their_media_whole_then_their_text_in_chunks(
         mine = [(start, end) for n, start, end in chunks if n == x.num_prompt_tokens]
         assert mine[0][0] == 0 and mine[0][1] >= media_end  # the media, whole, first
         assert len(mine) >= 4 and mine[-1][1] == x.num_prompt_tokens
+
+
+def test_gemma4_sliding_layers_keep_only_their_window_while_decoding_past_it(setups, overlap):
+    setup = setups("gemma4")
+    window = setup.model.config.get_text_config().sliding_window
+    x = setup.encode(text("Once upon a time there was a river."))
+    params = SamplingParams(temperature=0, max_tokens=window + 24, ignore_eos=True)
+    with torch.no_grad():
+        out = setup.model.generate(
+            **x.model_inputs(),
+            max_new_tokens=params.max_tokens,
+            do_sample=False,
+            eos_token_id=None,
+            min_new_tokens=params.max_tokens,
+        )
+    expected = out[0, x.num_prompt_tokens :].tolist()
+    assert x.num_prompt_tokens + len(expected) > window + 16  # well past the window
+    gen = setup.generator(max_running_prompts=2, max_context_len=1024, overlap_steps=overlap)
+    try:
+        got = run(gen.generate_all(x, params)).samples[0].token_ids
+        cache = gen.core.executor.worker.runner.cache
+        types = cache.layer_types
+    finally:
+        gen.shutdown()
+    assert got == expected
+    ring = blocks_for(window, 16) + 1
+    for i, layer in cache.attention.items():
+        if types[i] == "sliding_attention":  # each slot's ring: the window and a block more
+            assert layer.ring_blocks == ring and layer.keys.shape[0] == 2 * ring + 1
+        else:  # the pool: every slot's 1,024 tokens
+            assert layer.ring_blocks is None and layer.keys.shape[0] > 2 * 1024 // 16
