@@ -57,7 +57,7 @@ from areno.engine.block_manager import blocks_for
 from areno.engine.config import COMPILE_MODES, EngineConfig
 from areno.engine.generator import Generator
 from areno.engine.kernels import references_only
-from areno.engine.kv_pool import block_bytes
+from areno.engine.kv_pool import pool_gib
 from areno.engine.sampling import SamplingParams
 from areno.media import MediaDecoder, MediaPolicy
 from areno.models.tiny import TINY_FAMILIES
@@ -224,7 +224,7 @@ def run_engine(
         max_context_len=max_len + 1,
         # The KV pool holds every running request's whole context (what one slot each held
         # before paging), not a share of the device: HF's runs follow in this process.
-        kv_cache_gib=pool_gib(model, concurrency, max_len + 1),
+        kv_cache_gib=pool_gib(model, concurrency * blocks_for(max_len + 1, 16)),
         decode_compile=decode_compile,
         cpu_packed_linear=packed_linear,
         overlap_steps=overlap_steps,
@@ -233,14 +233,6 @@ def run_engine(
     )
     with contextlib.nullcontext() if triton_kernels else references_only():
         return _run_engine(model, tokenizer, requests, concurrency, config)
-
-
-def pool_gib(model, num_seqs: int, num_tokens: int, block_size: int = 16) -> float:
-    """GiB of a KV pool that holds `num_seqs` sequences of `num_tokens` tokens."""
-    config = model.config.get_text_config()
-    types = getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers
-    num_blocks = num_seqs * blocks_for(num_tokens, block_size) + 1
-    return num_blocks * block_bytes(model, types, block_size) / (1 << 30)
 
 
 def _run_engine(model, tokenizer, requests, concurrency, config: EngineConfig) -> dict:

@@ -63,6 +63,16 @@ def block_bytes(model: torch.nn.Module, layer_types: list[str], block_size: int)
 MARGIN_BYTES = 1 << 30
 
 
+def pool_gib(model: torch.nn.Module, num_blocks: int, block_size: int = 16) -> float:
+    """The --kv-cache-gib that gives `model` a pool of `num_blocks` blocks (half a block over,
+    so that rounding never loses one)."""
+    config = model.config.get_text_config()
+    layer_types = getattr(config, "layer_types", None) or (
+        ["full_attention"] * config.num_hidden_layers
+    )
+    return (num_blocks + 0.5) * block_bytes(model, layer_types, block_size) / _GIB
+
+
 def fraction_budget(
     device: torch.device, fraction: float, activation_bytes: int, state_bytes: int
 ) -> int:

@@ -56,6 +56,16 @@ def run(coro):
     return asyncio.run(coro)
 
 
+async def arrive_together(gen: Generator, inputs, params) -> list:
+    """Every request queued while the engine holds, then started in one step; their outputs."""
+    await gen.pause("keep")
+    tasks = [asyncio.create_task(gen.generate_all(x, params)) for x in inputs]
+    while gen.stats()["num_waiting"] < len(inputs):
+        await asyncio.sleep(0.005)
+    await gen.resume()
+    return await asyncio.gather(*tasks)
+
+
 async def collect(stream) -> tuple[list[int], str, list]:
     tokens, out_text, deltas = [], "", []
     async for output in stream:

@@ -12,6 +12,7 @@ from areno.engine.sampling import SamplingParams
 from tests.engine.generating import (
     FAMILIES,
     GREEDY,
+    arrive_together,
     mixed_requests,
     run,
     text,
@@ -162,16 +163,8 @@ def test_text_prompts_of_unequal_lengths_arriving_together_equal_generate(
 
     runner.prefill_batch = recording
 
-    async def main():
-        await gen.pause("keep")  # all three wait, then start in one step
-        tasks = [asyncio.create_task(gen.generate_all(x, GREEDY)) for x in inputs]
-        while gen.stats()["num_waiting"] < len(inputs):
-            await asyncio.sleep(0.005)
-        await gen.resume()
-        return await asyncio.gather(*tasks)
-
     try:
-        outputs = run(main())
+        outputs = run(arrive_together(gen, inputs, GREEDY))  # all three start in one step
     finally:
         gen.shutdown()
     assert batched == [sorted(x.num_prompt_tokens for x in inputs)]  # one padded forward

@@ -10,18 +10,43 @@ import pytest
 import torch
 
 from areno.engine.block_manager import blocks_for
-from areno.engine.kv_pool import block_bytes
+from areno.engine.kv_pool import pool_gib
 from areno.engine.sampling import SamplingParams
-from tests.engine.generating import FAMILIES, GREEDY, mixed_requests, run, text, with_media
+from tests.engine.generating import (
+    FAMILIES,
+    GREEDY,
+    arrive_together,
+    mixed_requests,
+    run,
+    text,
+    with_media,
+)
 
 
-def pool_gib(setup, num_blocks: int, block_size: int = 16) -> float:
-    """--kv-cache-gib for a pool of `num_blocks` blocks of this model."""
-    config = setup.model.config.get_text_config()
-    layer_types = getattr(config, "layer_types", None) or (
-        ["full_attention"] * config.num_hidden_layers
-    )
-    return (num_blocks + 0.5) * block_bytes(setup.model, layer_types, block_size) / (1 << 30)
+def run_chunked(gen, inputs: list) -> tuple[list, list[tuple[int, int, int]]]:
+    """inputs[0] decoding, then the rest arriving; returns their outputs and every prefill
+    chunk the runner ran, as (prompt tokens, start, end)."""
+    chunks: list[tuple[int, int, int]] = []
+    runner = gen.core.executor.worker.runner
+    prefill_chunk = runner.prefill_chunk
+
+    def recording(inputs, slot, table, start, end):
+        chunks.append((inputs.num_prompt_tokens, start, end))
+        return prefill_chunk(inputs, slot, table, start, end)
+
+    runner.prefill_chunk = recording
+
+    async def main():
+        first = asyncio.create_task(gen.generate_all(inputs[0], GREEDY))
+        while gen.stats()["num_running"] == 0:
+            await asyncio.sleep(0.001)
+        rest = [asyncio.create_task(gen.generate_all(x, GREEDY)) for x in inputs[1:]]
+        return await asyncio.gather(first, *rest)
+
+    try:
+        return run(main()), chunks
+    finally:
+        gen.shutdown()
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -41,21 +66,13 @@ def test_a_pool_too_small_preempts_and_resumes_with_the_same_tokens(setups, medi
         max_running_prompts=4,
         max_context_len=max_len,
         block_size=4,
-        kv_cache_gib=pool_gib(setup, num_blocks, block_size=4),
+        kv_cache_gib=pool_gib(setup.model, num_blocks, block_size=4),
         overlap_steps=overlap,
     )
 
-    async def main():
-        await gen.pause("keep")  # all arrive at once: admission fills the pool
-        tasks = [asyncio.create_task(gen.generate_all(x, GREEDY)) for x in inputs]
-        while gen.stats()["num_waiting"] < len(inputs):
-            await asyncio.sleep(0.005)
-        await gen.resume()
-        return await asyncio.gather(*tasks)
-
     try:
         assert gen.stats()["num_blocks"] == num_blocks
-        outputs = run(main())
+        outputs = run(arrive_together(gen, inputs, GREEDY))  # admission fills the pool
         stats = gen.stats()
     finally:
         gen.shutdown()
@@ -100,30 +117,10 @@ def test_long_text_prompts_prefilled_in_chunks_beside_decodes_equal_generate(
     assert all(x.num_prompt_tokens > 64 for x in inputs[1:])
     expected = [setup.reference(x, GREEDY.max_tokens) for x in inputs]
     gen = setup.generator(max_prefill_tokens_per_step=16, overlap_steps=overlap)
-    chunks: list[tuple[int, int]] = []
-    runner = gen.core.executor.worker.runner
-    prefill_chunk = runner.prefill_chunk
-
-    def recording(inputs, slot, table, start, end):
-        chunks.append((start, end))
-        return prefill_chunk(inputs, slot, table, start, end)
-
-    runner.prefill_chunk = recording
-
-    async def main():
-        first = asyncio.create_task(gen.generate_all(inputs[0], GREEDY))
-        while gen.stats()["num_running"] == 0:
-            await asyncio.sleep(0.001)
-        rest = [asyncio.create_task(gen.generate_all(x, GREEDY)) for x in inputs[1:]]
-        return await asyncio.gather(first, *rest)
-
-    try:
-        outputs = run(main())
-    finally:
-        gen.shutdown()
+    outputs, chunks = run_chunked(gen, inputs)
     for i, (want, output) in enumerate(zip(expected, outputs, strict=True)):
         assert output.samples[0].token_ids == want, (i, output.samples[0].token_ids, want)
-    assert len(chunks) >= 8 and max(end - start for start, end in chunks) <= 16
+    assert len(chunks) >= 8 and max(end - start for _, start, end in chunks) <= 16
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -143,27 +140,7 @@ def test_media_prompts_prefill_their_media_whole_then_their_text_in_chunks(
     ]
     expected = [setup.reference(x, GREEDY.max_tokens) for x in inputs]
     gen = setup.generator(max_prefill_tokens_per_step=16, overlap_steps=overlap)
-    chunks: list[tuple[int, int, int]] = []
-    runner = gen.core.executor.worker.runner
-    prefill_chunk = runner.prefill_chunk
-
-    def recording(inputs, slot, table, start, end):
-        chunks.append((inputs.num_prompt_tokens, start, end))
-        return prefill_chunk(inputs, slot, table, start, end)
-
-    runner.prefill_chunk = recording
-
-    async def main():
-        first = asyncio.create_task(gen.generate_all(inputs[0], GREEDY))
-        while gen.stats()["num_running"] == 0:
-            await asyncio.sleep(0.001)
-        rest = [asyncio.create_task(gen.generate_all(x, GREEDY)) for x in inputs[1:]]
-        return await asyncio.gather(first, *rest)
-
-    try:
-        outputs = run(main())
-    finally:
-        gen.shutdown()
+    outputs, chunks = run_chunked(gen, inputs)
     for i, (want, output) in enumerate(zip(expected, outputs, strict=True)):
         assert output.samples[0].token_ids == want, (i, output.samples[0].token_ids, want)
     for x in inputs[1:]:

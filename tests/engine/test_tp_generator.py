@@ -19,6 +19,7 @@ from areno.media import MediaDecoder, MediaPolicy
 from areno.media.samples import write_audio, write_image
 from areno.models.tiny import build_tiny
 from areno.processing import Processor, process_messages
+from tests.engine.generating import arrive_together
 
 ray = pytest.importorskip("ray")
 
@@ -100,34 +101,23 @@ def test_tp2_over_a_pool_that_preempts_gives_tp1s_tokens(tiny_path, tmp_path):
     num_blocks = sum(-(-x.num_prompt_tokens // 4) for x in inputs) + 1
     longest = max(x.num_prompt_tokens for x in inputs) + PARAMS.max_tokens + 1
 
-    def start(tp_size: int, block_bytes: int) -> Generator:
-        gib = (num_blocks + 0.5) * block_bytes / tp_size / (1 << 30)
+    # the pool of one rank's heads: all of them at tp_size 1, half at 2
+    gib = kv_pool.pool_gib(processor.adapter.load_model(path), num_blocks, block_size=4)
+    results = {}
+    for tp_size in (1, 2):
         engine = EngineConfig(
             tp_size=tp_size,
             max_running_prompts=4,
             max_context_len=longest,
             block_size=4,
-            kv_cache_gib=gib,
+            kv_cache_gib=gib / tp_size,
             num_cpus_per_rank=0.5,
         )
-        return Generator.from_config(path, engine)
-
-    async def together(gen: Generator) -> list:
-        await gen.pause("keep")  # all arrive at once
-        tasks = [asyncio.create_task(gen.generate_all(x, PARAMS)) for x in inputs]
-        while gen.stats()["num_waiting"] < len(inputs):
-            await asyncio.sleep(0.005)
-        await gen.resume()
-        return await asyncio.gather(*tasks)
-
-    model = processor.adapter.load_model(path)
-    block_bytes = kv_pool.block_bytes(model, model.config.get_text_config().layer_types, 4)
-    results = {}
-    for tp_size in (1, 2):
-        gen = start(tp_size, block_bytes)
+        gen = Generator.from_config(path, engine)
         try:
             assert gen.stats()["num_blocks"] == num_blocks
-            results[tp_size] = (asyncio.run(together(gen)), gen.stats()["num_preemptions"])
+            outputs = asyncio.run(arrive_together(gen, inputs, PARAMS))
+            results[tp_size] = (outputs, gen.stats()["num_preemptions"])
         finally:
             gen.shutdown()
     (want, preempted_1), (have, preempted_2) = results[1], results[2]
