@@ -132,7 +132,8 @@ def _add_serve_parser(sub) -> None:
         "--max-num-batched-tokens",
         type=int,
         default=8192,
-        help="prompt tokens admitted into one engine step (a single longer prompt runs alone)",
+        help="prompt tokens prefilled in one engine step; a longer prompt is prefilled in "
+        "chunks over several steps beside the running decodes (default: 8192)",
     )
     serve.add_argument(
         "--max-queued-requests",
