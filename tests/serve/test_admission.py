@@ -81,7 +81,7 @@ class _StubGenerator:
         self.is_paused = paused
 
     def stats(self) -> dict[str, int]:
-        return {"num_waiting": 0, "num_running": 0}
+        return {"num_waiting": 0, "num_running": 0, "num_free_blocks": 8, "num_preemptions": 0}
 
     async def generate_all(self, inputs, params, request_id):
         return "done"
@@ -94,6 +94,9 @@ class _Gauge:
     def set(self, value) -> None:
         pass
 
+    def inc(self, value) -> None:
+        pass
+
 
 def _generator_server(paused: bool, max_queued_requests: int = 0):
     from areno.serve.deployments import GeneratorServer
@@ -101,7 +104,8 @@ def _generator_server(paused: bool, max_queued_requests: int = 0):
     server = GeneratorServer.func_or_class.__new__(GeneratorServer.func_or_class)
     server.generator = _StubGenerator(paused)
     server.admission = Admission(1, max_queued_requests)
-    server.queue_depth = server.running = _Gauge()
+    server.queue_depth = server.running = server.free_blocks = server.preemptions = _Gauge()
+    server._num_preemptions = 0
     return server
 
 
