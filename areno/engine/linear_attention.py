@@ -15,8 +15,8 @@ form in PyTorch (`chunked_gated_delta_torch`; `benchmarks/cpu_delta_rule.py` on 
 small checkpoint's heads: 1.3-2.6x transformers' chunked rule from 1 x 32 to 32 x 256 tokens,
 except 4 x 165: 0.7-0.8x in two runs of three, 2.1x in the third), with the conv written as K
 shifted multiply-adds: oneDNN's grouped convolution took 2.6 ms for a 160-token prompt of the small checkpoint, these
-take a tenth of that. A multi-token forward that continues a cached state keeps the module's own
-code.
+take a tenth of that. A prompt's later chunk (a multi-token forward over a cached state) runs the
+same prefill path from the slot's conv and recurrent states.
 """
 
 from __future__ import annotations
@@ -94,6 +94,11 @@ class EngineKernels:
                 return prefill_step(module, hidden_states, cache_params, attention_mask, lengths_B)
             if hidden_states.shape[1] == 1 and attention_mask is None:
                 return decode_step(module, hidden_states, conv_state, recurrent_state)
+            if attention_mask is None and not isinstance(hidden_states, DTensor):
+                # a prompt's later chunk: both states continue
+                return prefill_step(
+                    module, hidden_states, cache_params, None, None, (conv_state, recurrent_state)
+                )
             return original(hidden_states, cache_params, attention_mask, **kwargs)
 
         return forward
@@ -105,9 +110,12 @@ def prefill_step(
     cache_params,
     padding_mask_BL: torch.Tensor | None,
     lengths_B: torch.Tensor | None = None,
+    states: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """A whole prompt from a fresh state; leaves the conv and recurrent states in `cache_params`
-    (when given). `padding_mask_BL` zeroes padded positions (left padding), as transformers does.
+    """A whole prompt from a fresh state, or with `states` (conv, recurrent: the tensors
+    `cache_params` holds) a chunk continuing them; leaves the conv and recurrent states in
+    `cache_params` (when given). `padding_mask_BL` zeroes padded positions (left padding), as
+    transformers does.
 
     `lengths_B`: right-padded prompts, row b real up to `lengths_B[b]`. Every operation is causal,
     so the real positions' outputs ignore the pads; the states are taken at each row's last real
@@ -118,11 +126,25 @@ def prefill_step(
     batch, length, _ = hidden_BLH.shape
     mixed_BCL = module.in_proj_qkv(hidden_BLH).transpose(1, 2)
     weight_CK = module.conv1d.weight[:, 0]
-    if cache_params is not None:
-        kernel = weight_CK.shape[-1]
-        last_inputs = mixed_BCL if lengths_B is None else _last_inputs(mixed_BCL, lengths_B, kernel)
-        cache_params.update_conv_state(last_inputs, module.layer_idx, conv_kernel_size=kernel)
-    mixed_BLC = F.silu(_causal_conv(mixed_BCL, weight_CK, module.conv1d.bias)).transpose(1, 2)
+    kernel = weight_CK.shape[-1]
+    if states is not None:  # the conv sees the inputs before the chunk
+        conv_state_BCK = states[0]
+        earlier = conv_state_BCK[:, :, conv_state_BCK.shape[-1] - (kernel - 1) :]
+        joined_BCL = torch.cat([earlier.to(mixed_BCL.dtype), mixed_BCL], dim=-1)
+        conv_state_BCK.copy_(
+            torch.cat([conv_state_BCK, mixed_BCL.to(conv_state_BCK.dtype)], dim=-1)[
+                :, :, -conv_state_BCK.shape[-1] :
+            ]
+        )
+        conv_BCL = _causal_conv(joined_BCL, weight_CK, module.conv1d.bias)[:, :, kernel - 1 :]
+    else:
+        if cache_params is not None:
+            last_inputs = mixed_BCL
+            if lengths_B is not None:
+                last_inputs = _last_inputs(mixed_BCL, lengths_B, kernel)
+            cache_params.update_conv_state(last_inputs, module.layer_idx, conv_kernel_size=kernel)
+        conv_BCL = _causal_conv(mixed_BCL, weight_CK, module.conv1d.bias)
+    mixed_BLC = F.silu(conv_BCL).transpose(1, 2)
 
     value_dim = mixed_BLC.shape[-1] - 2 * module.key_dim
     query, key, value = torch.split(mixed_BLC, [module.key_dim, module.key_dim, value_dim], dim=-1)
@@ -153,7 +175,10 @@ def prefill_step(
     else:
         query_BLNK = _l2norm(query_BLNK.float()) * dk**-0.5
         key_BLNK = _l2norm(key_BLNK.float())
-        out_BLNV, state = prefill_delta_rule(query_BLNK, key_BLNK, value_BLNV, beta_BLN, g_BLN)
+        initial = states[1] if states is not None else None
+        out_BLNV, state = prefill_delta_rule(
+            query_BLNK, key_BLNK, value_BLNV, beta_BLN, g_BLN, initial
+        )
         out_BLNV = out_BLNV.to(value.dtype)
     if cache_params is not None:
         cache_params.update_recurrent_state(state, module.layer_idx)
@@ -236,24 +261,29 @@ def prefill_delta_rule(
     value_BTNV: torch.Tensor,
     beta_BTN: torch.Tensor,
     log_decay_BTN: torch.Tensor,
+    initial_state_BNKV: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """A prefill's gated delta rule from a zero state (`gated_delta_reference`'s arithmetic, the
-    decay given by its log). On CUDA one of the engine's Triton kernels: in chunks for prompts of
-    CHUNKED_MIN_TOKENS or more (`kernels/chunked_delta.py`), token by token below (the chunked
-    form's parallel work costs more than the token kernel's chain of steps there); elsewhere
-    the chunked form in PyTorch. Returns (out (B, T, N_v, d_v) fp32, state (B, N_v, d_k, d_v)
-    fp32)."""
+    """A prefill's gated delta rule from a zero state, or from `initial_state_BNKV` (not
+    written: a prompt's later chunk) (`gated_delta_reference`'s arithmetic, the decay given by
+    its log). On CUDA one of the engine's Triton kernels: in chunks for prompts of
+    CHUNKED_MIN_TOKENS or more from a zero state (`kernels/chunked_delta.py`), token by token
+    otherwise (the chunked form's parallel work costs more than the token kernel's chain of
+    steps below that); elsewhere the chunked form in PyTorch. Returns (out (B, T, N_v, d_v)
+    fp32, state (B, N_v, d_k, d_v) fp32)."""
     args = (query_BTNK, key_BTNK, value_BTNV, beta_BTN, log_decay_BTN)
     if not (use_triton(query_BTNK) and gated_delta_fits(key_BTNK, value_BTNV)):
-        out, state = chunked_gated_delta_torch(*args)
+        out, state = chunked_gated_delta_torch(*args, initial_state_BNKV=initial_state_BNKV)
         return out.contiguous(), state  # the layout the fake promises (a compiled graph checks)
+    if initial_state_BNKV is not None:
+        state = initial_state_BNKV.float().clone()  # the kernel updates it in place
+        return gated_delta(state, *args[:4], log_decay_BTN.exp())
     if query_BTNK.shape[1] >= CHUNKED_MIN_TOKENS and chunked_fits(key_BTNK, value_BTNV):
         return chunked_gated_delta(*args)
     return gated_delta(None, query_BTNK, key_BTNK, value_BTNV, beta_BTN, log_decay_BTN.exp())
 
 
 @prefill_delta_rule.register_fake
-def _(query_BTNK, key_BTNK, value_BTNV, beta_BTN, log_decay_BTN):
+def _(query_BTNK, key_BTNK, value_BTNV, beta_BTN, log_decay_BTN, initial_state_BNKV=None):
     batch, num_tokens, num_v, dv = value_BTNV.shape
     out = value_BTNV.new_empty((batch, num_tokens, num_v, dv), dtype=torch.float32)
     return out, value_BTNV.new_empty((batch, num_v, key_BTNK.shape[-1], dv), dtype=torch.float32)

@@ -146,6 +146,30 @@ def test_the_chunked_delta_rule_in_pytorch_matches_the_token_by_token_reference(
     _check_chunked_rule(rule, torch.float32, num_tokens, num_k, num_v, dk, dv, 1e-4)
 
 
+@pytest.mark.parametrize("split", [1, 37, 64])
+def test_a_prefill_rule_continues_a_state_as_one_rule_over_the_whole(split):
+    """A prompt's later chunk: the rule over tokens split.. from the state after ..split gives
+    the whole prompt's outputs and state (the Triton token kernel on CUDA and under the
+    interpreter, the PyTorch chunked form elsewhere), and leaves the state it was given."""
+    from areno.engine.linear_attention import prefill_delta_rule
+
+    torch.manual_seed(0)
+    batch, num_tokens, num_k, num_v, dk, dv = 2, 80, 2, 4, 32, 16
+    query = F.normalize(torch.randn(batch, num_tokens, num_k, dk, device=DEVICE), dim=-1) * dk**-0.5
+    key = F.normalize(torch.randn(batch, num_tokens, num_k, dk, device=DEVICE), dim=-1)
+    value = torch.randn(batch, num_tokens, num_v, dv, device=DEVICE)
+    beta = torch.rand(batch, num_tokens, num_v, device=DEVICE)
+    log_decay = -torch.rand(batch, num_tokens, num_v, device=DEVICE)
+    args = (query, key, value, beta, log_decay)
+    want_out, want_state = prefill_delta_rule(*args)
+    head_out, head_state = prefill_delta_rule(*(t[:, :split] for t in args))
+    given = head_state.clone()
+    tail_out, tail_state = prefill_delta_rule(*(t[:, split:] for t in args), head_state)
+    assert torch.equal(head_state, given)
+    torch.testing.assert_close(torch.cat([head_out, tail_out], 1), want_out, atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(tail_state, want_state, atol=2e-5, rtol=1e-4)
+
+
 def _check_chunked_rule(rule, dtype, num_tokens, num_k, num_v, dk, dv, tolerance) -> None:
     """Chunk sizes that divide the prompt and ones that leave a partial last chunk, grouped
     value heads, and right padding: a row whose last tokens have beta 0 and log-decay 0 ends

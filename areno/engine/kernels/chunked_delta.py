@@ -212,10 +212,12 @@ def chunked_gated_delta_torch(
     log_decay_BTN: torch.Tensor,
     *,
     chunk: int = CHUNK,
+    initial_state_BNKV: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`chunked_gated_delta`'s arithmetic in PyTorch, in fp32 (the CPU engine's prefill): the
     chunks' triangular systems in one batched solve, then a loop over the chunks for the state.
-    Same arguments and returns.
+    Same arguments and returns; `initial_state_BNKV` (not written) continues a state instead of
+    starting from zero (a prompt's later chunk).
 
     The operands are laid out chunk-major, (chunks, B * N, C, ...), so that each step of the loop
     takes contiguous slices that its batched matmuls read in place, and the state is updated in
@@ -254,7 +256,10 @@ def chunked_gated_delta_torch(
     last = cum[..., -1:]
     k_to_end_T = (k * (last - cum).exp()[..., None]).transpose(-1, -2).contiguous()
     chunk_decay = last.exp()[..., None]  # (chunks, B * N, 1, 1)
-    state = q.new_zeros((batch * num_v, dk, dv))
+    if initial_state_BNKV is None:
+        state = q.new_zeros((batch * num_v, dk, dv))
+    else:
+        state = initial_state_BNKV.float().reshape(batch * num_v, dk, dv).clone()
     out = q.new_empty((num_chunks, batch * num_v, chunk, dv))
     for c in range(num_chunks):
         delta = torch.baddbmm(u[c], w[c], state, alpha=-1)
