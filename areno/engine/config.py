@@ -54,7 +54,7 @@ class EngineConfig:
         first decode of each new row bucket's shape family; a compile error logs a warning and
         the step runs uncompiled. On CPU "inductor" runs the padded step compiled, keeping the
         packed linear layers: on 2 cores the small checkpoint's decode step took 20.8-22.2 ms
-        against 25.3-26.2 eager, after a 40 s cold compile (README, "The generator engine").
+        against 25.3-26.2 eager, after a 40 s cold compile (docs/performance.md, "The generator engine").
     prefill_compile: the torch.compile backend of the text stack when prompts without media
         share a prefill forward: "auto" is the decode step's, except under tensor parallelism
         (off there). Media prompts prefill uncompiled.
@@ -62,9 +62,9 @@ class EngineConfig:
         gate / up, a gated-delta-net's four) as one matmul over a fused weight, of which the
         parameters become views (areno/engine/fused_linear.py). "auto" is "on" on CUDA without
         tensor parallelism, "off" on CPU, where "on" packs each fused weight whole for the packed
-        layers and gained nothing measurable (README, session 17). On an H200 it took
+        layers and gained nothing measurable (docs/performance.md, "The generator engine"). On an H200 it took
         the Qwen3-1.7B shape from 14.8k to 16.5k tok/s, the engine's cold warm-up (both
-        compiles) 204 s (README, "The generator engine").
+        compiles) 204 s (docs/performance.md, "The generator engine").
     cpu_packed_linear: on CPU in float32 without tensor parallelism, run the model's linear
         layers through oneDNN with prepacked weights (areno/engine/cpu_linear.py), compiled or
         not; False keeps aten's matmul.
@@ -75,7 +75,7 @@ class EngineConfig:
         of a tensor-parallel group take each step's tokens from the host). A sequence that stops
         on a token then decodes one wasted step; its output is the same. On an H200 it took the
         Qwen3-1.7B shape from 10.7k to 13.4k tok/s and the Qwen3.5-2B hybrid from 9.5k to 11.8k
-        (README, "The generator engine"); on CPU, where nothing overlaps, it gains nothing.
+        (docs/performance.md, "The generator engine"); on CPU, where nothing overlaps, it gains nothing.
     """
 
     tp_size: int = 1
