@@ -104,22 +104,17 @@ def available_bytes(device: torch.device) -> tuple[int, int] | None:
     return None
 
 
-def kv_heads_by_layer(
-    text_stack: torch.nn.Module, layer_types: list[str], kinds=("full_attention",)
-) -> dict[int, tuple]:
-    """{layer index: (kv heads on this rank, head dim)} of the attention layers of `kinds` that
-    keep their own keys and values (not Gemma's KV-sharing ones), read off their key
-    projections (a tensor-parallel shard's local heads). A layer type other than linear or
-    sliding attention counts as full attention."""
-    kinds = set(kinds)
-    if "full_attention" in kinds:
-        layer_types = [
-            t if t in ("linear_attention", "sliding_attention") else "full_attention"
-            for t in layer_types
-        ]
+def kv_heads_by_layer(text_stack: torch.nn.Module, layer_types: list[str]) -> dict[int, tuple]:
+    """{layer index: (kv heads on this rank, head dim)} of the attention layers whose keys and
+    values live in the pool: not linear-attention layers, not sliding-window ones where the
+    model has a window (they keep a ring per slot, `PagedAttentionLayer`), not Gemma's
+    KV-sharing ones; read off their key projections (a tensor-parallel shard's local heads)."""
+    window = getattr(text_stack.config, "sliding_window", None)
     specs = {}
     for i, layer in enumerate(text_stack.layers):
-        if layer_types[i] not in kinds:
+        if layer_types[i] == "linear_attention" or (
+            window and layer_types[i] == "sliding_attention"
+        ):
             continue
         attn = layer.self_attn
         if getattr(attn, "is_kv_shared_layer", False):

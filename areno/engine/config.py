@@ -42,7 +42,8 @@ class EngineConfig:
         memory the whole engine may use (`--kv-cache-memory-fraction`): the pool gets what is
         left after the weights, the activation peak of a max_prefill_tokens_per_step prefill
         (measured at start-up) and the running sequences' linear-attention states.
-    max_prefill_tokens_per_step: prompt tokens admitted per step (see SchedulerConfig).
+    max_prefill_tokens_per_step: prompt tokens prefilled per step (`--max-num-batched-tokens`);
+        a longer prompt is prefilled in chunks beside the decodes (see SchedulerConfig).
     dtype: "auto" is float32 on CPU and bfloat16 on CUDA.
     device: "auto" is CUDA when available.
     num_cpus_per_rank: CPUs Ray reserves for each tensor-parallel follower actor.

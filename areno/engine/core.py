@@ -104,7 +104,7 @@ class EngineCore:
 
     def check_request(self, inputs: PromptInputs, params: SamplingParams) -> None:
         """Raise the error `add_request` would raise for a request that can never run."""
-        self.scheduler.check_fits(inputs.num_prompt_tokens, params.n)
+        self.scheduler.check_fits(inputs.num_prompt_tokens)
 
     def add_request(self, request_id: str, inputs: PromptInputs, params: SamplingParams) -> None:
         """Queue a request; its outputs come from later `step()` calls."""

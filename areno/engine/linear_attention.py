@@ -97,7 +97,7 @@ class EngineKernels:
             if attention_mask is None and not isinstance(hidden_states, DTensor):
                 # a prompt's later chunk: both states continue
                 return prefill_step(
-                    module, hidden_states, cache_params, None, None, (conv_state, recurrent_state)
+                    module, hidden_states, cache_params, None, states=(conv_state, recurrent_state)
                 )
             return original(hidden_states, cache_params, attention_mask, **kwargs)
 

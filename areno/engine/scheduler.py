@@ -44,7 +44,6 @@ from areno.engine.sequence import Sequence, SequenceGroup, SequenceStatus
 from areno.errors import ArenoError, ConfigError, PromptTooLongError
 
 FLAG_MAX_CONTEXT_LEN = "--max-context-len"
-FLAG_MAX_RUNNING = "--max-running-prompts"
 
 
 class SequenceTooLongError(PromptTooLongError):
@@ -63,9 +62,9 @@ class SchedulerConfig:
 
     max_running_seqs: cache slots, i.e. sequences running at once.
     max_context_len: tokens one sequence may reach (prompt plus output).
-    max_prefill_tokens_per_step: prompt tokens admitted per step, so a burst of long prompts does
-        not stall running decodes for long; a single prompt over the budget is still admitted
-        (alone) so that it never starves.
+    max_prefill_tokens_per_step: prompt tokens prefilled per step, so a long prompt or a burst
+        of them does not stall running decodes for long: a longer prompt is prefilled in chunks
+        (module docstring); one that may not be split that far runs alone so it never starves.
     num_blocks: KV blocks in the pool (None: every slot's `max_context_len`, as a slot cache
         would hold). It must hold one sequence of max_context_len tokens.
     block_size: tokens per KV block.
@@ -149,12 +148,8 @@ class ScheduledPrefill:
 
     group: SequenceGroup
     seqs: list[Sequence]
-    start: int = 0
-    end: int | None = None  # None: all the sequences' tokens
-
-    def __post_init__(self) -> None:
-        if self.end is None:
-            self.end = self.seqs[0].prefill_end or self.seqs[0].num_tokens
+    start: int
+    end: int
 
     @property
     def token_ids(self) -> list[int]:
@@ -247,14 +242,14 @@ class Scheduler:
         Raises SequenceTooLongError or DuplicateRequestError for a request that could never
         run, so it fails at once instead of waiting forever.
         """
-        self.check_fits(group.num_prompt_tokens, group.num_seqs)
+        self.check_fits(group.num_prompt_tokens)
         if group.request_id in self._groups:
             raise DuplicateRequestError(f"request id {group.request_id!r} is already in use")
         self._groups[group.request_id] = group
         for seq in group.seqs:
             bisect.insort(self._waiting, seq, key=_queue_key)
 
-    def check_fits(self, num_prompt_tokens: int, num_seqs: int) -> None:
+    def check_fits(self, num_prompt_tokens: int) -> None:
         """Raise for a request that could never run (see `add`). Any number of samples fits:
         they run as slots allow."""
         limit = self.config.max_context_len
