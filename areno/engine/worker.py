@@ -167,7 +167,8 @@ class Worker:
         fuse_projections: str = "off",
     ):
         """`pool`: how the KV block pool is sized (areno/engine/kv_pool.py); `num_blocks` sets
-        its size directly (None: every slot `max_len` tokens). `packed_linear`: on CPU in float32, linear layers run on prepacked oneDNN weights
+        its size directly (None: every slot `max_len` tokens). `packed_linear`: on CPU in
+        float32, linear layers run on prepacked oneDNN weights
         (areno/engine/cpu_linear.py); not under tensor parallelism, whose shards are DTensors.
         `prefill_compile` "auto" compiles batched prefills as the decode step is compiled, but
         not under tensor parallelism (not yet run there on a GPU). `fuse_projections` "auto"
