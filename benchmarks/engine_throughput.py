@@ -211,20 +211,26 @@ def run_engine(
     overlap_steps: str = "auto",
     prefill_compile: str = "auto",
     fuse_projections: str = "auto",
+    max_context_len: str = "auto",
 ) -> dict:
     """AReno's engine on the same requests: all submitted at once in arrival order, at most
     `concurrency` decoding (the engine's cache slots), greedy, token ids only (no detokenizing,
     as `generate` does none). Useful tokens are counted like `run_hf_generate`: the engine stops
     a request at its first EOS (unless `ignore_eos`) or at max_tokens. The warm-up (where a
     compiled decode step compiles) is timed separately. `triton_kernels=False` runs the engine's
-    PyTorch references instead of its Triton kernels (which run on CUDA only)."""
+    PyTorch references instead of its Triton kernels (which run on CUDA only).
+    `max_context_len`: the engine's ("auto": the longest request's, plus one)."""
     max_len = max(r["prompt_inputs"].num_prompt_tokens + r["max_tokens"] for r in requests)
+    context = max_len + 1 if max_context_len == "auto" else int(max_context_len)
     config = EngineConfig(
         max_running_prompts=concurrency,
-        max_context_len=max_len + 1,
+        max_context_len=context,
         # The KV pool holds every running request's whole context (what one slot each held
         # before paging), not a share of the device: HF's runs follow in this process.
-        kv_cache_gib=pool_gib(model, concurrency * blocks_for(max_len + 1, 16)),
+        # (and one whole longest context, which the engine checks it can hold).
+        kv_cache_gib=pool_gib(
+            model, max(concurrency * blocks_for(max_len + 1, 16), blocks_for(context, 16))
+        ),
         decode_compile=decode_compile,
         cpu_packed_linear=packed_linear,
         overlap_steps=overlap_steps,
@@ -368,11 +374,13 @@ def run_model(name: str, args: argparse.Namespace, bandwidth_gb_s: float) -> dic
         "overlap_steps": args.overlap_steps,
         "prefill_compile": args.prefill_compile,
         "fuse_projections": args.fuse_projections,
+        "max_context_len": args.max_context_len,
     }
     labels = {
         "overlap_steps": "overlap-",
         "prefill_compile": "prefill-",
         "fuse_projections": "fuse-",
+        "max_context_len": "ctx-",
     }
     for values in itertools.product(*options.values()):
         chosen = dict(zip(options, values, strict=True))
@@ -390,6 +398,7 @@ def run_model(name: str, args: argparse.Namespace, bandwidth_gb_s: float) -> dic
             c["overlap_steps"],
             c["prefill_compile"],
             c["fuse_projections"],
+            c["max_context_len"],
         )
     rows = []
     for system, run in systems.items():
@@ -508,6 +517,13 @@ def parse_args() -> argparse.Namespace:
         choices=["auto", "on", "off"],
         default=["auto"],
         help="EngineConfig.fuse_projections (auto: on CUDA); several give one row each",
+    )
+    parser.add_argument(
+        "--max-context-len",
+        nargs="+",
+        default=["auto"],
+        help="the engine's max_context_len (auto: the longest request's); several give one "
+        "row each (a server's longer context pads every captured decode step to it)",
     )
     parser.add_argument(
         "--out", help="default: benchmarks/results/engine_throughput_<workload>.json"

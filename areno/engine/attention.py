@@ -45,6 +45,9 @@ from areno.engine.kernels.decode_attention import fits as decode_attention_fits
 
 ENGINE_SDPA = "areno_sdpa"
 BLOCK_TABLES_KWARG = "areno_block_tables"
+# With the tables, a decode step may pass each row's key count (B,) int32: the kernel's splits
+# past it do nothing (a captured step padded to the longest context stays cheap for short rows).
+KV_LENGTHS_KWARG = "areno_kv_lengths"
 
 
 def engine_sdpa_forward(
@@ -65,6 +68,7 @@ def engine_sdpa_forward(
     mask_is_shared = attention_mask is None or attention_mask.shape[1] == 1
     plain = kwargs.get("position_bias") is None and kwargs.get("softcap") is None
     block_tables = kwargs.pop(BLOCK_TABLES_KWARG, None)
+    lengths_B = kwargs.pop(KV_LENGTHS_KWARG, None)
     if isinstance(block_tables, dict):  # by layer kind: a sliding layer's ring, or None
         kind = "full_attention" if kwargs.get("sliding_window") is None else "sliding_attention"
         block_tables = block_tables[kind]
@@ -72,7 +76,9 @@ def engine_sdpa_forward(
         if q_len == 1 and plain and _takes_decode_kernel(query, key, attention_mask):
             scale = scaling if scaling is not None else query.shape[-1] ** -0.5
             mask_BK = attention_mask[:, 0, 0]
-            out = decode_attention(query[:, :, 0], key, value, block_tables, mask_BK, scale)
+            out = decode_attention(
+                query[:, :, 0], key, value, block_tables, mask_BK, scale, lengths_B
+            )
             return out[:, None], None
         kv_len = attention_mask.shape[-1]
         key = gather_keys(key, block_tables, kv_len)

@@ -413,18 +413,23 @@ def fork(cache: PagedCache, src_slot: int, dst_slots: list[int], block_copies) -
             state.recurrent[index] = state.recurrent[src_slot].clone()
 
 
-def save_rows(cache: PagedCache, num_rows: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """What a decode over slots 0..num_rows-1 overwrites besides the sink block (their
+def save_rows(cache: PagedCache, slots: range) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """What a decode over `slots` (consecutive) overwrites besides the sink block (their
     linear-attention states and sliding-window rings): (storage view, copy) pairs for
-    `restore_rows` (used around a CUDA-graph warm-up forward)."""
+    `restore_rows` (around a CUDA-graph warm-up forward, and around a padded step for the
+    slots in its rows that do not decode)."""
     views = []
     for layer in cache.attention.values():
         if layer.is_initialized and layer.ring_blocks is not None:
-            rows = slice(1, 1 + num_rows * layer.ring_blocks)
+            ring = layer.ring_blocks
+            rows = slice(1 + slots.start * ring, 1 + slots.stop * ring)
             views += [layer.keys[rows], layer.values[rows]]
     for state in cache.linear.values():
         if state.conv is not None:
-            views += [state.conv[:num_rows], state.recurrent[:num_rows]]
+            views += [
+                state.conv[slots.start : slots.stop],
+                state.recurrent[slots.start : slots.stop],
+            ]
     return [(view, view.clone()) for view in views]
 
 

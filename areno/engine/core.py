@@ -114,7 +114,7 @@ class EngineCore:
             params,
             inputs=inputs,
             can_chunk=True,
-            first_chunk_min=max((span.end for span in inputs.mm_spans), default=0),
+            whole_runs=self.executor.worker.whole_runs(inputs),
         )
         self.scheduler.add(group)
         if params.detokenize:

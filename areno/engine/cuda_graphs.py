@@ -9,9 +9,11 @@ its inputs, block tables included, are copied into static buffers. Row i is slot
 linear-attention states update in place, without gathering copies.
 
 NOTE: rows of slots that are not decoding this step compute garbage: their table is all sink
-blocks, so their key lands in the sink, and their linear-attention slot takes a state update.
-That is safe because every allocated slot is either decoding or being prefilled in the same
-step, and the worker runs the prefill after the decode.
+blocks, so their key lands in the sink, and their linear-attention state and sliding-window
+ring take an update. That is safe for a free slot, and for one whose prompt is prefilled this
+step (the worker runs the prefill after the decode); a slot between two chunks of its prompt
+keeps what its earlier chunks wrote: its state and ring are saved before the step and restored
+after it.
 
 The same padded, static-buffer step also runs eagerly (`capture=False`), which is how CPU tests
 check it against the plain decode path.
@@ -28,7 +30,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from areno.engine.attention import BLOCK_TABLES_KWARG
+from areno.engine.attention import BLOCK_TABLES_KWARG, KV_LENGTHS_KWARG
 from areno.engine.block_manager import SINK_BLOCK, blocks_for
 from areno.engine.cache import BatchBinding, restore_rows, save_rows
 from areno.engine.compiled import CompiledForward
@@ -37,6 +39,8 @@ if TYPE_CHECKING:
     from areno.engine.runner import ModelRunner
 
 KV_BUCKET = 128
+# The shortest key length of a doubling bucket (`DecodeGraphs.kv_len`).
+MIN_DOUBLING = 512
 
 
 def row_buckets(max_rows: int, min_rows: int = 1) -> list[int]:
@@ -81,7 +85,20 @@ class DecodeGraphs:
         # outputs alone grew to gigabytes (docs/performance.md, "The generator engine").
         self._logits_RV: torch.Tensor | None = None
         self._pool = torch.cuda.graph_pool_handle() if capture else None
+        self.doubling = capture and runner.decodes_in_kernel
         self._model = CompiledForward(runner.model, compile_backend, "the decode step")
+
+    def kv_len(self, num_keys: int) -> int:
+        """The padded key length of a step whose longest row has `num_keys` keys. Where the
+        paged decode kernel reads every attention layer (its splits past a row's keys do next
+        to nothing), the next power of two from `MIN_DOUBLING` up: a graph per doubling of the
+        context, not per `KV_BUCKET`, at most twice the keys' masks. Elsewhere the next multiple
+        of `KV_BUCKET`. Never past the whole context; a whole number of blocks, so gathering the
+        keys (CPU) never slices one."""
+        whole = self.runner.max_blocks * self.runner.block_size
+        if self.doubling:
+            return min(max(MIN_DOUBLING, 1 << (num_keys - 1).bit_length()), whole)
+        return min(-(-num_keys // KV_BUCKET) * KV_BUCKET, whole)
 
     @property
     def compiled(self) -> bool:
@@ -108,9 +125,7 @@ class DecodeGraphs:
     ) -> torch.Tensor:
         """Like `ModelRunner.decode`; returns logits (B, V)."""
         rows = next(b for b in self.buckets if b > max(slots))
-        # A whole number of blocks: gathering the keys (CPU) then never slices a block.
-        whole = self.runner.max_blocks * self.runner.block_size
-        kv_len = min(-(-(max(positions) + 1) // KV_BUCKET) * KV_BUCKET, whole)
+        kv_len = self.kv_len(max(positions) + 1)
         if self._copied is not None:
             self._copied.synchronize()  # the last step's copy has left the pinned buffer
         host = self._host_4R
@@ -131,11 +146,16 @@ class DecodeGraphs:
             self._copied.record()
         if by_slot:  # row i is slot i: the first rows of the per-slot tokens, on the device
             self.token_ids_B[:rows].copy_(token_ids[:rows])
+        # Slots in the padded rows between two chunks of their prompts (see the module docstring).
+        decoding = set(slots)
+        between = [s for s in self.runner.chunking_slots if s < rows and s not in decoding]
+        saved = [pair for s in between for pair in save_rows(self.runner.cache, range(s, s + 1))]
         if self.capture:
             graph, logits = self._graphs.get((rows, kv_len)) or self._capture(rows, kv_len)
             graph.replay()
         else:
             logits = self._forward(rows, kv_len)
+        restore_rows(saved)
         if len(slots) == rows and slots == list(range(rows)):
             return logits  # every row decodes, in slot order (a full batch)
         return logits[self._row_slots_B[: len(slots)]]
@@ -156,6 +176,7 @@ class DecodeGraphs:
             "past_key_values": runner.cache,
             "use_cache": True,
             BLOCK_TABLES_KWARG: runner.attention_tables(tables, slots_B),
+            KV_LENGTHS_KWARG: (pos_B + 1).int(),
         }
         out = self._model(**inputs)
         runner.cache.commit()
@@ -169,7 +190,7 @@ class DecodeGraphs:
         # inputs restored before the replay.
         buffers = (self.positions_B, self.token_ids_B, self.tables_RN)
         saved = [b[:rows].clone() for b in buffers]
-        saved_state = save_rows(self.runner.cache, rows)
+        saved_state = save_rows(self.runner.cache, range(rows))
         self.positions_B[:rows] = 0
         self.token_ids_B[:rows] = 0
         self.tables_RN[:rows] = SINK_BLOCK  # the warm-up's keys go to the sink

@@ -13,11 +13,13 @@ sends each row's table with the step; the runner keeps them, by slot, in one hos
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from areno.engine.attention import BLOCK_TABLES_KWARG, EngineAttention
+from areno.engine import kernels
+from areno.engine.attention import BLOCK_TABLES_KWARG, KV_LENGTHS_KWARG, EngineAttention
 from areno.engine.block_manager import SINK_BLOCK, blocks_for
 from areno.engine.cache import BatchBinding, PagedCache, fork, ring_tables
 from areno.engine.compiled import CompiledForward
@@ -25,6 +27,7 @@ from areno.engine.config import COMPILE_MODES, GRAPH_MODES
 from areno.engine.cpu_linear import PackedLinears, can_pack
 from areno.engine.cuda_graphs import DecodeGraphs
 from areno.engine.fused_linear import FusedLinears
+from areno.engine.kernels.decode_attention import fits_heads
 from areno.engine.linear_attention import EngineKernels
 from areno.engine.transfer import to_device
 from areno.processing.types import PromptInputs
@@ -78,6 +81,11 @@ class ModelRunner:
             ["full_attention"] * num_layers
         )
         self.sliding_window = getattr(self.text_config, "sliding_window", None)
+        # Gemma 4: a run of vision tokens attends to itself both ways in the sliding layers.
+        self.bidirectional_vision = (
+            getattr(self.text_config, "use_bidirectional_attention", None) == "vision"
+            and "sliding_attention" in self.layer_types
+        )
         self.block_size = block_size
         # A row's table covers max_len + 1 positions (a compiled step's key length bucket may
         # round up to it).
@@ -92,6 +100,8 @@ class ModelRunner:
         # Each slot's block table (SINK_BLOCK past its blocks) and how many blocks it lists.
         self.tables_SN = torch.full((num_slots, self.max_blocks), SINK_BLOCK, dtype=torch.long)
         self._table_lens = [0] * num_slots
+        # The kept stack inputs of each slot whose prompt is prefilled in chunks.
+        self._staged: dict[int, StagedPrompt] = {}
         self._text_stack = model.get_decoder()
         # Qwen-style multimodal rope: text positions after media are offset by a per-request delta.
         self.uses_mrope = hasattr(model.model, "rope_deltas")
@@ -141,6 +151,28 @@ class ModelRunner:
         return stack
 
     @property
+    def decodes_in_kernel(self) -> bool:
+        """Whether every attention layer decodes through the paged Triton kernel (on CUDA, with
+        head shapes it takes), never gathering its keys."""
+        if not (kernels.ENABLED and self.device.type == "cuda"):
+            return False
+        config = self.text_config
+        return all(
+            fits_heads(
+                layer.self_attn.head_dim,
+                config.num_attention_heads,
+                config.num_key_value_heads,
+            )
+            for kind, layer in zip(self.layer_types, self._text_stack.layers, strict=True)
+            if kind != "linear_attention"
+        )
+
+    @property
+    def chunking_slots(self) -> list[int]:
+        """The slots whose prompts are between two of their prefill chunks."""
+        return list(self._staged)
+
+    @property
     def num_blocks(self) -> int:
         return self.cache.num_blocks
 
@@ -161,10 +193,12 @@ class ModelRunner:
         assert not any(layer.is_initialized for layer in self.cache.attention.values())
         kwargs = {"headroom": 0.0} if measured else {}
         self.cache = self._new_cache(num_blocks, self.num_slots, **kwargs)
+        self._staged.clear()
 
     def release_cache(self) -> None:
         """Drop the cache's storage (a new, unallocated cache of one block takes its place)."""
         self.cache = self._new_cache(1, self.num_slots)
+        self._staged.clear()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
@@ -209,6 +243,7 @@ class ModelRunner:
             table = tables[i] if tables is not None else self.default_table(slot)
             known = 0 if new else self._table_lens[slot]
             if new:
+                self._staged.pop(slot, None)
                 self.tables_SN[slot, len(table) :] = SINK_BLOCK
             if len(table) > known:
                 self.tables_SN[slot, known : len(table)] = torch.tensor(table[known:])
@@ -332,16 +367,23 @@ class ModelRunner:
         end: int,
     ) -> torch.Tensor:
         """Prefill tokens start..end-1 of a prompt into `slot`, whose blocks hold its tokens
-        before `start` (earlier chunks); returns the last position's logits (V,). A first chunk
-        (start 0) is a prefill of the prompt's first `end` tokens, media included; a later one
-        holds text only (a first chunk covers every media item). Its queries attend to the
-        cached keys through the block table and to their own causally; linear-attention layers
-        continue the slot's state; Qwen's text positions keep the rope delta of the media
-        before them."""
+        before `start` (earlier chunks); returns the last position's logits (V,).
+
+        The first chunk (start 0) runs the model's own forward over the whole prompt up to its
+        text stack: the media towers encode every item once, and the stack's inputs (embeddings
+        with the media features merged, Qwen's multimodal rope positions, Gemma's per-layer
+        inputs, Qwen3-VL's deepstack features) are kept for the slot; the stack runs on the
+        chunk's part of them. A later chunk runs the stack on its own part: its queries attend
+        to the cached keys through the block table and to their own causally (both ways within
+        a bidirectional run, which a chunk holds whole: `whole_runs`), and linear-attention
+        layers continue the slot's state. The last chunk drops what was kept."""
         table = [block_table] if block_table else None
+        n = inputs.num_prompt_tokens
         if start == 0:
-            return self.prefill(inputs.prefix(end), [slot], table)
-        assert all(span.end <= start for span in inputs.mm_spans), "media in a later chunk"
+            if end == n:
+                return self.prefill(inputs, [slot], table)
+            return self._first_chunk(inputs, slot, table, end)
+        staged = self._staged.pop(slot) if end == n else self._staged[slot]
         self.set_tables([slot], table, new=False)
         pos_Q = torch.arange(start, end, device=self.device)
         tables = self._device_tables([slot], end)
@@ -352,14 +394,14 @@ class ModelRunner:
         self.cache.bind(binding, is_prefill=False)
         ids = to_device(torch.tensor([inputs.input_ids[start:end]]), self.device)
         delta = torch.tensor([self.rope_delta[slot]], device=self.device)
-        position_ids = self.position_ids(pos_Q, delta.expand(len(pos_Q)))
-        # (4, L, 1) or (L, 1) as for a decode of L rows: one row of L positions instead
-        position_ids = position_ids.transpose(-1, -2)
-        with self._engine_context():
+        # The model's own positions for its forward (the stack takes the kept ones): (4, 1, L)
+        # or (1, L), one row of L positions.
+        position_ids = self.position_ids(pos_Q, delta.expand(len(pos_Q))).transpose(-1, -2)
+        with self._engine_context(), self._stack_inputs(staged.cut(start, end)):
             out = self.model(
                 input_ids=ids,
                 position_ids=position_ids,
-                attention_mask=self._chunk_masks(pos_Q, end),
+                attention_mask=self._chunk_masks(pos_Q, end, staged.groups),
                 past_key_values=self.cache,
                 use_cache=True,
                 logits_to_keep=1,
@@ -369,15 +411,113 @@ class ModelRunner:
         self.cache.commit()
         return out.logits[0, -1].float()
 
-    def _chunk_masks(self, pos_Q: torch.Tensor, kv_len: int):
+    def _first_chunk(
+        self, inputs: PromptInputs, slot: int, table: list[list[int]] | None, end: int
+    ) -> torch.Tensor:
+        self.set_tables([slot], table, new=True)
+        slot_B = to_device(torch.tensor([slot]), self.device)
+        positions = torch.arange(end, device=self.device)[None]
+        tables = self._device_tables([slot], end)
+        self.cache.bind(BatchBinding(slot_B, positions, end, tables), is_prefill=True)
+        if self.uses_mrope:
+            self.model.model.rope_deltas = None
+        model_inputs = {k: to_device(v, self.device) for k, v in inputs.model_inputs().items()}
+        groups = self._bidirectional_groups(inputs)
+        with self._engine_context(), self._staging(slot, end, inputs.num_prompt_tokens, groups):
+            out = self.model(
+                **model_inputs, past_key_values=self.cache, use_cache=True, logits_to_keep=1
+            )
+        self.cache.commit()
+        delta = 0
+        if self.uses_mrope and self.model.model.rope_deltas is not None:
+            delta = int(self.model.model.rope_deltas[0, 0])
+        self.rope_delta[slot] = delta
+        return out.logits[0, -1].float()
+
+    @contextlib.contextmanager
+    def _staging(self, slot: int, end: int, num_tokens: int, groups: torch.Tensor | None):
+        """Within the block, the text stack's inputs for the whole prompt are kept for `slot`
+        (`StagedPrompt`) and the stack runs on their first `end` tokens."""
+        stack = self._text_stack
+        forward_class = type(stack).forward
+
+        def forward(*args, **kwargs):
+            staged = StagedPrompt.capture(kwargs, num_tokens, groups)
+            self._staged[slot] = staged
+            kwargs |= staged.cut(0, end)
+            kwargs["attention_mask"] = _first_rows(kwargs.get("attention_mask"), end)
+            return forward_class(stack, *args, **kwargs)
+
+        with self._patched_stack(forward):
+            yield
+
+    @contextlib.contextmanager
+    def _stack_inputs(self, inputs: dict):
+        """Within the block, the text stack takes `inputs` in place of those the model's
+        forward gives it (a later chunk's part of its prompt's kept inputs)."""
+        stack = self._text_stack
+        forward_class = type(stack).forward
+
+        def forward(*args, **kwargs):
+            return forward_class(stack, *args, **(kwargs | inputs))
+
+        with self._patched_stack(forward):
+            yield
+
+    @contextlib.contextmanager
+    def _patched_stack(self, forward):
+        stack = self._text_stack
+        assert "forward" not in vars(stack), "the text stack's forward is its class's"
+        stack.forward = forward
+        try:
+            yield
+        finally:
+            del stack.forward
+
+    def whole_runs(self, inputs: PromptInputs) -> list[tuple[int, int]]:
+        """The token runs (start, end) of `inputs` that one prefill chunk must hold whole: where
+        the model attends both ways, Gemma 4's runs of vision tokens (one image, one video
+        frame) in its sliding layers."""
+        groups = self._bidirectional_groups(inputs)
+        if groups is None:
+            return []
+        runs, ids = [], groups.tolist()
+        for i, group in enumerate(ids):
+            if group >= 0 and (i == 0 or ids[i - 1] != group):
+                runs.append([i, i + 1])
+            elif group >= 0:
+                runs[-1][1] = i + 1
+        return [tuple(run) for run in runs]
+
+    def _bidirectional_groups(self, inputs: PromptInputs) -> torch.Tensor | None:
+        """Each token's bidirectional run (L,), -1 outside one, or None where the model has
+        none: as Gemma 4 marks them (`use_bidirectional_attention` "vision"), each maximal
+        run of image or video tokens (token types 1, 2), seen both ways by the sliding
+        layers."""
+        types = inputs.mm_inputs.get("mm_token_type_ids")
+        if types is None or not self.bidirectional_vision:
+            return None
+        vision = (types[0] == 1) | (types[0] == 2)
+        starts = vision & ~torch.cat([vision.new_zeros(1), vision[:-1]])
+        groups = torch.where(vision, torch.cumsum(starts.long(), 0) - 1, -1)
+        return to_device(groups, self.device)
+
+    def _chunk_masks(self, pos_Q: torch.Tensor, kv_len: int, groups: torch.Tensor | None):
         """A chunk's masks (1, 1, Q, kv_len) over its cached and own keys: causal, and windowed
-        for sliding layers."""
+        for sliding layers, where the tokens of one bidirectional run (`groups`) also see each
+        other."""
         keys = torch.arange(kv_len, device=self.device)[None, :]
         full = (keys <= pos_Q[:, None])[None, None]
         if not self.sliding_window or "sliding_attention" not in self.layer_types:
             return full
+        seen = full
+        if groups is not None:
+            query_groups = groups[pos_Q][:, None]
+            seen = (
+                full | ((query_groups == groups[None, :kv_len]) & (query_groups >= 0))[None, None]
+            )
         recent = (keys > pos_Q[:, None] - self.sliding_window)[None, None]
-        return {"full_attention": full, "sliding_attention": full & recent}
+        return {"full_attention": full, "sliding_attention": seen & recent}
 
     @property
     def can_pad_prefill(self) -> bool:
@@ -396,7 +536,6 @@ class ModelRunner:
         """Within the block, the text stack runs through `_prefill_stack` (compiled or not) and
         its final hidden states are row b's at `positions_B[b]` only, (B, 1, H): the model's
         `logits_to_keep=1` then projects those."""
-        stack = self._text_stack
         rows_B = torch.arange(len(positions_B), device=positions_B.device)
 
         def forward(*args, **kwargs):
@@ -404,12 +543,8 @@ class ModelRunner:
             out.last_hidden_state = out.last_hidden_state[rows_B, positions_B][:, None]
             return out
 
-        assert "forward" not in vars(stack), "the text stack's forward is its class's"
-        stack.forward = forward
-        try:
+        with self._patched_stack(forward):
             yield
-        finally:
-            del stack.forward
 
     @torch.inference_mode()
     def decode(
@@ -454,7 +589,10 @@ class ModelRunner:
             attention_mask=self.masks(pos_B, kv_len),
             past_key_values=self.cache,
             use_cache=True,
-            **{BLOCK_TABLES_KWARG: self.attention_tables(tables, slots_B)},
+            **{
+                BLOCK_TABLES_KWARG: self.attention_tables(tables, slots_B),
+                KV_LENGTHS_KWARG: (pos_B + 1).int(),
+            },
         )
         self.cache.commit()
         return out.logits[:, -1].float()
@@ -498,6 +636,59 @@ class ModelRunner:
             logits_NV = self.model(**model_inputs, use_cache=False).logits[0, :-1].float()
         targets_N = model_inputs["input_ids"][0, 1:]
         return torch.log_softmax(logits_NV, dim=-1).gather(-1, targets_N[:, None]).squeeze(-1)
+
+
+@dataclass
+class StagedPrompt:
+    """The text stack's inputs for a whole prompt prefilled in chunks, as the model's forward
+    gave them at its first chunk; `cut` gives a chunk's part."""
+
+    per_token: dict[str, torch.Tensor]  # (1, L, ...): inputs_embeds, per_layer_inputs, ...
+    position_ids: torch.Tensor  # (..., L)
+    groups: torch.Tensor | None  # each token's bidirectional run (L,), -1 outside one
+    # Qwen3-VL: each deepstack layer's features of the prompt's vision tokens, and how many
+    # vision tokens come before each position (L + 1,).
+    deepstack: list[torch.Tensor] | None = None
+    vision_before: list[int] | None = None
+
+    @classmethod
+    def capture(cls, kwargs: dict, num_tokens: int, groups: torch.Tensor | None) -> StagedPrompt:
+        per_token = {
+            key: value
+            for key, value in kwargs.items()
+            if key not in ("attention_mask", "position_ids")
+            and isinstance(value, torch.Tensor)
+            and value.ndim >= 2
+            and value.shape[:2] == (1, num_tokens)
+        }
+        deepstack, vision_before = kwargs.get("deepstack_visual_embeds"), None
+        if deepstack is not None:
+            mask = per_token["visual_pos_masks"][0]
+            vision_before = [0] + torch.cumsum(mask.long(), 0).tolist()
+        position_ids = kwargs.get("position_ids")
+        if position_ids is None:  # the stack counts from the cache: plain positions
+            device = next(iter(per_token.values())).device
+            position_ids = torch.arange(num_tokens, device=device)[None]
+        return cls(per_token, position_ids, groups, deepstack, vision_before)
+
+    def cut(self, start: int, end: int) -> dict:
+        """The stack's inputs for tokens start..end-1."""
+        inputs = {key: value[:, start:end] for key, value in self.per_token.items()}
+        inputs["position_ids"] = self.position_ids[..., start:end]
+        if self.deepstack is not None:
+            first, last = self.vision_before[start], self.vision_before[end]
+            inputs["deepstack_visual_embeds"] = [e[first:last] for e in self.deepstack]
+        return inputs
+
+
+def _first_rows(mask, end: int):
+    """A prefill's attention mask(s) for its first `end` tokens: a (1, L) padding mask cut to
+    (1, end), a (1, 1, L, L) mask to (1, 1, end, end); a mapping by layer kind, each."""
+    if isinstance(mask, dict):
+        return {kind: _first_rows(m, end) for kind, m in mask.items()}
+    if mask is None:
+        return None
+    return mask[:, :end] if mask.ndim == 2 else mask[..., :end, :end]
 
 
 def _pad_tokens(value_1L: torch.Tensor, length: int) -> torch.Tensor:

@@ -16,10 +16,11 @@ from its prompt and the tokens it had (recomputation). It resumes with the same 
 
 A prompt longer than what is left of the step's prefill budget (`max_prefill_tokens_per_step`,
 `--max-num-batched-tokens`) is prefilled in chunks over several steps when its group allows it,
-beside the running decodes, so that a long prompt does not stall every stream. The first chunk
-covers at least the group's `first_chunk_min` tokens (a prompt's media items, whole: their
-towers run once, in one forward); a first chunk over the budget, or a prompt that may not be
-chunked, is admitted alone.
+beside the running decodes, so that a long prompt does not stall every stream. A chunk ends
+anywhere, media included (the engine encodes a prompt's media once, at its first chunk, and
+each chunk consumes its part of the features), except inside a run the group holds whole (its
+`whole_runs`: tokens the model attends to both ways); a first chunk over the budget, or a
+prompt that may not be chunked, is admitted alone.
 
 Step contract (one `schedule()` per engine step):
 - `prefill`: sequences admitted this step, in `ScheduledPrefill`s: the new samples of one request
@@ -297,10 +298,12 @@ class Scheduler:
                 continue
             if budget <= 0 and items:
                 break
+            group = self._groups[seq.request_id]
             start = seq.num_computed_tokens
-            end = min(seq.prefill_end, start + max(budget, self.config.block_size))
+            limit = min(seq.prefill_end, start + max(budget, self.config.block_size))
+            end = _chunk_end(group, start, limit)
             seq.num_computed_tokens = end
-            items.append(ScheduledPrefill(self._groups[seq.request_id], [seq], start, end))
+            items.append(ScheduledPrefill(group, [seq], start, end))
             budget -= end - start
         return items
 
@@ -394,8 +397,7 @@ class Scheduler:
                 need = blocks_for(seq.num_tokens, block_size)
                 if seq.num_tokens > budget:
                     if group.can_chunk and budget >= block_size:
-                        # the first chunk (all its media, whole); the rest in later steps
-                        end = min(max(budget, group.first_chunk_min), seq.num_tokens)
+                        end = _chunk_end(group, 0, budget)  # the rest in later steps
                     if end > budget and (admitted or not first):
                         break
             if self.blocks.num_free - need < (self._watermark if self._running else 0):
@@ -519,3 +521,13 @@ def _find_stop_string(stops: tuple[str, ...], text: str) -> tuple[int, str] | No
         if best is None or start < best[0] or (start == best[0] and len(stop) > len(best[1])):
             best = (start, stop)
     return best
+
+
+def _chunk_end(group: SequenceGroup, start: int, end: int) -> int:
+    """Where a chunk of a prefill from `start` ends: at `end`, or where that falls inside a run
+    the group holds whole (`whole_runs`), before the run if the chunk has tokens before it,
+    else after it (a run longer than the budget is one chunk)."""
+    for run_start, run_end in group.whole_runs:
+        if run_start < end < run_end:
+            return run_start if run_start > start else run_end
+    return end

@@ -147,11 +147,11 @@ class SequenceGroup:
     request_id: str
     seqs: list[Sequence]
     inputs: Any = None
-    # Whether the prompt may be prefilled in chunks over several steps, and the tokens its first
-    # chunk must cover (the engine sets both: a first chunk holds every media item whole, so
-    # the media towers run once, in one forward; the text after them comes in chunks).
+    # Whether the prompt may be prefilled in chunks over several steps, and the token runs
+    # (start, end) that one chunk must hold whole (the engine sets both: runs the model attends
+    # to both ways, as Gemma 4's images in its sliding layers).
     can_chunk: bool = False
-    first_chunk_min: int = 0
+    whole_runs: list[tuple[int, int]] = field(default_factory=list)
 
     @classmethod
     def create(
@@ -161,7 +161,7 @@ class SequenceGroup:
         params: SamplingParams,
         inputs: Any = None,
         can_chunk: bool = False,
-        first_chunk_min: int = 0,
+        whole_runs: list[tuple[int, int]] | None = None,
     ) -> SequenceGroup:
         """A new waiting group of `params.n` sequences, stamped with the next arrival."""
         if not prompt_token_ids:
@@ -171,7 +171,7 @@ class SequenceGroup:
             Sequence(request_id, list(prompt_token_ids), params, sample_index=i, arrival=arrival)
             for i in range(params.n)
         ]
-        return cls(request_id, seqs, inputs, can_chunk, first_chunk_min)
+        return cls(request_id, seqs, inputs, can_chunk, list(whole_runs or []))
 
     @property
     def params(self) -> SamplingParams:

@@ -392,6 +392,10 @@ class Worker:
             generator = self._generators[row.seq_id] = generator_for(row.seed, self.device)
         return generator
 
+    def whole_runs(self, inputs: PromptInputs) -> list[tuple[int, int]]:
+        """The token runs of a prompt that one prefill chunk must hold whole (ModelRunner's)."""
+        return self.runner.whole_runs(inputs)
+
     def score(self, inputs: PromptInputs) -> list[float] | None:
         """Log-probabilities of tokens 1..N-1 of `inputs` (None on a following rank)."""
         logprobs = self.runner.score(inputs)

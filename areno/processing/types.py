@@ -71,22 +71,6 @@ class PromptInputs:
         }
         return PromptInputs(list(input_ids), mm_inputs, list(self.mm_spans), self.prompt_text)
 
-    def prefix(self, end: int) -> PromptInputs:
-        """The first `end` tokens of this prompt (`with_tokens` undone): per-token tensors are
-        cut with the ids, media tensors kept whole. Raises ValueError if a media item's
-        placeholders run past `end` (a prefix holds whole items only)."""
-        n = self.num_prompt_tokens
-        if end == n:
-            return self
-        if any(span.start < end < span.end for span in self.mm_spans):
-            raise ValueError(f"token {end} falls inside a media item; cut before or after it")
-        mm_inputs = {
-            key: value[:, :end] if _is_per_token(key, value, n) else value
-            for key, value in self.mm_inputs.items()
-        }
-        spans = [span for span in self.mm_spans if span.end <= end]
-        return PromptInputs(self.input_ids[:end], mm_inputs, spans, self.prompt_text)
-
 
 def _is_per_token(key: str, value: torch.Tensor, num_tokens: int) -> bool:
     return key.endswith("token_type_ids") and value.ndim == 2 and value.shape[-1] == num_tokens

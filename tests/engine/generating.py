@@ -41,9 +41,8 @@ class Setup:
 
     def reference(self, inputs, max_new_tokens: int) -> list[int]:
         """transformers' greedy generate, cut after the first EOS as the engine stops there."""
-        out = self.model.generate(
-            **inputs.model_inputs(), max_new_tokens=max_new_tokens, do_sample=False
-        )
+        model_inputs = {k: v.to(self.model.device) for k, v in inputs.model_inputs().items()}
+        out = self.model.generate(**model_inputs, max_new_tokens=max_new_tokens, do_sample=False)
         tokens = out[0, inputs.num_prompt_tokens :].tolist()
         eos = set(self.model.generation_config.eos_token_id)
         for i, token in enumerate(tokens):
@@ -86,3 +85,29 @@ def mixed_requests(setup: Setup, media) -> list:
     if "audio" in setup.processor.adapter.modalities:
         requests.append(with_media("audio", media["audio"], "Listen."))
     return [setup.encode(m) for m in requests]
+
+
+def run_chunked(gen, inputs: list) -> tuple[list, list[tuple[int, int, int]]]:
+    """inputs[0] decoding, then the rest arriving; returns their outputs and every prefill
+    chunk the runner ran, as (prompt tokens, start, end)."""
+    chunks: list[tuple[int, int, int]] = []
+    runner = gen.core.executor.worker.runner
+    prefill_chunk = runner.prefill_chunk
+
+    def recording(inputs, slot, table, start, end):
+        chunks.append((inputs.num_prompt_tokens, start, end))
+        return prefill_chunk(inputs, slot, table, start, end)
+
+    runner.prefill_chunk = recording
+
+    async def main():
+        first = asyncio.create_task(gen.generate_all(inputs[0], GREEDY))
+        while gen.stats()["num_running"] == 0:
+            await asyncio.sleep(0.001)
+        rest = [asyncio.create_task(gen.generate_all(x, GREEDY)) for x in inputs[1:]]
+        return await asyncio.gather(first, *rest)
+
+    try:
+        return run(main()), chunks
+    finally:
+        gen.shutdown()

@@ -11,7 +11,9 @@ from areno.engine.config import EngineConfig
 from areno.engine.generator import Generator
 from areno.engine.runner import ModelRunner
 from areno.engine.sampling import SamplingParams
+from areno.media.samples import write_video
 from areno.processing.types import PromptInputs
+from tests.engine.generating import GREEDY, Setup, run_chunked, text, with_media
 
 pytestmark = [
     pytest.mark.gpu,
@@ -22,8 +24,11 @@ FAMILIES = ["qwen3_5", "qwen3_vl", "minicpmv4_6", "gemma4"]
 SLOTS = [7, 2, 5, 0, 3]
 
 
-def staggered_greedy(model, graphs: str, prompts: list[list[int]], num_new: int) -> list[list[int]]:
-    """Requests join one per step into scattered slots while the others decode."""
+def staggered_greedy(
+    model, graphs: str, prompts: list[list[int]], num_new: int, captured: set | None = None
+) -> list[list[int]]:
+    """Requests join one per step into scattered slots while the others decode. `captured`
+    collects the (rows, key length) of every graph the runner captured."""
     runner = ModelRunner(model, num_slots=8, max_len=512, graphs=graphs)
     running, done = [], {}
     pending = list(enumerate(prompts))
@@ -46,6 +51,8 @@ def staggered_greedy(model, graphs: str, prompts: list[list[int]], num_new: int)
         for r in [r for r in running if len(r["out"]) >= num_new]:
             done[r["i"]] = r["out"][:num_new]
             running.remove(r)
+    if captured is not None and runner.graphs is not None:
+        captured |= set(runner.graphs._graphs)
     return [done[i] for i in range(len(prompts))]
 
 
@@ -59,8 +66,12 @@ def test_cuda_graph_decode_equals_eager(tiny_path, family):
     torch.manual_seed(0)
     prompts = [torch.randint(5, 500, (n,)).tolist() for n in (9, 40, 17, 300, 3)]
     eager = staggered_greedy(model, "off", prompts, 12)
-    graphed = staggered_greedy(model, "capture", prompts, 12)
+    captured = set()
+    graphed = staggered_greedy(model, "capture", prompts, 12, captured)
     assert graphed == eager
+    # One graph per row bucket, none per context length: the steps' longest rows had up to 52
+    # keys (one 128-key bucket) and then 300 to 312 (another), all under one captured length.
+    assert len({kv_len for _, kv_len in captured}) == 1, captured
 
 
 @pytest.mark.parametrize(
@@ -116,6 +127,27 @@ def test_cuda_graphs_on_a_second_gpu_after_the_first_captured(tiny_path):
             results[device, graphs] = staggered_greedy(model, graphs, prompts, 12)
     assert results["cuda:1", "capture"] == results["cuda:1", "off"] == results["cuda:0", "off"]
     assert results["cuda:0", "capture"] == results["cuda:0", "off"]
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_vl", "gemma4"])
+def test_media_prompts_prefilled_in_chunks_on_cuda(tiny_path, tmp_path, family):
+    """A budget of 8 prompt tokens a step on CUDA (float32), a video prompt chunked through its
+    frames while a short request decodes: Qwen3.5's linear-attention continuation runs the
+    Triton kernels, Gemma 4's sliding layers their rings and bidirectional frames, the decode
+    the paged kernel in captured graphs; the tokens equal transformers' on the same GPU."""
+    setup = Setup(tiny_path(family))
+    setup.model.cuda()
+    video = str(write_video(tmp_path / "v.mp4", seconds=2.0, fps=4.0))
+    inputs = [
+        setup.encode(text("Hi.")),
+        setup.encode(with_media("video", video, "Describe it for me, and " * 4)),
+    ]
+    expected = [setup.reference(x, GREEDY.max_tokens) for x in inputs]
+    gen = setup.generator(max_prefill_tokens_per_step=8, block_size=4)
+    outputs, chunks = run_chunked(gen, inputs)
+    assert [o.samples[0].token_ids for o in outputs] == expected
+    (span,) = inputs[1].mm_spans
+    assert sum(1 for _, start, end in chunks if start < span.end and span.start < end) >= 4
 
 
 def test_generator_on_cuda_bf16(tiny_path):

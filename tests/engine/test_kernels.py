@@ -69,10 +69,13 @@ def _paged(batch: int, heads: int, length: int, dim: int, dtype, page: int = 16)
         (8, 2, 512, 100, 8),
     ],
 )
-def test_decode_attention_matches_its_reference(dtype, heads, kv_heads, dim, window, page):
+@pytest.mark.parametrize("padded", [False, True], ids=["exact", "padded"])
+def test_decode_attention_matches_its_reference(dtype, heads, kv_heads, dim, window, page, padded):
+    """`padded`: the step's key length runs 3 splits past its longest row (a graph captured for
+    the whole context) and each row's key count travels: the splits past it read nothing."""
     torch.manual_seed(0)
     ends = torch.tensor([1, 100, 384, 250, 129], device=DEVICE)  # a row per split boundary
-    kv_len = int(ends.max())
+    kv_len = int(ends.max()) + (384 if padded else 0)
     query = torch.randn(len(ends), heads, dim, dtype=dtype, device=DEVICE)
     key, tables = _paged(len(ends), kv_heads, kv_len, dim, dtype, page)
     value = torch.randn_like(key)
@@ -81,7 +84,8 @@ def test_decode_attention_matches_its_reference(dtype, heads, kv_heads, dim, win
     if window:
         mask &= keys >= ends[:, None] - window
     want = decode_attention_reference(query, key, value, tables, mask, dim**-0.5)
-    have = decode_attention(query, key, value, tables, mask, dim**-0.5)
+    lengths = ends.int() if padded else None
+    have = decode_attention(query, key, value, tables, mask, dim**-0.5, lengths)
     assert have.shape == want.shape and have.dtype == dtype
     torch.testing.assert_close(have.float(), want.float(), atol=TOLERANCE[dtype], rtol=0)
 

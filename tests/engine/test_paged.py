@@ -4,49 +4,23 @@ request still gets transformers' greedy tokens; samples beyond the slots wait fo
 
 from __future__ import annotations
 
-import asyncio
-
 import pytest
 import torch
 
 from areno.engine.block_manager import blocks_for
 from areno.engine.kv_pool import pool_gib
 from areno.engine.sampling import SamplingParams
+from areno.media.samples import write_image
 from tests.engine.generating import (
     FAMILIES,
     GREEDY,
     arrive_together,
     mixed_requests,
     run,
+    run_chunked,
     text,
     with_media,
 )
-
-
-def run_chunked(gen, inputs: list) -> tuple[list, list[tuple[int, int, int]]]:
-    """inputs[0] decoding, then the rest arriving; returns their outputs and every prefill
-    chunk the runner ran, as (prompt tokens, start, end)."""
-    chunks: list[tuple[int, int, int]] = []
-    runner = gen.core.executor.worker.runner
-    prefill_chunk = runner.prefill_chunk
-
-    def recording(inputs, slot, table, start, end):
-        chunks.append((inputs.num_prompt_tokens, start, end))
-        return prefill_chunk(inputs, slot, table, start, end)
-
-    runner.prefill_chunk = recording
-
-    async def main():
-        first = asyncio.create_task(gen.generate_all(inputs[0], GREEDY))
-        while gen.stats()["num_running"] == 0:
-            await asyncio.sleep(0.001)
-        rest = [asyncio.create_task(gen.generate_all(x, GREEDY)) for x in inputs[1:]]
-        return await asyncio.gather(first, *rest)
-
-    try:
-        return run(main()), chunks
-    finally:
-        gen.shutdown()
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -124,14 +98,17 @@ def test_long_text_prompts_prefilled_in_chunks_beside_decodes_equal_generate(
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_media_prompts_prefill_their_media_whole_then_their_text_in_chunks(
-    setups, media, family, overlap
+def test_media_prompts_prefilled_in_chunks_through_their_media_equal_generate(
+    setups, media, family, overlap, tmp_path
 ):
-    """A budget of 16 prompt tokens a step: each media prompt's first chunk holds its media
-    item whole (its tower runs once), the long text after it comes in chunks continuing the
-    media's rope positions, and every request gets transformers' greedy tokens."""
+    """A budget of 8 prompt tokens a step while a short request decodes: each media prompt is
+    prefilled in chunks that cut through its media item (the tower runs once; each chunk takes
+    its part of the features, Qwen's multimodal rope positions and Qwen3-VL's deepstack
+    features with them), never inside a run the model attends to both ways (Gemma 4's image
+    and frame tokens, held whole); every request gets transformers' greedy tokens."""
     setup = setups(family)
-    tail = "Describe it for me, and " * 10
+    tail = "Describe it for me, and " * 4
+    media = media | {"image": str(write_image(tmp_path / "large.png", 160, 128))}
     kinds = ["image", "video"] + (
         ["audio"] if "audio" in setup.processor.adapter.modalities else []
     )
@@ -139,15 +116,22 @@ def test_media_prompts_prefill_their_media_whole_then_their_text_in_chunks(
         setup.encode(with_media(kind, media[kind], tail)) for kind in kinds
     ]
     expected = [setup.reference(x, GREEDY.max_tokens) for x in inputs]
-    gen = setup.generator(max_prefill_tokens_per_step=16, overlap_steps=overlap)
+    gen = setup.generator(max_prefill_tokens_per_step=8, block_size=4, overlap_steps=overlap)
+    runner = gen.core.executor.worker.runner
+    runs = {x.num_prompt_tokens: runner.whole_runs(x) for x in inputs[1:]}
     outputs, chunks = run_chunked(gen, inputs)
     for i, (want, output) in enumerate(zip(expected, outputs, strict=True)):
         assert output.samples[0].token_ids == want, (i, output.samples[0].token_ids, want)
+    assert (family == "gemma4") == any(runs.values())
     for x in inputs[1:]:
-        media_end = max(span.end for span in x.mm_spans)
         mine = [(start, end) for n, start, end in chunks if n == x.num_prompt_tokens]
-        assert mine[0][0] == 0 and mine[0][1] >= media_end  # the media, whole, first
-        assert len(mine) >= 4 and mine[-1][1] == x.num_prompt_tokens
+        assert mine[0][0] == 0 and mine[-1][1] == x.num_prompt_tokens
+        assert all(a[1] == b[0] for a, b in zip(mine, mine[1:], strict=False))
+        (span,) = x.mm_spans
+        through_media = [c for c in mine if c[0] < span.end and span.start < c[1]]
+        assert len(through_media) >= (4 if span.modality == "video" else 3), (span, mine)
+        for start, end in runs[x.num_prompt_tokens]:
+            assert not any(start < cut < end for _, cut in mine), (start, end, mine)
 
 
 def test_gemma4_sliding_layers_keep_only_their_window_while_decoding_past_it(setups, overlap):
@@ -179,3 +163,28 @@ def test_gemma4_sliding_layers_keep_only_their_window_while_decoding_past_it(set
             assert layer.ring_blocks == ring and layer.keys.shape[0] == 2 * ring + 1
         else:  # the pool: every slot's 1,024 tokens
             assert layer.ring_blocks is None and layer.keys.shape[0] > 2 * 1024 // 16
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "gemma4"])
+def test_a_padded_decode_step_keeps_the_state_of_a_prompt_between_its_chunks(
+    setups, media, family
+):
+    """The padded decode step (the CUDA graphs' step, run eagerly; compiled, its rows start at
+    two) covers the slot of a video prompt between two of its chunks: that slot's
+    linear-attention state (Qwen3.5) and sliding-window ring (Gemma 4) come through the step as
+    its earlier chunks left them, and every request gets transformers' greedy tokens."""
+    setup = setups(family)
+    inputs = [
+        setup.encode(text("Hi.")),
+        setup.encode(with_media("video", media["video"], "Describe it for me, and " * 4)),
+    ]
+    expected = [setup.reference(x, GREEDY.max_tokens) for x in inputs]
+    gen = setup.generator(
+        max_prefill_tokens_per_step=8,
+        block_size=4,
+        decode_graphs="static",
+        decode_compile="aot_eager",
+    )
+    outputs, chunks = run_chunked(gen, inputs)
+    assert [o.samples[0].token_ids for o in outputs] == expected
+    assert len([c for c in chunks if c[0] == inputs[1].num_prompt_tokens]) >= 4

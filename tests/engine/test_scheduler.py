@@ -165,12 +165,29 @@ def test_a_long_prompt_is_prefilled_in_chunks_beside_the_decodes() -> None:
     assert sched.schedule().decode == [short.seqs[0], seq]
 
 
+def test_chunks_end_before_or_after_a_run_held_whole() -> None:
+    sched = scheduler(max_running_seqs=4, budget=10, num_blocks=32, block_size=4)
+    sched.add(short := group("short", 3))
+    decode_step(sched)
+    image = group("image", 40)
+    # Tokens 8..13 and 16..31 see each other both ways: no chunk may end inside either.
+    image.can_chunk, image.whole_runs = True, [(8, 13), (16, 32)]
+    sched.add(image)
+    spans = []
+    while not spans or not spans[-1][2]:
+        out = decode_step(sched)
+        assert out.decode == [short.seqs[0]]
+        spans += [(p.start, p.end, p.is_final) for p in out.prefill]
+    # Before the first run (it would cut it); after the second (longer than the budget).
+    assert spans == [(0, 8, False), (8, 16, False), (16, 32, False), (32, 40, True)]
+
+
 def test_a_prompt_that_may_not_be_chunked_runs_alone_over_the_budget() -> None:
     sched = scheduler(max_running_seqs=4, budget=10)
-    sched.add(group("media", 25))  # can_chunk False: a prompt with media
+    sched.add(group("whole", 25))  # can_chunk False
     sched.add(group("next", 3))
     out = sched.schedule()
-    assert ids(out.prefill) == ["media"] and out.prefill[0].is_final
+    assert ids(out.prefill) == ["whole"] and out.prefill[0].is_final
     assert ids(sched.schedule().prefill) == ["next"]
 
 

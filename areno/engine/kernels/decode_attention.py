@@ -20,7 +20,7 @@ if triton is not None:
 
     @triton.jit
     def _split_kernel(
-        Q, K, V, T, M, Part, Lse,
+        Q, K, V, T, M, Len, Part, Lse,
         stride_qb, stride_qh,
         stride_kb, stride_kh, stride_kn,
         stride_vb, stride_vh, stride_vn,
@@ -40,7 +40,11 @@ if triton is not None:
         acc = tl.zeros([G_PAD, D], tl.float32)
         k_base = K + h * stride_kh
         v_base = V + h * stride_vh
-        for start in range(s * SPLIT, (s + 1) * SPLIT, BLOCK_N):
+        # A split past the row's keys loops never and stores nothing (the combine skips it): a
+        # step padded to a longer key length costs its short rows next to nothing.
+        length = tl.load(Len + b)
+        end = tl.minimum((s + 1) * SPLIT, length)
+        for start in range(s * SPLIT, end, BLOCK_N):
             offs_n = start + tl.arange(0, BLOCK_N)
             in_range = offs_n < kv_len
             # Masked-off keys are never loaded: a row reads only its own keys.
@@ -79,23 +83,23 @@ if triton is not None:
         out = acc / tl.where(has_keys, l_i, 1.0)[:, None]
         # Only the group's real query rows are stored: the padding rows would be most of it.
         part = (b * num_kv_heads + h) * num_splits + s
-        is_query = offs_g < G
+        is_query = (offs_g < G) & (s * SPLIT < length)
         part_ptrs = Part + part * G * D + offs_g[:, None] * D + offs_d[None, :]
         tl.store(part_ptrs, out, mask=is_query[:, None])
         tl.store(Lse + part * G + offs_g, lse, mask=is_query)
 
     @triton.jit
     def _combine_kernel(
-        Part, Lse, Out,
+        Part, Lse, Len, Out,
         stride_ob, stride_oh, num_splits,
-        G: tl.constexpr, D: tl.constexpr, S_PAD: tl.constexpr,
+        G: tl.constexpr, D: tl.constexpr, S_PAD: tl.constexpr, SPLIT: tl.constexpr,
     ):  # fmt: skip
         b, head = tl.program_id(0), tl.program_id(1)
         num_kv_heads = tl.num_programs(1) // G
         h, g = head // G, head % G
         offs_s = tl.arange(0, S_PAD)
         offs_d = tl.arange(0, D)
-        has_split = offs_s < num_splits
+        has_split = (offs_s < num_splits) & (offs_s * SPLIT < tl.load(Len + b))
         part = (b * num_kv_heads + h) * num_splits + offs_s
         lse = tl.load(Lse + part * G + g, mask=has_split, other=float("-inf"))
         m = tl.max(lse, 0)
@@ -131,15 +135,16 @@ def split_launch(dim: int) -> dict:
 
 
 def fits(query_BHD: torch.Tensor, key_NHPD: torch.Tensor) -> bool:
-    """Whether the kernel takes these shapes: a power-of-two head dim of at least 16 (tl.dot's
-    smallest tile), at most 512, and whole query groups per key / value head."""
-    head_dim = query_BHD.shape[-1]
-    return (
-        16 <= head_dim <= 512
-        and head_dim & (head_dim - 1) == 0
-        and key_NHPD.shape[-1] == head_dim
-        and query_BHD.shape[1] % key_NHPD.shape[1] == 0
+    """Whether the kernel takes these shapes (`fits_heads`)."""
+    return key_NHPD.shape[-1] == query_BHD.shape[-1] and fits_heads(
+        query_BHD.shape[-1], query_BHD.shape[1], key_NHPD.shape[1]
     )
+
+
+def fits_heads(head_dim: int, heads: int, kv_heads: int) -> bool:
+    """Whether the kernel takes a head shape: a power-of-two head dim of at least 16 (tl.dot's
+    smallest tile), at most 512, and whole query groups per key / value head."""
+    return 16 <= head_dim <= 512 and head_dim & (head_dim - 1) == 0 and heads % kv_heads == 0
 
 
 def gather_keys(storage_NHPD: torch.Tensor, block_tables_BT: torch.Tensor, kv_len: int):
@@ -183,9 +188,12 @@ def decode_attention(
     block_tables_BT: torch.Tensor,
     mask_BK: torch.Tensor,
     scale: float,
+    lengths_B: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`decode_attention_reference`'s arithmetic in two Triton kernels (see the module
-    docstring). A custom op, so a compiled decode step calls it without a graph break."""
+    docstring). `lengths_B` (int32): how many keys of each row may be let through (its mask is
+    False past them); None: all K. A custom op, so a compiled decode step calls it without a
+    graph break."""
     batch, heads, dim = query_BHD.shape
     kv_heads, page = key_NHPD.shape[1], key_NHPD.shape[2]
     kv_len = mask_BK.shape[-1]
@@ -197,10 +205,12 @@ def decode_attention(
     )
     mask_BK = mask_BK if mask_BK.stride(-1) == 1 else mask_BK.contiguous()
     tables = block_tables_BT if block_tables_BT.stride(-1) == 1 else block_tables_BT.contiguous()
+    if lengths_B is None:
+        lengths_B = torch.full((batch,), kv_len, dtype=torch.int32, device=query_BHD.device)
     part = query_BHD.new_empty((batch, kv_heads, num_splits, groups, dim), dtype=torch.float32)
     lse = query_BHD.new_empty((batch, kv_heads, num_splits, groups), dtype=torch.float32)
     _split_kernel[(batch, kv_heads, num_splits)](
-        query_BHD, key_NHPD, value_NHPD, tables, mask_BK, part, lse,
+        query_BHD, key_NHPD, value_NHPD, tables, mask_BK, lengths_B, part, lse,
         query_BHD.stride(0), query_BHD.stride(1),
         key_NHPD.stride(0), key_NHPD.stride(1), key_NHPD.stride(2),
         value_NHPD.stride(0), value_NHPD.stride(1), value_NHPD.stride(2),
@@ -211,12 +221,12 @@ def decode_attention(
     )  # fmt: skip
     out = torch.empty_like(query_BHD, memory_format=torch.contiguous_format)
     _combine_kernel[(batch, heads)](
-        part, lse, out, out.stride(0), out.stride(1), num_splits,
-        G=groups, D=dim, S_PAD=max(2, triton.next_power_of_2(num_splits)),
+        part, lse, lengths_B, out, out.stride(0), out.stride(1), num_splits,
+        G=groups, D=dim, S_PAD=max(2, triton.next_power_of_2(num_splits)), SPLIT=SPLIT_KEYS,
     )  # fmt: skip
     return out
 
 
 @decode_attention.register_fake
-def _(query_BHD, key_NHPD, value_NHPD, block_tables_BT, mask_BK, scale):
+def _(query_BHD, key_NHPD, value_NHPD, block_tables_BT, mask_BK, scale, lengths_B=None):
     return torch.empty_like(query_BHD, memory_format=torch.contiguous_format)

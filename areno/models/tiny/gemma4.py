@@ -72,6 +72,9 @@ TEXT_SHAPES = {
         "hidden_size_per_layer_input": 8,
         "sliding_window": 64,
         "layer_types": ["sliding_attention", "full_attention"],
+        # As the larger Gemma 4 checkpoints: an image's or a frame's tokens see each other both
+        # ways in the sliding layers (the tests cover that mask; E2B's is causal).
+        "use_bidirectional_attention": "vision",
     },
     "small": {
         "hidden_size": 512,
