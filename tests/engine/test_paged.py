@@ -166,9 +166,7 @@ def test_gemma4_sliding_layers_keep_only_their_window_while_decoding_past_it(set
 
 
 @pytest.mark.parametrize("family", ["qwen3_5", "gemma4"])
-def test_a_padded_decode_step_keeps_the_state_of_a_prompt_between_its_chunks(
-    setups, media, family
-):
+def test_a_padded_decode_step_keeps_the_state_of_a_prompt_between_its_chunks(setups, media, family):
     """The padded decode step (the CUDA graphs' step, run eagerly; compiled, its rows start at
     two) covers the slot of a video prompt between two of its chunks: that slot's
     linear-attention state (Qwen3.5) and sliding-window ring (Gemma 4) come through the step as
