@@ -13,7 +13,6 @@ sends each row's table with the step; the runner keeps them, by slot, in one hos
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
 
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -29,6 +28,15 @@ from areno.engine.cuda_graphs import DecodeGraphs
 from areno.engine.fused_linear import FusedLinears
 from areno.engine.kernels.decode_attention import fits_heads
 from areno.engine.linear_attention import EngineKernels
+from areno.engine.prompt_chunks import (
+    StagedPrompt,
+    bidirectional_groups,
+    chunk_masks,
+    patched_forward,
+    runs_of,
+    stack_inputs,
+    staging,
+)
 from areno.engine.transfer import to_device
 from areno.processing.types import PromptInputs
 
@@ -274,12 +282,22 @@ class ModelRunner:
 
     @torch.inference_mode()
     def prefill(
-        self, inputs: PromptInputs, slots: list[int], block_tables: list[list[int]] | None = None
+        self,
+        inputs: PromptInputs,
+        slots: list[int],
+        block_tables: list[list[int]] | None = None,
+        end: int | None = None,
     ) -> torch.Tensor:
         """Run the prompt (media towers included) into `slots[0]` and its table's blocks, fork
         it into the other slots (each slot i with `block_tables[i]`), and return the last
-        position's logits (V,)."""
-        n = inputs.num_prompt_tokens
+        position's logits (V,). `end`: only the first `end` tokens (a prompt's first chunk,
+        one slot): the towers still encode every item, and the text stack's inputs for the
+        whole prompt are kept for its later chunks (`prefill_chunk`)."""
+        n = inputs.num_prompt_tokens if end is None else end
+        staging = contextlib.nullcontext()
+        if n < inputs.num_prompt_tokens:
+            assert len(slots) == 1, "a first chunk prefills one slot"
+            staging = self._staging(slots[0], inputs, n)
         self.set_tables(slots, block_tables, new=True)
         positions = torch.arange(n, device=self.device)[None]
         first_slot = to_device(torch.tensor(slots[:1]), self.device)
@@ -288,7 +306,7 @@ class ModelRunner:
         if self.uses_mrope:
             self.model.model.rope_deltas = None
         model_inputs = {k: to_device(v, self.device) for k, v in inputs.model_inputs().items()}
-        with self._engine_context():
+        with self._engine_context(), staging:
             out = self.model(
                 **model_inputs, past_key_values=self.cache, use_cache=True, logits_to_keep=1
             )
@@ -380,9 +398,7 @@ class ModelRunner:
         table = [block_table] if block_table else None
         n = inputs.num_prompt_tokens
         if start == 0:
-            if end == n:
-                return self.prefill(inputs, [slot], table)
-            return self._first_chunk(inputs, slot, table, end)
+            return self.prefill(inputs, [slot], table, end)
         staged = self._staged.pop(slot) if end == n else self._staged[slot]
         self.set_tables([slot], table, new=False)
         pos_Q = torch.arange(start, end, device=self.device)
@@ -397,7 +413,7 @@ class ModelRunner:
         # The model's own positions for its forward (the stack takes the kept ones): (4, 1, L)
         # or (1, L), one row of L positions.
         position_ids = self.position_ids(pos_Q, delta.expand(len(pos_Q))).transpose(-1, -2)
-        with self._engine_context(), self._stack_inputs(staged.cut(start, end)):
+        with self._engine_context(), stack_inputs(self._text_stack, staged.cut(start, end)):
             out = self.model(
                 input_ids=ids,
                 position_ids=position_ids,
@@ -411,113 +427,33 @@ class ModelRunner:
         self.cache.commit()
         return out.logits[0, -1].float()
 
-    def _first_chunk(
-        self, inputs: PromptInputs, slot: int, table: list[list[int]] | None, end: int
-    ) -> torch.Tensor:
-        self.set_tables([slot], table, new=True)
-        slot_B = to_device(torch.tensor([slot]), self.device)
-        positions = torch.arange(end, device=self.device)[None]
-        tables = self._device_tables([slot], end)
-        self.cache.bind(BatchBinding(slot_B, positions, end, tables), is_prefill=True)
-        if self.uses_mrope:
-            self.model.model.rope_deltas = None
-        model_inputs = {k: to_device(v, self.device) for k, v in inputs.model_inputs().items()}
-        groups = self._bidirectional_groups(inputs)
-        with self._engine_context(), self._staging(slot, end, inputs.num_prompt_tokens, groups):
-            out = self.model(
-                **model_inputs, past_key_values=self.cache, use_cache=True, logits_to_keep=1
-            )
-        self.cache.commit()
-        delta = 0
-        if self.uses_mrope and self.model.model.rope_deltas is not None:
-            delta = int(self.model.model.rope_deltas[0, 0])
-        self.rope_delta[slot] = delta
-        return out.logits[0, -1].float()
-
-    @contextlib.contextmanager
-    def _staging(self, slot: int, end: int, num_tokens: int, groups: torch.Tensor | None):
+    def _staging(self, slot: int, inputs: PromptInputs, end: int):
         """Within the block, the text stack's inputs for the whole prompt are kept for `slot`
-        (`StagedPrompt`) and the stack runs on their first `end` tokens."""
-        stack = self._text_stack
-        forward_class = type(stack).forward
+        and the stack runs on their first `end` tokens."""
+        groups = self._bidirectional_groups(inputs)
 
-        def forward(*args, **kwargs):
-            staged = StagedPrompt.capture(kwargs, num_tokens, groups)
+        def keep(staged: StagedPrompt) -> None:
             self._staged[slot] = staged
-            kwargs |= staged.cut(0, end)
-            kwargs["attention_mask"] = _first_rows(kwargs.get("attention_mask"), end)
-            return forward_class(stack, *args, **kwargs)
 
-        with self._patched_stack(forward):
-            yield
-
-    @contextlib.contextmanager
-    def _stack_inputs(self, inputs: dict):
-        """Within the block, the text stack takes `inputs` in place of those the model's
-        forward gives it (a later chunk's part of its prompt's kept inputs)."""
-        stack = self._text_stack
-        forward_class = type(stack).forward
-
-        def forward(*args, **kwargs):
-            return forward_class(stack, *args, **(kwargs | inputs))
-
-        with self._patched_stack(forward):
-            yield
-
-    @contextlib.contextmanager
-    def _patched_stack(self, forward):
-        stack = self._text_stack
-        assert "forward" not in vars(stack), "the text stack's forward is its class's"
-        stack.forward = forward
-        try:
-            yield
-        finally:
-            del stack.forward
+        return staging(self._text_stack, keep, inputs.num_prompt_tokens, end, groups)
 
     def whole_runs(self, inputs: PromptInputs) -> list[tuple[int, int]]:
         """The token runs (start, end) of `inputs` that one prefill chunk must hold whole: where
         the model attends both ways, Gemma 4's runs of vision tokens (one image, one video
         frame) in its sliding layers."""
-        groups = self._bidirectional_groups(inputs)
-        if groups is None:
-            return []
-        runs, ids = [], groups.tolist()
-        for i, group in enumerate(ids):
-            if group >= 0 and (i == 0 or ids[i - 1] != group):
-                runs.append([i, i + 1])
-            elif group >= 0:
-                runs[-1][1] = i + 1
-        return [tuple(run) for run in runs]
+        return runs_of(self._bidirectional_groups(inputs))
 
     def _bidirectional_groups(self, inputs: PromptInputs) -> torch.Tensor | None:
         """Each token's bidirectional run (L,), -1 outside one, or None where the model has
-        none: as Gemma 4 marks them (`use_bidirectional_attention` "vision"), each maximal
-        run of image or video tokens (token types 1, 2), seen both ways by the sliding
-        layers."""
+        none (`bidirectional_groups`)."""
         types = inputs.mm_inputs.get("mm_token_type_ids")
         if types is None or not self.bidirectional_vision:
             return None
-        vision = (types[0] == 1) | (types[0] == 2)
-        starts = vision & ~torch.cat([vision.new_zeros(1), vision[:-1]])
-        groups = torch.where(vision, torch.cumsum(starts.long(), 0) - 1, -1)
-        return to_device(groups, self.device)
+        return to_device(bidirectional_groups(types[0]), self.device)
 
     def _chunk_masks(self, pos_Q: torch.Tensor, kv_len: int, groups: torch.Tensor | None):
-        """A chunk's masks (1, 1, Q, kv_len) over its cached and own keys: causal, and windowed
-        for sliding layers, where the tokens of one bidirectional run (`groups`) also see each
-        other."""
-        keys = torch.arange(kv_len, device=self.device)[None, :]
-        full = (keys <= pos_Q[:, None])[None, None]
-        if not self.sliding_window or "sliding_attention" not in self.layer_types:
-            return full
-        seen = full
-        if groups is not None:
-            query_groups = groups[pos_Q][:, None]
-            seen = (
-                full | ((query_groups == groups[None, :kv_len]) & (query_groups >= 0))[None, None]
-            )
-        recent = (keys > pos_Q[:, None] - self.sliding_window)[None, None]
-        return {"full_attention": full, "sliding_attention": seen & recent}
+        window = self.sliding_window if "sliding_attention" in self.layer_types else None
+        return chunk_masks(pos_Q, kv_len, window, groups)
 
     @property
     def can_pad_prefill(self) -> bool:
@@ -543,7 +479,7 @@ class ModelRunner:
             out.last_hidden_state = out.last_hidden_state[rows_B, positions_B][:, None]
             return out
 
-        with self._patched_stack(forward):
+        with patched_forward(self._text_stack, forward):
             yield
 
     @torch.inference_mode()
@@ -636,59 +572,6 @@ class ModelRunner:
             logits_NV = self.model(**model_inputs, use_cache=False).logits[0, :-1].float()
         targets_N = model_inputs["input_ids"][0, 1:]
         return torch.log_softmax(logits_NV, dim=-1).gather(-1, targets_N[:, None]).squeeze(-1)
-
-
-@dataclass
-class StagedPrompt:
-    """The text stack's inputs for a whole prompt prefilled in chunks, as the model's forward
-    gave them at its first chunk; `cut` gives a chunk's part."""
-
-    per_token: dict[str, torch.Tensor]  # (1, L, ...): inputs_embeds, per_layer_inputs, ...
-    position_ids: torch.Tensor  # (..., L)
-    groups: torch.Tensor | None  # each token's bidirectional run (L,), -1 outside one
-    # Qwen3-VL: each deepstack layer's features of the prompt's vision tokens, and how many
-    # vision tokens come before each position (L + 1,).
-    deepstack: list[torch.Tensor] | None = None
-    vision_before: list[int] | None = None
-
-    @classmethod
-    def capture(cls, kwargs: dict, num_tokens: int, groups: torch.Tensor | None) -> StagedPrompt:
-        per_token = {
-            key: value
-            for key, value in kwargs.items()
-            if key not in ("attention_mask", "position_ids")
-            and isinstance(value, torch.Tensor)
-            and value.ndim >= 2
-            and value.shape[:2] == (1, num_tokens)
-        }
-        deepstack, vision_before = kwargs.get("deepstack_visual_embeds"), None
-        if deepstack is not None:
-            mask = per_token["visual_pos_masks"][0]
-            vision_before = [0] + torch.cumsum(mask.long(), 0).tolist()
-        position_ids = kwargs.get("position_ids")
-        if position_ids is None:  # the stack counts from the cache: plain positions
-            device = next(iter(per_token.values())).device
-            position_ids = torch.arange(num_tokens, device=device)[None]
-        return cls(per_token, position_ids, groups, deepstack, vision_before)
-
-    def cut(self, start: int, end: int) -> dict:
-        """The stack's inputs for tokens start..end-1."""
-        inputs = {key: value[:, start:end] for key, value in self.per_token.items()}
-        inputs["position_ids"] = self.position_ids[..., start:end]
-        if self.deepstack is not None:
-            first, last = self.vision_before[start], self.vision_before[end]
-            inputs["deepstack_visual_embeds"] = [e[first:last] for e in self.deepstack]
-        return inputs
-
-
-def _first_rows(mask, end: int):
-    """A prefill's attention mask(s) for its first `end` tokens: a (1, L) padding mask cut to
-    (1, end), a (1, 1, L, L) mask to (1, 1, end, end); a mapping by layer kind, each."""
-    if isinstance(mask, dict):
-        return {kind: _first_rows(m, end) for kind, m in mask.items()}
-    if mask is None:
-        return None
-    return mask[:, :end] if mask.ndim == 2 else mask[..., :end, :end]
 
 
 def _pad_tokens(value_1L: torch.Tensor, length: int) -> torch.Tensor:
