@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import argparse
 import collections
+import cProfile
 import json
+import pstats
 import sys
 import time
 from pathlib import Path
@@ -94,6 +96,7 @@ def profile_one(
     overlap: str = "off",
     prefill_compile: str = "auto",
     fuse_projections: str = "auto",
+    host_functions: int = 0,
 ) -> dict:
     max_len = max(r["prompt_inputs"].num_prompt_tokens + r["max_tokens"] for r in requests)
     config = EngineConfig(
@@ -125,16 +128,19 @@ def profile_one(
         with GraphReplayTimer(device) as replays:
             outputs = run_requests(generator, requests)
         wall_s = time.perf_counter() - start
+        # The profiles below step the engine too: the parts are read from the timed run alone.
+        seconds, calls = dict(timer.seconds), dict(timer.calls)
         if replays.ms:
             # GPU time of the decode graphs alone; "decode forward" less this is host time, of
             # which "graph launch (host)" is the replay calls'.
-            timer.seconds["decode graph (GPU)"] = replays.ms / 1000
-            timer.seconds["graph launch (host)"] = replays.launch_s
+            seconds["decode graph (GPU)"] = replays.ms / 1000
+            seconds["graph launch (host)"] = replays.launch_s
         kernels = kernel_profile(generator, requests[:concurrency], device)
+        host = host_profile(generator, requests) if host_functions else {}
     finally:
         generator.shutdown()
     tokens = sum(len(out.samples[0].token_ids) for out in outputs)
-    steps = timer.calls["step (all)"]
+    steps = calls["step (all)"]
     return {
         "decode_compile": compile_mode,
         "overlap_steps": overlap,
@@ -144,9 +150,40 @@ def profile_one(
         "wall_s": wall_s,
         "tok_s": tokens / wall_s,
         "steps": steps,
-        "ms_per_step": {k: 1000 * v / steps for k, v in timer.seconds.items()},
-        "outside_steps_ms_per_step": 1000 * (wall_s - timer.seconds["step (all)"]) / steps,
+        "ms_per_step": {k: 1000 * v / steps for k, v in seconds.items()},
+        "outside_steps_ms_per_step": 1000 * (wall_s - seconds["step (all)"]) / steps,
         **kernels,
+        **host,
+    }
+
+
+def host_profile(generator, requests, top: int = 40) -> dict:
+    """The engine thread's Python functions over a run of `requests` (cProfile, per step): where
+    the host's share of a step goes. The profiler slows the host, so only the split between
+    functions is read from it, never the step time."""
+    core = generator.core
+    profiler = cProfile.Profile()
+    inner = core.step
+    calls = {"steps": 0}
+
+    def profiled():
+        calls["steps"] += 1
+        return profiler.runcall(inner)
+
+    core.step = profiled
+    try:
+        run_requests(generator, requests)
+    finally:
+        core.step = inner
+    stats = pstats.Stats(profiler)
+    steps = max(calls["steps"], 1)
+    rows = sorted(stats.stats.items(), key=lambda item: item[1][2], reverse=True)[:top]
+    return {
+        "host_profile_steps": steps,
+        "host_self_ms_per_step": [
+            (f"{Path(file).name}:{line} {name}", 1000 * own / steps, 1000 * cumulative / steps)
+            for (file, line, name), (_, _, own, cumulative, _) in rows
+        ],
     }
 
 
@@ -212,6 +249,12 @@ def main() -> None:
     parser.add_argument(
         "--fuse-projections", choices=["auto", "on", "off"], default="auto", help="EngineConfig's"
     )
+    parser.add_argument(
+        "--host-functions",
+        type=int,
+        default=0,
+        help="also profile the engine's Python functions (cProfile) and print this many",
+    )
     parser.add_argument("--num-requests", type=int, default=256)
     parser.add_argument("--concurrency", type=int, default=64)
     parser.add_argument("--out", default="benchmarks/results/profile_engine.json")
@@ -233,6 +276,7 @@ def main() -> None:
             args.overlap_steps,
             args.prefill_compile,
             args.fuse_projections,
+            args.host_functions,
         )
         results.append(result)
         print(
@@ -256,6 +300,8 @@ def main() -> None:
             )
             for name, ms, count in result["prefill_top_kernels_ms_per_step"]:
                 print(f"    {ms:7.3f} ms x{count:<4} {name}")
+        for name, own, cumulative in result.get("host_self_ms_per_step", [])[: args.host_functions]:
+            print(f"    host {own:7.3f} ms own {cumulative:7.3f} ms with callees  {name}")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"model": args.model, "results": results}, indent=2))

@@ -33,7 +33,9 @@ import torch
 from torch.distributed.tensor import DTensor
 from transformers.cache_utils import Cache, CacheLayerMixin, LinearAttentionLayer
 
+from areno.engine.kernels import use_triton
 from areno.engine.kernels.decode_attention import gather_keys
+from areno.engine.kernels.write_kv import write_kv, write_kv_reference
 from areno.engine.transfer import to_device
 from areno.errors import CacheMemoryError
 
@@ -183,10 +185,12 @@ def write_kv_(
     NOTE: a custom op, so that a compiled step calls it in place rather than inductor
     generating the scatter as a kernel of its own: inductor benchmarks such a kernel's launch
     configs on copies of the tensors it mutates, and a copy of a pool of 62 GiB failed the
-    first compiled decode on an H200 with an out-of-memory error."""
-    # (B, H, Q, D) -> (B, Q, H, D) to match the advanced-index layout [block, :, offset, :].
-    keys[blocks_BQ, :, offsets_BQ] = key_states.transpose(1, 2)
-    values[blocks_BQ, :, offsets_BQ] = value_states.transpose(1, 2)
+    first compiled decode on an H200 with an out-of-memory error. On CUDA one Triton kernel
+    writes both (`kernels.write_kv`)."""
+    if use_triton(keys):
+        write_kv(keys, values, key_states, value_states, blocks_BQ, offsets_BQ)
+    else:
+        write_kv_reference(keys, values, key_states, value_states, blocks_BQ, offsets_BQ)
 
 
 @write_kv_.register_fake

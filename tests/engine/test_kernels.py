@@ -24,6 +24,7 @@ from areno.engine.kernels import INTERPRETED, references_only, triton
 from areno.engine.kernels.chunked_delta import chunked_gated_delta, chunked_gated_delta_torch
 from areno.engine.kernels.decode_attention import decode_attention, decode_attention_reference
 from areno.engine.kernels.gated_delta import gated_delta, gated_delta_reference
+from areno.engine.kernels.write_kv import write_kv, write_kv_reference
 from areno.engine.runner import ModelRunner
 from areno.processing.types import PromptInputs
 
@@ -88,6 +89,35 @@ def test_decode_attention_matches_its_reference(dtype, heads, kv_heads, dim, win
     have = decode_attention(query, key, value, tables, mask, dim**-0.5, lengths)
     assert have.shape == want.shape and have.dtype == dtype
     torch.testing.assert_close(have.float(), want.float(), atol=TOLERANCE[dtype], rtol=0)
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads, dim, page", [(8, 128, 16), (3, 48, 4), (1, 512, 8)])
+@pytest.mark.parametrize("q_len", [1, 21])
+def test_writing_keys_and_values_matches_its_reference(dtype, heads, dim, page, q_len):
+    """Rows of q_len new tokens each (the states laid out as projections leave them, a
+    transposed view), written through scattered tables; every place differs but the sink."""
+    torch.manual_seed(0)
+    batch = 3
+    storage, tables = _paged(batch, heads, 2 * q_len + page, dim, dtype, page)
+    start = torch.tensor([0, 5, q_len + 2], device=DEVICE)
+    positions = start[:, None] + torch.arange(q_len, device=DEVICE)[None]
+    blocks = tables.gather(1, positions // page)
+    blocks[0, -1] = 0  # a position a sliding layer sends to the sink
+    offsets = positions % page
+    states = [
+        torch.randn(batch, q_len, heads, dim, dtype=torch.float32, device=DEVICE)
+        .to(dtype)
+        .transpose(1, 2)
+        for _ in range(2)
+    ]
+    want = [storage.clone(), storage.clone()]
+    write_kv_reference(*want, *states, blocks, offsets)
+    have = [storage.clone(), storage.clone()]
+    write_kv(*have, *states, blocks, offsets)
+    for h, w in zip(have, want, strict=True):
+        assert torch.equal(h[1:], w[1:])
 
 
 @needs_kernels
