@@ -5,11 +5,21 @@ Block ids run 1..num_blocks: block 0 of the storage is a sink that no sequence o
 padded rows of a batched step (a CUDA-graph bucket's idle rows, a padded prefill's pads) write
 what nobody reads. A block held by several tables (the n samples of one prompt share its full
 blocks) is freed when the last of them lets it go.
+
+Prefix caching: a full block that was computed can be registered under its prefix hash
+(`block_hashes`: chained over every earlier block, its token ids and the media items behind its
+placeholders). Freed, it stays cached, evicted least-recently-freed first when nothing uncached
+is free, so a later sequence with the same prefix takes it again (`lookup`, `acquire`) instead
+of computing it.
 """
 
 from __future__ import annotations
 
+import collections
+import hashlib
 import heapq
+from array import array
+from collections.abc import Sequence
 
 SINK_BLOCK = 0
 
@@ -19,8 +29,34 @@ def blocks_for(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
 
 
+def block_hashes(
+    token_ids: Sequence[int],
+    block_size: int,
+    media: Sequence[tuple[int, int, str]] = (),
+    parent: bytes = b"",
+) -> list[bytes]:
+    """The prefix hash of each full block of `token_ids`: block i's chains block i-1's (the
+    first `parent`'s, a prefix's computed elsewhere), its token ids, and the key of every media
+    item whose span (start, end, key) overlaps it, with the span's place, so that two different
+    images behind the same placeholder ids never share a block. 128-bit BLAKE2b: a collision
+    would hand one prompt another's keys, so Python's 64-bit `hash` is not enough."""
+    hashes = []
+    previous = parent
+    for first in range(0, len(token_ids) - block_size + 1, block_size):
+        last = first + block_size
+        h = hashlib.blake2b(previous, digest_size=16)
+        h.update(array("q", token_ids[first:last]).tobytes())
+        for start, end, key in media:
+            if start < last and end > first:
+                h.update(f"|{start}:{end}:{key}".encode())
+        previous = h.digest()
+        hashes.append(previous)
+    return hashes
+
+
 class BlockManager:
-    """Free blocks (the lowest id goes first, so runs are deterministic) and reference counts."""
+    """Free blocks (the lowest id goes first, so runs are deterministic), reference counts, and
+    the prefix cache's blocks by hash (see the module docstring)."""
 
     def __init__(self, num_blocks: int, block_size: int) -> None:
         if num_blocks < 1 or block_size < 1:
@@ -28,26 +64,71 @@ class BlockManager:
         self.num_blocks, self.block_size = num_blocks, block_size
         self._free = list(range(1, num_blocks + 1))  # already a valid min-heap
         self._refs = [0] * (num_blocks + 1)
+        self._cached: dict[bytes, int] = {}  # prefix hash -> the block that holds it
+        self._hash_of: dict[int, bytes] = {}
+        # Cached blocks nobody holds, least recently freed first: evicted in this order.
+        self._evictable: collections.OrderedDict[int, None] = collections.OrderedDict()
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        """Blocks an `allocate` may take: the free ones and the cached ones nobody holds."""
+        return len(self._free) + len(self._evictable)
 
     @property
     def num_used(self) -> int:
-        return self.num_blocks - len(self._free)
+        return self.num_blocks - self.num_free
+
+    @property
+    def num_cached(self) -> int:
+        """Blocks registered under a prefix hash, held or not."""
+        return len(self._cached)
 
     def can_allocate(self, num: int) -> bool:
-        return num <= len(self._free)
+        return num <= self.num_free
 
     def allocate(self, num: int) -> list[int]:
-        """`num` free blocks, each with one reference."""
+        """`num` free blocks, each with one reference: uncached ones first, then cached ones
+        nobody holds, least recently freed first (their hashes forgotten)."""
         if not self.can_allocate(num):
             raise RuntimeError(f"asked for {num} blocks with only {self.num_free} free")
-        blocks = [heapq.heappop(self._free) for _ in range(num)]
+        blocks = [heapq.heappop(self._free) for _ in range(min(num, len(self._free)))]
+        while len(blocks) < num:
+            block, _ = self._evictable.popitem(last=False)
+            del self._cached[self._hash_of.pop(block)]
+            blocks.append(block)
         for block in blocks:
             self._refs[block] = 1
         return blocks
+
+    def register(self, block: int, prefix_hash: bytes) -> None:
+        """Cache a held, computed, full block under its prefix hash. A hash cached already (the
+        same prefix computed twice at once) keeps its first block; a block keeps its first
+        hash (its contents never change while it is cached)."""
+        assert self._refs[block] > 0, f"block {block} is not allocated"
+        if prefix_hash in self._cached or block in self._hash_of:
+            return
+        self._cached[prefix_hash] = block
+        self._hash_of[block] = prefix_hash
+
+    def lookup(self, hashes: Sequence[bytes]) -> list[int]:
+        """The cached blocks of the longest run of `hashes` from the first (not yet held: see
+        `acquire`)."""
+        blocks = []
+        for prefix_hash in hashes:
+            block = self._cached.get(prefix_hash)
+            if block is None:
+                break
+            blocks.append(block)
+        return blocks
+
+    def acquire(self, blocks: list[int]) -> list[int]:
+        """One more reference to each cached block of `lookup`, held or not."""
+        for block in blocks:
+            assert block in self._hash_of, f"block {block} is not cached"
+            if self._refs[block] == 0:
+                del self._evictable[block]
+            self._refs[block] += 1
+        return list(blocks)
 
     def share(self, blocks: list[int]) -> list[int]:
         """One more reference to each of `blocks` (a forked table holds them too)."""
@@ -57,12 +138,18 @@ class BlockManager:
         return list(blocks)
 
     def free(self, blocks: list[int]) -> None:
-        """Drop one reference to each block; a block nobody holds is free again."""
-        for block in blocks:
+        """Drop one reference to each block; a block nobody holds is free again. A table's blocks
+        are let go from its last: its cached tail is evicted before the head it extends (a
+        head evicted first would leave the tail unreachable)."""
+        for block in reversed(blocks):
             if self._refs[block] <= 0:
                 raise RuntimeError(f"block {block} is not allocated (double free?)")
             self._refs[block] -= 1
-            if self._refs[block] == 0:
+            if self._refs[block] > 0:
+                continue
+            if block in self._hash_of:
+                self._evictable[block] = None  # cached still; the newest freed is evicted last
+            else:
                 heapq.heappush(self._free, block)
 
     def num_refs(self, block: int) -> int:
