@@ -152,5 +152,14 @@ class BlockManager:
             else:
                 heapq.heappush(self._free, block)
 
+    def forget_cached(self) -> None:
+        """Drop every hash (new weights make the cached keys stale): cached blocks nobody holds
+        are free, held ones are their tables' alone."""
+        for block in self._evictable:
+            heapq.heappush(self._free, block)
+        self._evictable.clear()
+        self._cached.clear()
+        self._hash_of.clear()
+
     def num_refs(self, block: int) -> int:
         return self._refs[block]

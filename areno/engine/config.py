@@ -44,6 +44,10 @@ class EngineConfig:
         (measured at start-up) and the running sequences' linear-attention states.
     max_prefill_tokens_per_step: prompt tokens prefilled per step (`--max-num-batched-tokens`);
         a longer prompt is prefilled in chunks beside the decodes (see SchedulerConfig).
+    enable_prefix_caching: keep computed full KV blocks by the chained hash of their tokens and
+        media, so that a prompt starts from its longest cached prefix (SchedulerConfig). Takes
+        effect on models whose every layer is full attention (`ModelRunner.caches_prefixes`);
+        off by default until linear-attention and sliding-window layers resume from a prefix.
     dtype: "auto" is float32 on CPU and bfloat16 on CUDA.
     device: "auto" is CUDA when available.
     num_cpus_per_rank: CPUs Ray reserves for each tensor-parallel follower actor.
@@ -86,6 +90,7 @@ class EngineConfig:
     kv_cache_gib: float | None = None
     kv_cache_memory_fraction: float = 0.9
     max_prefill_tokens_per_step: int = 8192
+    enable_prefix_caching: bool = False
     dtype: str = "auto"
     device: str = "auto"
     num_cpus_per_rank: float = 1.0

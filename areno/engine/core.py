@@ -182,7 +182,9 @@ class EngineCore:
                 inputs = inputs.with_tokens(item.token_ids)
             slots = [seq.slot for seq in item.seqs]
             tables = [list(seq.block_ids) for seq in item.seqs]
-            step.prefill.append(PrefillItem(inputs, slots, tables, item.start, item.end))
+            step.prefill.append(
+                PrefillItem(inputs, slots, tables, item.start, item.end, item.cached)
+            )
             if item.is_final:
                 step.rows += [RowSampling(s.seq_id, s.params, s.seed) for s in item.seqs]
         for seq in decode:

@@ -103,6 +103,9 @@ class Generator:
                 max_prefill_tokens_per_step=config.max_prefill_tokens_per_step,
                 num_blocks=pool.num_blocks,
                 block_size=pool.block_size,
+                enable_prefix_caching=(
+                    config.enable_prefix_caching and executor.worker.caches_prefixes
+                ),
             )
         except BaseException:
             executor.shutdown()
@@ -325,6 +328,7 @@ class Generator:
 
         def load() -> int:
             count = self.core.executor.load_weights(pairs)
+            self.core.scheduler.blocks.forget_cached()  # keys of the old weights
             self.core.policy_version = version
             return count
 
@@ -391,8 +395,9 @@ class Generator:
         return self.core.executor.worker.pool
 
     def stats(self) -> dict[str, int]:
-        """Queue depth, occupancy of slots and KV blocks, and preemptions so far (read without
-        locking: a snapshot for metrics)."""
+        """Queue depth, occupancy of slots and KV blocks, preemptions so far, and the prefix
+        cache's blocks and the prompt tokens it held of those admitted (read without locking:
+        a snapshot for metrics)."""
         scheduler = self.core.scheduler
         return {
             "num_waiting": scheduler.num_waiting,
@@ -401,6 +406,9 @@ class Generator:
             "num_blocks": scheduler.blocks.num_blocks,
             "num_free_blocks": scheduler.blocks.num_free,
             "num_preemptions": scheduler.num_preemptions,
+            "num_cached_blocks": scheduler.blocks.num_cached,
+            "num_prompt_tokens_admitted": scheduler.num_admitted_tokens,
+            "num_prompt_tokens_cached": scheduler.num_cached_tokens,
             "policy_version": self.core.policy_version,
         }
 

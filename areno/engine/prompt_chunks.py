@@ -77,16 +77,26 @@ def staging(
     num_tokens: int,
     end: int,
     groups: torch.Tensor | None,
+    start: int = 0,
+    chunk: Callable[[StagedPrompt], dict] | None = None,
 ):
     """Within the block, the stack's inputs for a whole prompt of `num_tokens` go to `keep` and
-    the stack runs on their first `end` tokens."""
+    the stack runs on their tokens `start`..`end`-1. From a `start` past 0 (a prompt whose
+    first tokens' keys are cached already) `chunk` binds the cache to the chunk just before the
+    stack runs and returns its masks and tables, as for a later chunk."""
     forward_class = type(stack).forward
 
     def forward(*args, **kwargs):
         staged = StagedPrompt.capture(kwargs, num_tokens, groups)
         keep(staged)
-        kwargs |= staged.cut(0, end)
-        kwargs["attention_mask"] = _first_rows(kwargs.get("attention_mask"), end)
+        kwargs |= staged.cut(start, end)
+        if chunk is None:
+            kwargs["attention_mask"] = _first_rows(kwargs.get("attention_mask"), end)
+        else:
+            kwargs |= chunk(staged)
+            if kwargs.get("cache_position") is not None:
+                cache_position = kwargs["cache_position"]
+                kwargs["cache_position"] = torch.arange(start, end, device=cache_position.device)
         return forward_class(stack, *args, **kwargs)
 
     return patched_forward(stack, forward)

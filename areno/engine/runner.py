@@ -287,18 +287,24 @@ class ModelRunner:
         slots: list[int],
         block_tables: list[list[int]] | None = None,
         end: int | None = None,
+        start: int = 0,
     ) -> torch.Tensor:
         """Run the prompt (media towers included) into `slots[0]` and its table's blocks, fork
         it into the other slots (each slot i with `block_tables[i]`), and return the last
         position's logits (V,). `end`: only the first `end` tokens (a prompt's first chunk,
         one slot): the towers still encode every item, and the text stack's inputs for the
-        whole prompt are kept for its later chunks (`prefill_chunk`)."""
+        whole prompt are kept for its later chunks (`prefill_chunk`). `start`: the blocks of
+        the table hold the keys of the first `start` tokens already (the prefix cache's; one
+        slot, `caches_prefixes`): the text stack runs on tokens start..end-1 only."""
         n = inputs.num_prompt_tokens if end is None else end
+        self.set_tables(slots, block_tables, new=True)
         staging = contextlib.nullcontext()
-        if n < inputs.num_prompt_tokens:
+        if start:
+            assert len(slots) == 1 and self.caches_prefixes, "a cached prefix feeds one slot"
+            staging = self._staging(slots[0], inputs, n, start)
+        elif n < inputs.num_prompt_tokens:
             assert len(slots) == 1, "a first chunk prefills one slot"
             staging = self._staging(slots[0], inputs, n)
-        self.set_tables(slots, block_tables, new=True)
         positions = torch.arange(n, device=self.device)[None]
         first_slot = to_device(torch.tensor(slots[:1]), self.device)
         tables = self._device_tables(slots[:1], n)
@@ -311,6 +317,8 @@ class ModelRunner:
                 **model_inputs, past_key_values=self.cache, use_cache=True, logits_to_keep=1
             )
         self.cache.commit()
+        if start and n == inputs.num_prompt_tokens:
+            self._staged.pop(slots[0])  # no later chunk takes it
         delta = 0
         if self.uses_mrope and self.model.model.rope_deltas is not None:
             delta = int(self.model.model.rope_deltas[0, 0])
@@ -383,9 +391,11 @@ class ModelRunner:
         block_table: list[int] | None,
         start: int,
         end: int,
+        cached: int = 0,
     ) -> torch.Tensor:
         """Prefill tokens start..end-1 of a prompt into `slot`, whose blocks hold its tokens
-        before `start` (earlier chunks); returns the last position's logits (V,).
+        before `start` (earlier chunks, or the prefix cache's first `cached`); returns the last
+        position's logits (V,).
 
         The first chunk (start 0) runs the model's own forward over the whole prompt up to its
         text stack: the media towers encode every item once, and the stack's inputs (embeddings
@@ -397,17 +407,11 @@ class ModelRunner:
         layers continue the slot's state. The last chunk drops what was kept."""
         table = [block_table] if block_table else None
         n = inputs.num_prompt_tokens
-        if start == 0:
-            return self.prefill(inputs, [slot], table, end)
+        if start == cached:
+            return self.prefill(inputs, [slot], table, end, start)
         staged = self._staged.pop(slot) if end == n else self._staged[slot]
         self.set_tables([slot], table, new=False)
-        pos_Q = torch.arange(start, end, device=self.device)
-        tables = self._device_tables([slot], end)
-        slot_B = to_device(torch.tensor([slot]), self.device)
-        binding = BatchBinding(
-            slot_B, pos_Q[None], end, tables, num_cached=start, paged=True, chunk=True
-        )
-        self.cache.bind(binding, is_prefill=False)
+        pos_Q, tables = self._bind_chunk(slot, start, end)
         ids = to_device(torch.tensor([inputs.input_ids[start:end]]), self.device)
         delta = torch.tensor([self.rope_delta[slot]], device=self.device)
         # The model's own positions for its forward (the stack takes the kept ones): (4, 1, L)
@@ -427,15 +431,41 @@ class ModelRunner:
         self.cache.commit()
         return out.logits[0, -1].float()
 
-    def _staging(self, slot: int, inputs: PromptInputs, end: int):
+    def _staging(self, slot: int, inputs: PromptInputs, end: int, start: int = 0):
         """Within the block, the text stack's inputs for the whole prompt are kept for `slot`
-        and the stack runs on their first `end` tokens."""
+        and the stack runs on their tokens start..end-1 (past 0: bound as a later chunk)."""
         groups = self._bidirectional_groups(inputs)
 
         def keep(staged: StagedPrompt) -> None:
             self._staged[slot] = staged
 
-        return staging(self._text_stack, keep, inputs.num_prompt_tokens, end, groups)
+        def chunk(staged: StagedPrompt) -> dict:
+            pos_Q, tables = self._bind_chunk(slot, start, end)
+            return {
+                "attention_mask": self._chunk_masks(pos_Q, end, staged.groups),
+                BLOCK_TABLES_KWARG: self.attention_tables(tables, None),
+            }
+
+        n = inputs.num_prompt_tokens
+        return staging(self._text_stack, keep, n, end, groups, start, chunk if start else None)
+
+    def _bind_chunk(self, slot: int, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Bind the cache to tokens start..end-1 of `slot` over its cached keys before them;
+        returns their positions (Q,) and the slot's tables (1, blocks)."""
+        pos_Q = torch.arange(start, end, device=self.device)
+        tables = self._device_tables([slot], end)
+        slot_B = to_device(torch.tensor([slot]), self.device)
+        binding = BatchBinding(
+            slot_B, pos_Q[None], end, tables, num_cached=start, paged=True, chunk=True
+        )
+        self.cache.bind(binding, is_prefill=False)
+        return pos_Q, tables
+
+    @property
+    def caches_prefixes(self) -> bool:
+        """Whether a prompt may start from cached keys of its first tokens: every layer keeps
+        per-token keys in the pool (no linear-attention state, no sliding ring to restore)."""
+        return set(self.layer_types) == {"full_attention"}
 
     def whole_runs(self, inputs: PromptInputs) -> list[tuple[int, int]]:
         """The token runs (start, end) of `inputs` that one prefill chunk must hold whole: where

@@ -40,7 +40,7 @@ import heapq
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
 
-from areno.engine.block_manager import BlockManager, blocks_for
+from areno.engine.block_manager import BlockManager, block_hashes, blocks_for
 from areno.engine.sequence import Sequence, SequenceGroup, SequenceStatus
 from areno.errors import ArenoError, ConfigError, PromptTooLongError
 
@@ -69,6 +69,9 @@ class SchedulerConfig:
     num_blocks: KV blocks in the pool (None: every slot's `max_context_len`, as a slot cache
         would hold). It must hold one sequence of max_context_len tokens.
     block_size: tokens per KV block.
+    enable_prefix_caching: register each computed full block under its prefix hash
+        (`block_hashes`) and admit a prompt from its longest cached prefix: its blocks are
+        shared, its prefill starts after them. Freed blocks stay cached until evicted.
     """
 
     max_running_seqs: int
@@ -76,6 +79,7 @@ class SchedulerConfig:
     max_prefill_tokens_per_step: int = 8192
     num_blocks: int | None = None
     block_size: int = 16
+    enable_prefix_caching: bool = False
 
     def __post_init__(self) -> None:
         limits = {
@@ -151,6 +155,7 @@ class ScheduledPrefill:
     seqs: list[Sequence]
     start: int
     end: int
+    cached: int = 0  # tokens the prefix cache gave: the first chunk starts here
 
     @property
     def token_ids(self) -> list[int]:
@@ -215,6 +220,9 @@ class Scheduler:
         self._groups: dict[str, SequenceGroup] = {}  # unfinished requests, in arrival order
         self.hold_admission = False
         self.num_preemptions = 0
+        # Prompt tokens admitted, and of them those the prefix cache held.
+        self.num_admitted_tokens = 0
+        self.num_cached_tokens = 0
         self._watermark = int(self.WATERMARK * config.num_blocks)
 
     @property
@@ -278,6 +286,9 @@ class Scheduler:
         """Decide this step's work: decode every running sequence (preempting the newest where
         blocks run out), then admit waiting sequences (unless `hold_admission` is set, e.g.
         while the engine drains for a pause, or this step preempted)."""
+        if self.config.enable_prefix_caching:
+            for seq in self._running:
+                self._register(seq)
         decode, preempted = self._reserve_decode_blocks()
         budget = self.config.max_prefill_tokens_per_step
         prefill = self._continue_chunks(budget)
@@ -288,6 +299,44 @@ class Scheduler:
 
     def _is_prefilling(self, seq: Sequence) -> bool:
         return seq.num_computed_tokens < seq.prefill_end
+
+    def _hashes(self, seq: Sequence, num_blocks: int) -> list[bytes]:
+        """The prefix hashes of `seq`'s first `num_blocks` full blocks (kept on it as they are
+        first needed)."""
+        known, size = len(seq.block_hashes), self.config.block_size
+        if num_blocks > known:
+            start = known * size
+            media = [
+                (first - start, last - start, key)
+                for first, last, key in self._groups[seq.request_id].media_keys()
+            ]
+            parent = seq.block_hashes[-1] if known else b""
+            tokens = seq.token_ids[start : num_blocks * size]
+            seq.block_hashes += block_hashes(tokens, size, media, parent)
+        return seq.block_hashes[:num_blocks]
+
+    def _register(self, seq: Sequence) -> None:
+        """Register the full blocks of `seq` whose keys earlier steps wrote (launched steps
+        run in order: a later step reading them runs after)."""
+        if self._is_prefilling(seq):
+            computed = seq.num_computed_tokens
+        else:
+            computed = min(seq.next_position, seq.num_tokens)
+        full = min(computed // self.config.block_size, len(seq.block_ids))
+        if full <= seq.num_registered_blocks:
+            return
+        hashes = self._hashes(seq, full)
+        for i in range(seq.num_registered_blocks, full):
+            self.blocks.register(seq.block_ids[i], hashes[i])
+        seq.num_registered_blocks = full
+
+    def _cached_prefix(self, seq: Sequence, group: SequenceGroup) -> list[int]:
+        """The prefix cache's blocks for `seq`'s first tokens (not yet held), leaving at least
+        its last token to prefill (its logits sample the first new token)."""
+        if not (self.config.enable_prefix_caching and group.can_chunk) or group.whole_runs:
+            return []
+        num_blocks = (seq.num_tokens - 1) // self.config.block_size
+        return self.blocks.lookup(self._hashes(seq, num_blocks))
 
     def _continue_chunks(self, budget: int) -> list[ScheduledPrefill]:
         """The next chunk of every sequence whose prompt is being prefilled in chunks, oldest
@@ -390,17 +439,22 @@ class Scheduler:
                 and not last.seqs[0].output_token_ids
             )
             end = seq.num_tokens
+            hit: list[int] = []
             if joins:
                 shared = seq.num_prompt_tokens // block_size
                 need = len(last.seqs[0].block_ids) - shared
             else:
-                need = blocks_for(seq.num_tokens, block_size)
-                if seq.num_tokens > budget:
+                hit = self._cached_prefix(seq, group)
+                cached = len(hit) * block_size
+                need = blocks_for(seq.num_tokens, block_size) - len(hit)
+                if seq.num_tokens - cached > budget:
                     if group.can_chunk and budget >= block_size:
-                        end = _chunk_end(group, 0, budget)  # the rest in later steps
-                    if end > budget and (admitted or not first):
+                        end = _chunk_end(group, cached, cached + budget)  # the rest later
+                    if end - cached > budget and (admitted or not first):
                         break
-            if self.blocks.num_free - need < (self._watermark if self._running else 0):
+            # Cached blocks nobody holds count as free until this sequence takes them.
+            taken = need + sum(1 for block in hit if self.blocks.num_refs(block) == 0)
+            if self.blocks.num_free - taken < (self._watermark if self._running else 0):
                 break
             self._waiting.pop(0)
             seq.slot = self.slots.allocate(1)[0]
@@ -411,13 +465,19 @@ class Scheduler:
                 seq.block_ids = self.blocks.share(own[:shared]) + self.blocks.allocate(need)
                 last.seqs.append(seq)
             else:
-                seq.block_ids = self.blocks.allocate(need)
-                admitted.append(ScheduledPrefill(group, [seq], 0, end))
-                budget -= end
+                seq.block_ids = self.blocks.acquire(hit) + self.blocks.allocate(need)
+                seq.num_registered_blocks = len(hit)
+                admitted.append(ScheduledPrefill(group, [seq], cached, end, cached))
+                budget -= end - cached
+                self.num_admitted_tokens += seq.num_tokens
+                self.num_cached_tokens += cached
             self._running.append(seq)
         return admitted
 
     def _release(self, seq: Sequence) -> None:
+        if self.config.enable_prefix_caching and seq.block_ids:
+            self._register(seq)  # its blocks stay cached once freed
+        seq.num_registered_blocks = 0
         if seq.slot is not None:
             self.slots.free(seq.slot)
             seq.slot = None

@@ -76,6 +76,10 @@ class Sequence:
     # far write: below `prefill_end` while a long prompt is prefilled in chunks (scheduler.py).
     prefill_end: int = 0
     num_computed_tokens: int = 0
+    # The prefix hashes of its full blocks known so far, and how many of its blocks are
+    # registered in the prefix cache (scheduler.py).
+    block_hashes: list[bytes] = field(default_factory=list)
+    num_registered_blocks: int = 0
     finish_reason: str | None = None
     num_preemptions: int = 0
     # Tokens sampled on the device that the host has not read yet (0 or 1: an overlapped step
@@ -172,6 +176,16 @@ class SequenceGroup:
             for i in range(params.n)
         ]
         return cls(request_id, seqs, inputs, can_chunk, list(whole_runs or []))
+
+    def media_keys(self) -> list[tuple[int, int, str]]:
+        """(start, end, key) of each media item of the prompt, as `block_hashes` takes them.
+        NOTE: the key is the source's content hash, modality and feature count; a request
+        that decodes the same bytes with other options into as many features would share."""
+        spans = self.inputs.mm_spans if self.inputs is not None else []
+        return [
+            (s.start, s.end, f"{s.modality}:{s.num_placeholder_tokens}:{s.content_hash}")
+            for s in spans
+        ]
 
     @property
     def params(self) -> SamplingParams:

@@ -42,6 +42,9 @@ class PrefillItem:
     # chunk that ends the prompt samples (has output rows).
     start: int = 0
     end: int | None = None
+    # The first tokens whose keys the table's blocks hold from the prefix cache: the prompt's
+    # first chunk starts there.
+    cached: int = 0
 
     @property
     def is_chunk(self) -> bool:
@@ -321,7 +324,7 @@ class Worker:
                 table = item.block_tables[0] if item.block_tables else None
                 end = item.end if item.end is not None else item.inputs.num_prompt_tokens
                 last[i] = self.runner.prefill_chunk(
-                    item.inputs, item.slots[0], table, item.start, end
+                    item.inputs, item.slots[0], table, item.start, end, item.cached
                 )
             elif can_batch_prefill(item.inputs):
                 batchable.append(i)
@@ -391,6 +394,11 @@ class Worker:
         if generator is None:
             generator = self._generators[row.seq_id] = generator_for(row.seed, self.device)
         return generator
+
+    @property
+    def caches_prefixes(self) -> bool:
+        """Whether a prompt may start from the prefix cache's blocks (ModelRunner's)."""
+        return self.runner.caches_prefixes
 
     def whole_runs(self, inputs: PromptInputs) -> list[tuple[int, int]]:
         """The token runs of a prompt that one prefill chunk must hold whole (ModelRunner's)."""

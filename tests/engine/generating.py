@@ -94,9 +94,9 @@ def run_chunked(gen, inputs: list) -> tuple[list, list[tuple[int, int, int]]]:
     runner = gen.core.executor.worker.runner
     prefill_chunk = runner.prefill_chunk
 
-    def recording(inputs, slot, table, start, end):
+    def recording(inputs, slot, table, start, end, cached=0):
         chunks.append((inputs.num_prompt_tokens, start, end))
-        return prefill_chunk(inputs, slot, table, start, end)
+        return prefill_chunk(inputs, slot, table, start, end, cached)
 
     runner.prefill_chunk = recording
 

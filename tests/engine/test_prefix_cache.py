@@ -7,6 +7,8 @@ from __future__ import annotations
 import pytest
 
 from areno.engine.block_manager import BlockManager, block_hashes
+from areno.media.samples import write_image
+from tests.engine.generating import GREEDY, arrive_together, run, text, with_media
 
 TOKENS = list(range(100, 140))  # 2 full blocks of 16 and 8 tokens more
 
@@ -88,3 +90,81 @@ def test_acquiring_a_block_that_is_not_cached_is_an_error():
     (block,) = blocks.allocate(1)
     with pytest.raises(AssertionError):
         blocks.acquire([block])
+
+
+# --- the engine: prompts that start from cached blocks --------------------------------------
+
+
+def _cached_tokens(gen, x, params=GREEDY) -> tuple[list[int], int]:
+    """Run `x` alone; its tokens and how many of its prompt tokens the prefix cache held."""
+    before = gen.stats()["num_prompt_tokens_cached"]
+    (output,) = run(arrive_together(gen, [x], params))
+    return output.samples[0].token_ids, gen.stats()["num_prompt_tokens_cached"] - before
+
+
+def test_prompts_start_from_their_cached_prefix_media_included_and_equal_generate(
+    setups, media, overlap, tmp_path
+):
+    """A follow-up turn with the first turn's image and text prefills only past the blocks the
+    first turn left cached, chunked through the rest; the same question about another image of
+    the same size shares only the blocks before the image; every answer is transformers'.
+    Qwen3-VL: the tiny family whose every layer is full attention."""
+    setup = setups("qwen3_vl")
+    other = str(write_image(tmp_path / "other.png", 64, 48, seed=7))
+    first = with_media("image", media["image"], "Describe it, please, in a few words.")
+    follow_up = first + [
+        {"role": "assistant", "content": "A small picture."},
+        {"role": "user", "content": "And its colours?"},
+    ]
+    inputs = [setup.encode(m) for m in (first, follow_up)]
+    inputs.append(setup.encode(with_media("image", other, "Describe it, please, in a few words.")))
+    expected = [setup.reference(x, GREEDY.max_tokens) for x in inputs]
+    block = 4
+    gen = setup.generator(
+        block_size=block,
+        enable_prefix_caching=True,
+        overlap_steps=overlap,
+        max_prefill_tokens_per_step=16,
+    )
+    try:
+        assert gen.core.scheduler.config.enable_prefix_caching
+        results = [_cached_tokens(gen, x) for x in inputs]
+        again = _cached_tokens(gen, inputs[0])
+    finally:
+        gen.shutdown()
+    for i, ((tokens, _), want) in enumerate(zip(results, expected, strict=True)):
+        assert tokens == want, (i, tokens, want)
+    assert results[0][1] == 0
+    (span,) = inputs[0].mm_spans
+    pairs = zip(inputs[0].input_ids, inputs[1].input_ids, strict=False)
+    shared = next((i for i, (a, b) in enumerate(pairs) if a != b), inputs[0].num_prompt_tokens)
+    assert span.end < shared
+    assert (
+        results[1][1] == shared // block * block
+    )  # past the image, to the turns' last shared block
+    assert results[2][1] == span.start // block * block  # the other image never matches
+    assert again == (expected[0], (inputs[0].num_prompt_tokens - 1) // block * block)
+
+
+def test_models_with_linear_or_sliding_layers_leave_the_cache_off(setups):
+    for family in ("qwen3_5", "minicpmv4_6", "gemma4"):
+        gen = setups(family).generator(enable_prefix_caching=True)
+        try:
+            assert not gen.core.scheduler.config.enable_prefix_caching
+        finally:
+            gen.shutdown()
+
+
+def test_new_weights_forget_the_cached_blocks(setups):
+    setup = setups("qwen3_vl")
+    x = setup.encode(text("Once upon a time there was a river that ran to the sea."))
+    gen = setup.generator(block_size=4, enable_prefix_caching=True)
+    try:
+        _cached_tokens(gen, x)
+        assert gen.core.scheduler.blocks.num_cached > 0
+        weights = {name: p.detach().clone() for name, p in setup.model.named_parameters()}
+        run(gen.update_weights(weights, 1))
+        assert gen.core.scheduler.blocks.num_cached == 0
+        assert _cached_tokens(gen, x)[1] == 0
+    finally:
+        gen.shutdown()
