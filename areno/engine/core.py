@@ -14,14 +14,9 @@ from areno.engine.detokenizer import IncrementalDetokenizer
 from areno.engine.executor import Executor
 from areno.engine.outputs import RequestOutput, SampleDelta
 from areno.engine.sampling import SamplingParams
-from areno.engine.scheduler import (
-    ScheduledPrefill,
-    Scheduler,
-    SchedulerConfig,
-    StopCheck,
-    check_stop,
-)
+from areno.engine.scheduler import ScheduledPrefill, Scheduler, SchedulerConfig
 from areno.engine.sequence import Sequence, SequenceGroup
+from areno.engine.stopping import StopCheck, check_stop
 from areno.engine.worker import PendingStep, PrefillItem, RowSampling, StepInput, StepOutput
 from areno.processing.types import PromptInputs
 

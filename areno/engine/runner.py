@@ -19,6 +19,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from areno.engine import kernels
 from areno.engine.attention import BLOCK_TABLES_KWARG, KV_LENGTHS_KWARG, EngineAttention
+from areno.engine.batched_prefill import last_real_positions, pad_tokens
 from areno.engine.block_manager import SINK_BLOCK, blocks_for
 from areno.engine.cache import BatchBinding, PagedCache, fork, ring_tables
 from areno.engine.compiled import CompiledForward
@@ -32,7 +33,6 @@ from areno.engine.prompt_chunks import (
     StagedPrompt,
     bidirectional_groups,
     chunk_masks,
-    patched_forward,
     runs_of,
     stack_inputs,
     staging,
@@ -363,13 +363,14 @@ class ModelRunner:
         # and took the memory-efficient kernel.
         model_inputs = {
             key: to_device(
-                torch.cat([_pad_tokens(p.model_inputs()[key], num_tokens) for p in prompts]),
+                torch.cat([pad_tokens(p.model_inputs()[key], num_tokens) for p in prompts]),
                 self.device,
             )
             for key in prompts[0].model_inputs()
             if key != "attention_mask"
         }
-        with self._engine_context(), self._last_real_positions(lengths_B - 1):
+        last = last_real_positions(self._text_stack, self._prefill_stack, lengths_B - 1)
+        with self._engine_context(), last:
             out = self.model(
                 **model_inputs, past_key_values=self.cache, use_cache=True, logits_to_keep=1
             )
@@ -497,21 +498,6 @@ class ModelRunner:
         """Whether batched prefills run the text stack compiled."""
         return self._prefill_stack.compiled
 
-    @contextlib.contextmanager
-    def _last_real_positions(self, positions_B: torch.Tensor):
-        """Within the block, the text stack runs through `_prefill_stack` (compiled or not) and
-        its final hidden states are row b's at `positions_B[b]` only, (B, 1, H): the model's
-        `logits_to_keep=1` then projects those."""
-        rows_B = torch.arange(len(positions_B), device=positions_B.device)
-
-        def forward(*args, **kwargs):
-            out = self._prefill_stack(*args, **kwargs)
-            out.last_hidden_state = out.last_hidden_state[rows_B, positions_B][:, None]
-            return out
-
-        with patched_forward(self._text_stack, forward):
-            yield
-
     @torch.inference_mode()
     def decode(
         self,
@@ -602,22 +588,3 @@ class ModelRunner:
             logits_NV = self.model(**model_inputs, use_cache=False).logits[0, :-1].float()
         targets_N = model_inputs["input_ids"][0, 1:]
         return torch.log_softmax(logits_NV, dim=-1).gather(-1, targets_N[:, None]).squeeze(-1)
-
-
-def _pad_tokens(value_1L: torch.Tensor, length: int) -> torch.Tensor:
-    """A per-token input (1, L) (token ids, token types) right-padded with 0 to `length`: the
-    pads' outputs are never read."""
-    extra = length - value_1L.shape[1]
-    if not extra:
-        return value_1L
-    return torch.nn.functional.pad(value_1L, (0, extra))
-
-
-def can_batch_prefill(inputs: PromptInputs) -> bool:
-    """Whether a prompt may share a prefill forward with other prompts (of its length, or any
-    length where the runner `can_pad_prefill`): no media, and only per-token tensors (like
-    `mm_token_type_ids`) besides its ids."""
-    n = inputs.num_prompt_tokens
-    return not inputs.mm_spans and all(
-        v.ndim == 2 and v.shape == (1, n) for v in inputs.mm_inputs.values()
-    )

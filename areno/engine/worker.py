@@ -14,9 +14,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from areno.engine.batched_prefill import can_batch_prefill
 from areno.engine.config import EngineConfig, KVPoolOptions, pool_options
 from areno.engine.kv_pool import KVPool, agree_across_ranks, block_bytes, fraction_budget
-from areno.engine.runner import ModelRunner, can_batch_prefill
+from areno.engine.runner import ModelRunner
 from areno.engine.sampler import SamplerOutput, SamplingTensors, generator_for, sample
 from areno.engine.sampling import SamplingParams
 from areno.engine.transfer import to_device

@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from areno.engine.batched_prefill import can_batch_prefill
 from areno.engine.cuda_graphs import row_buckets
-from areno.engine.runner import ModelRunner, can_batch_prefill
+from areno.engine.runner import ModelRunner
 from areno.engine.worker import MAX_PREFILL_PADDING, prefill_groups
 from areno.media import MediaDecoder, MediaPolicy
 from areno.media.samples import write_audio, write_image, write_video

@@ -14,9 +14,9 @@ from areno.engine.scheduler import (
     SchedulerConfig,
     SequenceTooLongError,
     SlotAllocator,
-    check_stop,
 )
 from areno.engine.sequence import SequenceGroup, SequenceStatus
+from areno.engine.stopping import check_stop
 from areno.errors import ArenoError, ConfigError, PromptTooLongError
 
 EOS = frozenset({2})

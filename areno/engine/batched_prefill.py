@@ -1,0 +1,46 @@
+"""Prompts without media prefilled together in one forward (`ModelRunner.prefill_batch`): which
+prompts may share one, their padding, and each row's last real position."""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from areno.engine.prompt_chunks import patched_forward
+from areno.processing.types import PromptInputs
+
+
+def can_batch_prefill(inputs: PromptInputs) -> bool:
+    """Whether a prompt may share a prefill forward with other prompts (of its length, or any
+    length where the runner `can_pad_prefill`): no media, and only per-token tensors (like
+    `mm_token_type_ids`) besides its ids."""
+    n = inputs.num_prompt_tokens
+    return not inputs.mm_spans and all(
+        v.ndim == 2 and v.shape == (1, n) for v in inputs.mm_inputs.values()
+    )
+
+
+def pad_tokens(value_1L: torch.Tensor, length: int) -> torch.Tensor:
+    """A per-token input (1, L) (token ids, token types) right-padded with 0 to `length`: the
+    pads' outputs are never read."""
+    extra = length - value_1L.shape[1]
+    if not extra:
+        return value_1L
+    return torch.nn.functional.pad(value_1L, (0, extra))
+
+
+@contextlib.contextmanager
+def last_real_positions(text_stack: torch.nn.Module, run_stack, positions_B: torch.Tensor):
+    """Within the block, `text_stack` runs through `run_stack` (its forward, compiled or not)
+    and its final hidden states are row b's at `positions_B[b]` only, (B, 1, H): the model's
+    `logits_to_keep=1` then projects those."""
+    rows_B = torch.arange(len(positions_B), device=positions_B.device)
+
+    def forward(*args, **kwargs):
+        out = run_stack(*args, **kwargs)
+        out.last_hidden_state = out.last_hidden_state[rows_B, positions_B][:, None]
+        return out
+
+    with patched_forward(text_stack, forward):
+        yield
