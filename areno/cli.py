@@ -51,6 +51,8 @@ def _serve(args: argparse.Namespace) -> None:
         max_running_prompts=args.max_running_prompts,
         max_context_len=args.max_context_len,
         max_prefill_tokens_per_step=args.max_num_batched_tokens,
+        enable_prefix_caching=args.enable_prefix_caching,
+        prefix_state_rows=args.prefix_state_rows,
         block_size=args.block_size,
         kv_cache_gib=args.kv_cache_gib,
         kv_cache_memory_fraction=args.kv_cache_memory_fraction,
@@ -134,6 +136,19 @@ def _add_serve_parser(sub) -> None:
         default=8192,
         help="prompt tokens prefilled in one engine step; a longer prompt is prefilled in "
         "chunks over several steps beside the running decodes (default: 8192)",
+    )
+    serve.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="reuse the KV blocks (and the saved states of linear-attention and sliding-window "
+        "layers) of earlier prompts with the same first tokens and media (default: on)",
+    )
+    serve.add_argument(
+        "--prefix-state-rows",
+        type=int,
+        help="saved layer states the prefix cache keeps on models with linear-attention or "
+        "sliding-window layers (default: 2 x --max-running-prompts)",
     )
     serve.add_argument(
         "--max-queued-requests",
@@ -220,6 +235,7 @@ _TRAIN_FLAGS = {
     "group_size": "grpo.group_size",
     "prompts_per_step": "grpo.prompts_per_step",
     "lr": "optim.lr",
+    "enable_prefix_caching": "rollout.enable_prefix_caching",
 }
 
 
@@ -305,6 +321,11 @@ def _add_train_parsers(sub) -> None:
         ("--lr", float),
     ):
         train.add_argument(flag, type=kind)
+    train.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        help="the rollout engines reuse earlier prompts' blocks and states (default: on)",
+    )
     train.add_argument(
         "--set",
         action="append",

@@ -1,12 +1,20 @@
-"""What the prefix cache saves an agentic multimodal rollout: a GRPO group of G episodes of one
-sample with an image, each running T turns whose prompt is the whole episode so far (the
-sample, then each turn's reply and a tool-result message), all episodes at once, through the
-Generator with `enable_prefix_caching` off and on, side by side in one run.
+"""What the prefix cache saves a GRPO step of the AVE agent
+(examples/multimodal/ave_event_recognition): `--prompts` clips, each a group of `--group-size`
+episodes of `--turns` turns, all running at once as a rollout worker runs them, through the
+serving parts (MediaDecoder, Processor, Generator), with `enable_prefix_caching` off and on,
+side by side in one run.
 
-Counted from the engine's own stats: prompt tokens admitted, of them those the cache held, and
-so those prefilled; and the wall time of the whole group.
+Each turn the policy samples `--max-tokens` tokens; a random policy writes no tool call, so the
+benchmark then appends the agent's calls itself (view_frames, listen; the last turn answers),
+rendered in the checkpoint's own call syntax, runs the agent's real tools, and sends the next
+turn token in, as rollouts do (the last turn's tokens plus the tool result's, media included).
 
-    python benchmarks/rollout_prefill.py --family qwen3_vl --group-size 8 --turns 4
+Counted from the engine's own stats: prompt tokens requested (admitted), those the cache held
+and so those prefilled; and the wall time of the step (tools, decoding and encoding included).
+
+    python benchmarks/rollout_prefill.py                     # tiny Gemma 4 on CPU
+    python benchmarks/rollout_prefill.py --family qwen3_5 --size 2b --device cuda \\
+        --calls view_frames,view_frames --seconds 10 --fps 4 --max-frames 8 --prompts 8
 """
 
 from __future__ import annotations
@@ -21,116 +29,163 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from engine_workloads import load_small, write_results  # noqa: E402
+sys.path.insert(0, str(Path(__file__).parents[1]))
+from engine_workloads import write_results  # noqa: E402
 
+from areno.data import Sample  # noqa: E402
 from areno.engine.config import EngineConfig  # noqa: E402
 from areno.engine.generator import Generator  # noqa: E402
 from areno.engine.sampling import SamplingParams  # noqa: E402
 from areno.media import MediaDecoder, MediaPolicy  # noqa: E402
-from areno.media.samples import write_image  # noqa: E402
-from areno.processing import process_messages  # noqa: E402
+from areno.models.tiny import tiny_checkpoint  # noqa: E402
+from areno.processing import Processor  # noqa: E402
+from areno.rollout.agent import ToolContext  # noqa: E402
+from examples.multimodal.ave_event_recognition.agent import ave_agent  # noqa: E402
+from examples.multimodal.ave_event_recognition.generate_dataset import make_split  # noqa: E402
 
 
-def sample_messages(image: Path) -> list[dict]:
-    question = (
-        "You are looking at a picture from a camera. Describe what you see, then call the "
-        "tool that zooms in if anything is unclear, and finally say which object is largest."
-    )
-    return [
-        {"role": "system", "content": "You are a careful visual assistant. " * 8},
-        {
-            "role": "user",
-            "content": [
-                {"type": "image_url", "image_url": {"url": str(image)}},
-                {"type": "text", "text": question},
-            ],
-        },
-    ]
+class Rollout:
+    """The serving parts of one rollout worker and the agent."""
 
+    def __init__(self, path: str, args, caching: bool):
+        self.processor = Processor(path)
+        self.decoder = MediaDecoder(MediaPolicy.for_training(), self.processor.decode_options())
+        config = EngineConfig(
+            max_running_prompts=args.prompts * args.group_size,
+            max_context_len=args.max_context_len,
+            enable_prefix_caching=caching,
+            device=args.device,
+            dtype=args.dtype,
+        )
+        self.generator = Generator.from_config(path, config)
+        self.agent = ave_agent(max_turns=args.turns, max_frames=args.max_frames)
+        self.tools = self.agent.tool_schemas
+        tokenizer = self.processor.tokenizer
+        self.eot = tokenizer.convert_tokens_to_ids(self.processor.adapter.stop_tokens[0])
 
-async def episode(gen, processor, decoder, messages, turns, max_tokens, seed) -> None:
-    messages = list(messages)
-    for turn in range(turns):
-        inputs = await asyncio.to_thread(process_messages, processor, decoder, messages)
-        params = SamplingParams(temperature=1.0, max_tokens=max_tokens, seed=seed * 97 + turn)
-        output = await gen.generate_all(inputs, params)
-        reply = processor.tokenizer.decode(output.samples[0].token_ids, skip_special_tokens=True)
-        messages += [
-            {"role": "assistant", "content": reply},
-            {"role": "user", "content": f"Tool result {turn}: the zoomed region shows more."},
-        ]
+    def encode(self, messages: list[dict], first: bool):
+        media = self.decoder.decode_many(self.processor.media_refs(messages))
+        if first:
+            return self.processor.encode(messages, media, tools=self.tools)
+        return self.processor.encode_continuation(messages, media, tools=self.tools)
 
+    def call_ids(self, name: str, arguments: dict) -> list[int]:
+        """A reply that is this one call, in the checkpoint's syntax, closed as a turn."""
+        text = self.processor.reply_text("", [(name, arguments)], tools=self.tools)
+        return self.processor.tokenizer.encode(text, add_special_tokens=False) + [self.eot]
 
-def run_group(model, processor, messages, args, caching: bool) -> dict:
-    config = EngineConfig(
-        max_running_prompts=args.group_size,
-        max_context_len=args.max_context_len,
-        enable_prefix_caching=caching,
-    )
-    gen = Generator.from_model(model, processor.tokenizer, config)
-    decoder = MediaDecoder(MediaPolicy.for_training(), processor.decode_options())
+    async def episode(self, sample: Sample, index: int, calls: list[str], args) -> None:
+        messages = self.agent.prompt_messages(sample.messages)
+        inputs = await asyncio.to_thread(self.encode, messages, True)
+        ctx = ToolContext(sample.id, sample.messages, index)
+        span = args.seconds / max(len(calls), 1)
+        for turn in range(args.turns):
+            params = SamplingParams(
+                temperature=1.0, max_tokens=args.max_tokens, ignore_eos=True, seed=index * 31 + turn
+            )
+            output = await self.generator.generate_all(inputs, params)
+            if turn == args.turns - 1:
+                break
+            name = calls[turn % len(calls)]
+            arguments = {"start_s": turn * span, "end_s": (turn + 1) * span}
+            result = self.agent.call_tool(name, arguments, ctx)
+            content = [{"type": "text", "text": result}] if isinstance(result, str) else result
+            tool = [{"role": "tool", "tool_call_id": f"call_{turn}", "content": content}]
+            delta = await asyncio.to_thread(self.encode, tool, False)
+            generated = list(output.samples[0].token_ids) + self.call_ids(name, arguments)
+            inputs = self.processor.extend(inputs, generated, delta)
 
-    async def group() -> None:
+    async def step(self, samples: list[Sample], calls: list[str], args) -> None:
         await asyncio.gather(
             *(
-                episode(gen, processor, decoder, messages, args.turns, args.max_tokens, seed)
-                for seed in range(args.group_size)
+                self.episode(sample, i * args.group_size + g, calls, args)
+                for i, sample in enumerate(samples)
+                for g in range(args.group_size)
             )
         )
 
+
+def measure(path: str, samples: list[Sample], args, caching: bool) -> dict:
+    rollout = Rollout(path, args, caching)
+    calls = args.calls.split(",")
+    gen = rollout.generator
     try:
-        asyncio.run(group())  # warm-up: the first forwards of each shape, then a fresh cache
-        gen.core.scheduler.blocks.forget_cached()
+        asyncio.run(rollout.step(samples, calls, args))  # warm-up: first forwards of each shape
+        gen.core.scheduler.forget_cached()
         before = gen.stats()
         start = time.perf_counter()
-        asyncio.run(group())
+        asyncio.run(rollout.step(samples, calls, args))
         wall_s = time.perf_counter() - start
         after = gen.stats()
     finally:
         gen.shutdown()
-    admitted = after["num_prompt_tokens_admitted"] - before["num_prompt_tokens_admitted"]
+    requested = after["num_prompt_tokens_admitted"] - before["num_prompt_tokens_admitted"]
     cached = after["num_prompt_tokens_cached"] - before["num_prompt_tokens_cached"]
     return {
         "prefix_caching": caching,
-        "prompt_tokens": admitted,
-        "cached_tokens": cached,
-        "prefilled_tokens": admitted - cached,
-        "wall_s": wall_s,
-        "turns_per_s": args.group_size * args.turns / wall_s,
-        "effective": gen.core.scheduler.config.enable_prefix_caching,
+        "prompt_tokens_requested": requested,
+        "prompt_tokens_cached": cached,
+        "prompt_tokens_computed": requested - cached,
+        "rollout_s": wall_s,
+        "episodes": len(samples) * args.group_size,
     }
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--family", default="qwen3_vl")
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--family", default="gemma4", help="a tiny checkpoint family")
+    parser.add_argument("--size", default="tiny", help="its size (tiny, small, 2b)")
+    parser.add_argument("--model-path", help="a checkpoint instead of a tiny one")
+    parser.add_argument("--prompts", type=int, default=2, help="clips per GRPO step")
     parser.add_argument("--group-size", type=int, default=8)
-    parser.add_argument("--turns", type=int, default=4)
-    parser.add_argument("--max-tokens", type=int, default=24)
-    parser.add_argument("--max-context-len", type=int, default=2048)
+    parser.add_argument("--turns", type=int, default=3)
+    parser.add_argument("--calls", default="view_frames,listen", help="the calls, in turn order")
+    parser.add_argument("--max-tokens", type=int, default=16, help="sampled tokens per turn")
+    parser.add_argument("--max-frames", type=int, default=2, help="frames a view_frames returns")
+    parser.add_argument("--seconds", type=float, default=5.0, help="clip length")
+    parser.add_argument("--fps", type=float, default=4.0)
+    parser.add_argument("--max-context-len", type=int, default=4096)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="auto")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="benchmarks/results/rollout_prefill.json")
     args = parser.parse_args()
     torch.manual_seed(args.seed)
-    model, processor = load_small(args.family, "cpu", torch.float32)
+    path = args.model_path or str(tiny_checkpoint(args.family, size=args.size))
     with tempfile.TemporaryDirectory() as tmp:
-        messages = sample_messages(write_image(Path(tmp) / "scene.png", 320, 240, seed=args.seed))
-        rows = [run_group(model, processor, messages, args, caching) for caching in (False, True)]
-    print(
-        f"\n{args.family} (small), a group of {args.group_size} episodes x {args.turns} turns, "
-        f"one image, {args.max_tokens} tokens a turn"
-    )
-    header = f"{'prefix cache':<13}{'prompt tok':>11}{'cached':>9}{'prefilled':>10}"
-    print(header + f"{'wall s':>9}{'turns/s':>9}")
-    print("-" * (len(header) + 18))
-    for row in rows:
-        on = "on" if row["prefix_caching"] else "off"
-        print(
-            f"{on:<13}{row['prompt_tokens']:>11}{row['cached_tokens']:>9}"
-            f"{row['prefilled_tokens']:>10}{row['wall_s']:>9.2f}{row['turns_per_s']:>9.2f}"
+        data = make_split(
+            Path(tmp),
+            "train",
+            args.prompts,
+            seed=args.seed,
+            seconds=args.seconds,
+            fps=args.fps,
+            size=64,
+            data_urls=False,
+            progress=False,
         )
+        samples = [Sample.from_json(line) for line in data.read_text().splitlines()]
+        rows = [measure(path, samples, args, caching) for caching in (False, True)]
+    off, on = rows
+    print(
+        f"\n{Path(path).name}: {args.prompts} clips x {args.group_size} episodes x "
+        f"{args.turns} turns ({args.calls}), {args.max_tokens} sampled tokens a turn"
+    )
+    header = f"{'prefix cache':<13}{'requested':>10}{'cached':>9}{'computed':>10}{'rollout s':>11}"
+    print(header)
+    print("-" * len(header))
+    for row in rows:
+        print(
+            f"{'on' if row['prefix_caching'] else 'off':<13}{row['prompt_tokens_requested']:>10}"
+            f"{row['prompt_tokens_cached']:>9}{row['prompt_tokens_computed']:>10}"
+            f"{row['rollout_s']:>11.2f}"
+        )
+    fewer = off["prompt_tokens_computed"] / max(on["prompt_tokens_computed"], 1)
+    faster = off["rollout_s"] / on["rollout_s"]
+    print(f"prefill tokens computed {fewer:.2f}x fewer, rollout {faster:.2f}x shorter")
     meta = {key: value for key, value in vars(args).items() if key != "out"}
-    write_results(args.out, {**meta, "workload": "rollout_prefill"}, {"rows": rows})
+    meta["model"] = Path(path).name
+    write_results(args.out, meta, {"rows": rows, "fewer_tokens": fewer, "speedup": faster})
 
 
 if __name__ == "__main__":

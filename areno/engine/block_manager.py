@@ -46,12 +46,30 @@ def block_hashes(
         last = first + block_size
         h = hashlib.blake2b(previous, digest_size=16)
         h.update(array("q", token_ids[first:last]).tobytes())
-        for start, end, key in media:
-            if start < last and end > first:
-                h.update(f"|{start}:{end}:{key}".encode())
+        _hash_media(h, media, first, last)
         previous = h.digest()
         hashes.append(previous)
     return hashes
+
+
+def partial_block_hash(
+    token_ids: Sequence[int], media: Sequence[tuple[int, int, str]] = (), parent: bytes = b""
+) -> bytes:
+    """The hash of a block that holds only `token_ids` (fewer than a block's), after the full
+    blocks whose last hash is `parent`: where a finished sequence's state resumes
+    (areno/engine/state_cache.py). Never equal to a full block's (`block_hashes`)."""
+    h = hashlib.blake2b(b"partial:" + parent, digest_size=16)
+    h.update(array("q", token_ids).tobytes())
+    _hash_media(h, media, 0, len(token_ids))
+    return h.digest()
+
+
+def _hash_media(h, media: Sequence[tuple[int, int, str]], first: int, last: int) -> None:
+    """Hash the media items that overlap tokens first..last-1, each with its place relative to
+    `first` (the same block hashes the same wherever the hashing of a sequence started)."""
+    for start, end, key in media:
+        if start < last and end > first:
+            h.update(f"|{start - first}:{end - first}:{key}".encode())
 
 
 class BlockManager:

@@ -389,32 +389,44 @@ class PagedCache(Cache):
 
 def fork(cache: PagedCache, src_slot: int, dst_slots: list[int], block_copies) -> None:
     """Fork a prefilled sequence (n > 1 samples): copy slot `src_slot`'s linear-attention state
-    into `dst_slots`, and each (source, destination) block of `block_copies` (the samples'
-    own copies of the prompt's last, partial block; its full blocks are shared)."""
-    if block_copies:
-        src = torch.tensor([s for s, _ in block_copies])
-        dst = torch.tensor([d for _, d in block_copies])
-        for layer in cache.attention.values():
-            if layer.is_initialized and layer.ring_blocks is None:
-                src, dst = to_device(src, layer.keys.device), to_device(dst, layer.keys.device)
-                layer.keys[dst] = layer.keys[src]
-                layer.values[dst] = layer.values[src]
-    if not dst_slots:
+    and sliding ring into `dst_slots`, and each (source, destination) block of `block_copies`
+    (the samples' own copies of the prompt's last, partial block; its full blocks are shared)."""
+    copy_blocks(cache, block_copies)
+    if dst_slots:
+        copy_rows(cache, [src_slot] * len(dst_slots), dst_slots)
+
+
+def copy_blocks(cache: PagedCache, pairs) -> None:
+    """Copy each (source, destination) KV block in every layer that pages (not the rings)."""
+    if not pairs:
         return
+    src = torch.tensor([s for s, _ in pairs])
+    dst = torch.tensor([d for _, d in pairs])
+    for layer in cache.attention.values():
+        if layer.is_initialized and layer.ring_blocks is None:
+            src, dst = to_device(src, layer.keys.device), to_device(dst, layer.keys.device)
+            layer.keys[dst] = layer.keys[src]
+            layer.values[dst] = layer.values[src]
+
+
+def copy_rows(cache: PagedCache, src_rows: list[int], dst_rows: list[int]) -> None:
+    """Copy the slot state of each row of `src_rows` into the row of `dst_rows` beside it:
+    linear-attention conv and recurrent states, sliding-window rings (rows past the running
+    slots are saved states, areno/engine/state_cache.py)."""
     ring = cache.ring_blocks
     for layer in cache.attention.values():
         if layer.is_initialized and layer.ring_blocks is not None:
-            src = slice(1 + src_slot * ring, 1 + (src_slot + 1) * ring)
-            for dst_slot in dst_slots:
-                dst = slice(1 + dst_slot * ring, 1 + (dst_slot + 1) * ring)
+            for src_row, dst_row in zip(src_rows, dst_rows, strict=True):
+                src = slice(1 + src_row * ring, 1 + (src_row + 1) * ring)
+                dst = slice(1 + dst_row * ring, 1 + (dst_row + 1) * ring)
                 layer.keys[dst] = layer.keys[src]
                 layer.values[dst] = layer.values[src]
-    index = torch.tensor(dst_slots)
+    src, dst = torch.tensor(src_rows), torch.tensor(dst_rows)
     for state in cache.linear.values():
         if state.conv is not None:
-            index = to_device(index, state.conv.device)
-            state.conv[index] = state.conv[src_slot].clone()
-            state.recurrent[index] = state.recurrent[src_slot].clone()
+            src, dst = to_device(src, state.conv.device), to_device(dst, state.conv.device)
+            state.conv[dst] = state.conv[src]
+            state.recurrent[dst] = state.recurrent[src]
 
 
 def save_rows(cache: PagedCache, slots: range) -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -45,9 +45,16 @@ class EngineConfig:
     max_prefill_tokens_per_step: prompt tokens prefilled per step (`--max-num-batched-tokens`);
         a longer prompt is prefilled in chunks beside the decodes (see SchedulerConfig).
     enable_prefix_caching: keep computed full KV blocks by the chained hash of their tokens and
-        media, so that a prompt starts from its longest cached prefix (SchedulerConfig). Takes
-        effect on models whose every layer is full attention (`ModelRunner.caches_prefixes`);
-        off by default until linear-attention and sliding-window layers resume from a prefix.
+        media, so that a prompt starts from its longest cached prefix (SchedulerConfig). Where
+        layers keep state besides keys (linear attention, sliding windows), a prompt resumes
+        only where that state was saved: at the end of a prompt with media's last full block,
+        and at the end of every finished sequence (areno/engine/state_cache.py).
+    prefix_state_rows: how many such saved states the engine keeps, beside the running
+        sequences' own (`--prefix-state-rows`); None: two per running sequence. Each costs one
+        sequence's linear-attention states and sliding rings; unused elsewhere.
+    encoder_cache_gib: with prefix caching, GiB of media tower outputs kept by the content
+        they encoded (`--encoder-cache-gib`), so that media seen again skip the towers
+        (areno/engine/encoder_cache.py); 0: none.
     dtype: "auto" is float32 on CPU and bfloat16 on CUDA.
     device: "auto" is CUDA when available.
     num_cpus_per_rank: CPUs Ray reserves for each tensor-parallel follower actor.
@@ -91,6 +98,8 @@ class EngineConfig:
     kv_cache_memory_fraction: float = 0.9
     max_prefill_tokens_per_step: int = 8192
     enable_prefix_caching: bool = False
+    prefix_state_rows: int | None = None
+    encoder_cache_gib: float = 0.5
     dtype: str = "auto"
     device: str = "auto"
     num_cpus_per_rank: float = 1.0
@@ -106,6 +115,18 @@ class EngineConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"{name} must be an integer >= 1; got {value!r}", param=name)
+        rows = self.prefix_state_rows
+        if rows is not None and (isinstance(rows, bool) or not isinstance(rows, int) or rows < 0):
+            raise ConfigError(
+                f"prefix_state_rows must be an integer >= 0; got {rows!r}",
+                param="prefix_state_rows",
+            )
+        cache = self.encoder_cache_gib
+        if isinstance(cache, bool) or not isinstance(cache, int | float) or cache < 0:
+            raise ConfigError(
+                f"encoder_cache_gib must be a number >= 0; got {cache!r}",
+                param="encoder_cache_gib",
+            )
         if self.max_context_len is not None and (
             not isinstance(self.max_context_len, int) or self.max_context_len < 2
         ):

@@ -146,6 +146,7 @@ class EngineCore:
         # reads through views instead of gathering copies.
         decode = sorted(scheduled.decode, key=lambda seq: seq.slot)
         step = self._step_input(scheduled.prefill, decode)
+        step.state_saves = scheduled.state_saves
         seqs = [seq for item in scheduled.prefill if item.is_final for seq in item.seqs] + decode
         if not self.overlap:
             return early + self._update(seqs, self.executor.execute(step))
@@ -178,7 +179,17 @@ class EngineCore:
             slots = [seq.slot for seq in item.seqs]
             tables = [list(seq.block_ids) for seq in item.seqs]
             step.prefill.append(
-                PrefillItem(inputs, slots, tables, item.start, item.end, item.cached)
+                PrefillItem(
+                    inputs,
+                    slots,
+                    tables,
+                    item.start,
+                    item.end,
+                    item.cached,
+                    item.restore_row,
+                    item.copy_block,
+                    item.save,
+                )
             )
             if item.is_final:
                 step.rows += [RowSampling(s.seq_id, s.params, s.seed) for s in item.seqs]

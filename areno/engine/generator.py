@@ -106,6 +106,7 @@ class Generator:
                 enable_prefix_caching=(
                     config.enable_prefix_caching and executor.worker.caches_prefixes
                 ),
+                num_state_rows=executor.worker.num_state_rows,
             )
         except BaseException:
             executor.shutdown()
@@ -328,7 +329,7 @@ class Generator:
 
         def load() -> int:
             count = self.core.executor.load_weights(pairs)
-            self.core.scheduler.blocks.forget_cached()  # keys of the old weights
+            self.core.scheduler.forget_cached()  # keys and states of the old weights
             self.core.policy_version = version
             return count
 
@@ -396,9 +397,10 @@ class Generator:
 
     def stats(self) -> dict[str, int]:
         """Queue depth, occupancy of slots and KV blocks, preemptions so far, and the prefix
-        cache's blocks and the prompt tokens it held of those admitted (read without locking:
-        a snapshot for metrics)."""
+        cache's blocks, saved states, the prompt tokens it held of those admitted and the
+        media tower calls it answered (read without locking: a snapshot for metrics)."""
         scheduler = self.core.scheduler
+        encoders = self.core.executor.worker.runner.encoders
         return {
             "num_waiting": scheduler.num_waiting,
             "num_running": scheduler.num_running,
@@ -409,6 +411,9 @@ class Generator:
             "num_cached_blocks": scheduler.blocks.num_cached,
             "num_prompt_tokens_admitted": scheduler.num_admitted_tokens,
             "num_prompt_tokens_cached": scheduler.num_cached_tokens,
+            "num_saved_states": len(scheduler.states),
+            "num_media_encodes": encoders.num_misses,
+            "num_media_encodes_cached": encoders.num_hits,
             "policy_version": self.core.policy_version,
         }
 

@@ -21,11 +21,19 @@ from areno.engine import kernels
 from areno.engine.attention import BLOCK_TABLES_KWARG, KV_LENGTHS_KWARG, EngineAttention
 from areno.engine.batched_prefill import last_real_positions, pad_tokens
 from areno.engine.block_manager import SINK_BLOCK, blocks_for
-from areno.engine.cache import BatchBinding, PagedCache, fork, ring_tables
+from areno.engine.cache import (
+    BatchBinding,
+    PagedCache,
+    copy_blocks,
+    copy_rows,
+    fork,
+    ring_tables,
+)
 from areno.engine.compiled import CompiledForward
 from areno.engine.config import COMPILE_MODES, GRAPH_MODES
 from areno.engine.cpu_linear import PackedLinears, can_pack
 from areno.engine.cuda_graphs import DecodeGraphs
+from areno.engine.encoder_cache import EncoderCache
 from areno.engine.fused_linear import FusedLinears
 from areno.engine.kernels.decode_attention import fits_heads
 from areno.engine.linear_attention import EngineKernels
@@ -61,6 +69,8 @@ class ModelRunner:
         prefill_compile: str = "off",
         packed_linear: bool = False,
         fuse_projections: bool = False,
+        state_rows: int = 0,
+        encoder_cache_bytes: int = 0,
     ):
         """`num_blocks` KV blocks of `block_size` tokens (None: as many as give every slot
         `max_len` tokens, the blocks a slot's default table lists: see `default_table`).
@@ -72,7 +82,10 @@ class ModelRunner:
         (`prefill_batch`); "auto" is the decode step's. `packed_linear`: on CPU in
         float32, the linear layers run on prepacked oneDNN weights (areno/engine/cpu_linear.py).
         `fuse_projections`: sibling projections of one input run as one matmul (packed whole
-        where the layers are packed; areno/engine/fused_linear.py)."""
+        where the layers are packed; areno/engine/fused_linear.py). `state_rows`: spare rows of
+        slot state (linear-attention states, sliding rings) that the prefix cache saves states
+        in (areno/engine/state_cache.py); none where every layer keeps only keys.
+        `encoder_cache_bytes`: media tower outputs kept by content (encoder_cache.py)."""
         if graphs not in GRAPH_MODES:
             raise ValueError(f"graphs must be one of {GRAPH_MODES}; got {graphs!r}")
         for name, mode in (("compile", compile), ("prefill_compile", prefill_compile)):
@@ -102,15 +115,21 @@ class ModelRunner:
         self.ring_blocks = None
         if self.sliding_window and "sliding_attention" in self.layer_types:
             self.ring_blocks = blocks_for(self.sliding_window, block_size) + 1
+        self.num_state_rows = state_rows if self.keeps_slot_state else 0
         if num_blocks is None:
             num_blocks = num_slots * self.max_blocks
-        self.cache = self._new_cache(num_blocks, num_slots)
+        self.cache = self._new_cache(num_blocks, self.num_rows)
         # Each slot's block table (SINK_BLOCK past its blocks) and how many blocks it lists.
         self.tables_SN = torch.full((num_slots, self.max_blocks), SINK_BLOCK, dtype=torch.long)
         self._table_lens = [0] * num_slots
         # The kept stack inputs of each slot whose prompt is prefilled in chunks.
         self._staged: dict[int, StagedPrompt] = {}
         self._text_stack = model.get_decoder()
+        self.encoders = EncoderCache(model, encoder_cache_bytes)
+        # The parameters media features do not depend on: new values of these keep the cache.
+        text = {id(p) for p in self._text_stack.parameters()}
+        text |= {id(p) for p in model.get_output_embeddings().parameters()}
+        self._text_names = {n for n, p in model.named_parameters() if id(p) in text}
         # Qwen-style multimodal rope: text positions after media are offset by a per-request delta.
         self.uses_mrope = hasattr(model.model, "rope_deltas")
         self.rope_delta = [0] * num_slots
@@ -184,12 +203,17 @@ class ModelRunner:
     def num_blocks(self) -> int:
         return self.cache.num_blocks
 
-    def _new_cache(self, num_blocks: int, num_slots: int, **kwargs) -> PagedCache:
+    @property
+    def num_rows(self) -> int:
+        """Rows of slot state: the running slots' and the saved states'."""
+        return self.num_slots + self.num_state_rows
+
+    def _new_cache(self, num_blocks: int, num_rows: int, **kwargs) -> PagedCache:
         return PagedCache(
             self.layer_types,
             num_blocks=num_blocks,
             block_size=self.block_size,
-            num_slots=num_slots,
+            num_slots=num_rows,
             max_len=self.max_len,
             ring_blocks=self.ring_blocks,
             **kwargs,
@@ -200,12 +224,12 @@ class ModelRunner:
         already leaves the device's activation room (no headroom kept besides)."""
         assert not any(layer.is_initialized for layer in self.cache.attention.values())
         kwargs = {"headroom": 0.0} if measured else {}
-        self.cache = self._new_cache(num_blocks, self.num_slots, **kwargs)
+        self.cache = self._new_cache(num_blocks, self.num_rows, **kwargs)
         self._staged.clear()
 
     def release_cache(self) -> None:
         """Drop the cache's storage (a new, unallocated cache of one block takes its place)."""
-        self.cache = self._new_cache(1, self.num_slots)
+        self.cache = self._new_cache(1, self.num_rows)
         self._staged.clear()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
@@ -295,12 +319,13 @@ class ModelRunner:
         one slot): the towers still encode every item, and the text stack's inputs for the
         whole prompt are kept for its later chunks (`prefill_chunk`). `start`: the blocks of
         the table hold the keys of the first `start` tokens already (the prefix cache's; one
-        slot, `caches_prefixes`): the text stack runs on tokens start..end-1 only."""
+        slot, its state restored where it `keeps_slot_state`): the text stack runs on tokens
+        start..end-1 only."""
         n = inputs.num_prompt_tokens if end is None else end
         self.set_tables(slots, block_tables, new=True)
         staging = contextlib.nullcontext()
         if start:
-            assert len(slots) == 1 and self.caches_prefixes, "a cached prefix feeds one slot"
+            assert len(slots) == 1, "a cached prefix feeds one slot"
             staging = self._staging(slots[0], inputs, n, start)
         elif n < inputs.num_prompt_tokens:
             assert len(slots) == 1, "a first chunk prefills one slot"
@@ -312,7 +337,7 @@ class ModelRunner:
         if self.uses_mrope:
             self.model.model.rope_deltas = None
         model_inputs = {k: to_device(v, self.device) for k, v in inputs.model_inputs().items()}
-        with self._engine_context(), staging:
+        with self._engine_context(), staging, self.encoders.around(inputs.mm_spans):
             out = self.model(
                 **model_inputs, past_key_values=self.cache, use_cache=True, logits_to_keep=1
             )
@@ -326,6 +351,15 @@ class ModelRunner:
             self.rope_delta[slot] = delta
         self._fork(slots, n)
         return out.logits[0, -1].float()
+
+    @torch.inference_mode()
+    def fork_prompt(self, slots: list[int], block_tables: list[list[int]] | None, n: int) -> None:
+        """Give slots[1:] (tables `block_tables[1:]`) the `n`-token prompt slots[0] holds, as
+        `prefill` does for its slots."""
+        self.set_tables(slots[1:], block_tables[1:] if block_tables else None, new=True)
+        for slot in slots[1:]:
+            self.rope_delta[slot] = self.rope_delta[slots[0]]
+        self._fork(slots, n)
 
     @torch.inference_mode()
     def prefill_batch(
@@ -463,10 +497,33 @@ class ModelRunner:
         return pos_Q, tables
 
     @property
-    def caches_prefixes(self) -> bool:
-        """Whether a prompt may start from cached keys of its first tokens: every layer keeps
-        per-token keys in the pool (no linear-attention state, no sliding ring to restore)."""
-        return set(self.layer_types) == {"full_attention"}
+    def keeps_slot_state(self) -> bool:
+        """Whether some layers keep state per slot besides the pool's keys (linear-attention
+        states, sliding-window rings): a prompt then starts from cached keys only with that
+        state restored (`restore_state`)."""
+        return self.ring_blocks is not None or "linear_attention" in self.layer_types
+
+    def weights_changed(self, names: list[str]) -> None:
+        """New values of the parameters `names`: tower outputs are stale unless all of them
+        belong to the text stack (frozen towers are not sent)."""
+        if any(name not in self._text_names for name in names):
+            self.encoders.clear()
+
+    @torch.inference_mode()
+    def save_states(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy the state of each (slot, row) pair's slot into its saved-state row."""
+        slots, rows = zip(*pairs, strict=True)
+        copy_rows(self.cache, list(slots), [self.num_slots + row for row in rows])
+
+    @torch.inference_mode()
+    def restore_state(self, row: int, slot: int) -> None:
+        """Copy saved-state `row` into `slot` (before a prefill that starts where it was saved)."""
+        copy_rows(self.cache, [self.num_slots + row], [slot])
+
+    @torch.inference_mode()
+    def copy_block(self, src: int, dst: int) -> None:
+        """Copy KV block `src` into `dst` in every layer that pages (a resume point's tail)."""
+        copy_blocks(self.cache, [(src, dst)])
 
     def whole_runs(self, inputs: PromptInputs) -> list[tuple[int, int]]:
         """The token runs (start, end) of `inputs` that one prefill chunk must hold whole: where

@@ -40,8 +40,14 @@ import heapq
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from areno.engine.block_manager import BlockManager, block_hashes, blocks_for
+from areno.engine.block_manager import (
+    BlockManager,
+    block_hashes,
+    blocks_for,
+    partial_block_hash,
+)
 from areno.engine.sequence import Sequence, SequenceGroup, SequenceStatus
+from areno.engine.state_cache import ResumePoint, StateCache
 from areno.engine.stopping import reaches_length_limit
 from areno.errors import ArenoError, ConfigError, PromptTooLongError
 
@@ -73,6 +79,9 @@ class SchedulerConfig:
     enable_prefix_caching: register each computed full block under its prefix hash
         (`block_hashes`) and admit a prompt from its longest cached prefix: its blocks are
         shared, its prefill starts after them. Freed blocks stay cached until evicted.
+    num_state_rows: rows of saved slot state (the runner's) for a model whose layers keep
+        state besides keys (linear attention, sliding windows): its prompts resume only where
+        a state was saved (areno/engine/state_cache.py). 0: every layer keeps keys only.
     """
 
     max_running_seqs: int
@@ -81,6 +90,7 @@ class SchedulerConfig:
     num_blocks: int | None = None
     block_size: int = 16
     enable_prefix_caching: bool = False
+    num_state_rows: int = 0
 
     def __post_init__(self) -> None:
         limits = {
@@ -157,6 +167,12 @@ class ScheduledPrefill:
     start: int
     end: int
     cached: int = 0  # tokens the prefix cache gave: the first chunk starts here
+    # Before it runs, the saved state row to restore into its slot, and a (source, destination)
+    # block to copy: the resume point's tail (state_cache.py).
+    restore_row: int | None = None
+    copy_block: tuple[int, int] | None = None
+    # (position, row): save the slot's state in `row` once the prefill reaches `position`.
+    save: tuple[int, int] | None = None
 
     @property
     def token_ids(self) -> list[int]:
@@ -190,6 +206,9 @@ class SchedulerOutput:
     num_waiting: int
     num_running: int
     preempted: list[Sequence] = field(default_factory=list)
+    # (slot, row): save the states of slots whose sequences ended into saved-state rows,
+    # before anything else runs (state_cache.py).
+    state_saves: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
@@ -224,6 +243,8 @@ class Scheduler:
         # Prompt tokens admitted, and of them those the prefix cache held.
         self.num_admitted_tokens = 0
         self.num_cached_tokens = 0
+        self.states = StateCache(config.num_state_rows if config.enable_prefix_caching else 0)
+        self._state_saves: list[tuple[int, int]] = []
         self._watermark = int(self.WATERMARK * config.num_blocks)
 
     @property
@@ -296,7 +317,10 @@ class Scheduler:
         budget -= sum(item.num_chunk_tokens for item in prefill)
         if not (self.hold_admission or preempted):
             prefill += self._admit(budget, first=not prefill)
-        return SchedulerOutput(prefill, decode, self.num_waiting, self.num_running, preempted)
+        out = SchedulerOutput(prefill, decode, self.num_waiting, self.num_running, preempted)
+        if not out.is_empty:  # else they wait for the next step that runs (before any reuse)
+            out.state_saves, self._state_saves = self._state_saves, []
+        return out
 
     def _is_prefilling(self, seq: Sequence) -> bool:
         return seq.num_computed_tokens < seq.prefill_end
@@ -316,12 +340,23 @@ class Scheduler:
             seq.block_hashes += block_hashes(tokens, size, media, parent)
         return seq.block_hashes[:num_blocks]
 
-    def _register(self, seq: Sequence) -> None:
+    def _tail_hash(self, seq: Sequence, num_tokens: int) -> bytes:
+        """The `partial_block_hash` of `seq`'s tokens after its last full block before
+        `num_tokens`, up to it."""
+        first = num_tokens // self.config.block_size * self.config.block_size
+        media = [
+            (a - first, b - first, key) for a, b, key in self._groups[seq.request_id].media_keys()
+        ]
+        parent = self._hashes(seq, first // self.config.block_size)[-1] if first else b""
+        return partial_block_hash(seq.token_ids[first:num_tokens], media, parent)
+
+    def _register(self, seq: Sequence, computed: int | None = None) -> None:
         """Register the full blocks of `seq` whose keys earlier steps wrote (launched steps
-        run in order: a later step reading them runs after)."""
-        if self._is_prefilling(seq):
+        run in order: a later step reading them runs after); `computed`: its first tokens
+        whose keys are written (default: what its prefill and decodes have reached)."""
+        if computed is None and self._is_prefilling(seq):
             computed = seq.num_computed_tokens
-        else:
+        elif computed is None:
             computed = min(seq.next_position, seq.num_tokens)
         full = min(computed // self.config.block_size, len(seq.block_ids))
         if full <= seq.num_registered_blocks:
@@ -331,13 +366,104 @@ class Scheduler:
             self.blocks.register(seq.block_ids[i], hashes[i])
         seq.num_registered_blocks = full
 
-    def _cached_prefix(self, seq: Sequence, group: SequenceGroup) -> list[int]:
+    def _cached_prefix(
+        self, seq: Sequence, group: SequenceGroup
+    ) -> tuple[list[int], ResumePoint | None]:
         """The prefix cache's blocks for `seq`'s first tokens (not yet held), leaving at least
-        its last token to prefill (its logits sample the first new token)."""
-        if not (self.config.enable_prefix_caching and group.can_chunk) or group.whole_runs:
-            return []
+        its last token to prefill (its logits sample the first new token), never ending inside
+        a run the group holds whole; where the model keeps states, only up to the longest
+        saved resume point (`StateCache`), which is returned too."""
+        if not (self.config.enable_prefix_caching and group.can_chunk):
+            return [], None
+        size, limit = self.config.block_size, seq.num_tokens - 1
+        hashes = self._hashes(seq, limit // size)
+        blocks = self.blocks.lookup(hashes)
+        if not self.states.num_rows:
+            while blocks and _inside_run(group, len(blocks) * size):
+                blocks.pop()
+            return blocks, None
+        for k in range(len(blocks), -1, -1):
+            best = None
+            for point in self.states.after(hashes[k - 1] if k else b""):
+                end = point.num_tokens
+                if end > limit or _inside_run(group, end):
+                    continue
+                if best is not None and best.num_tokens >= end:
+                    continue
+                if point.tail_hash is not None and (
+                    point.tail_hash != self._tail_hash(seq, end)
+                    or not self.blocks.lookup([point.tail_hash])
+                ):
+                    continue
+                best = point
+            if best is not None:
+                self.states.touch(best)
+                return blocks[:k], best
+        return [], None
+
+    def _awaits_prefix(self, seq: Sequence, group: SequenceGroup) -> bool:
+        """Whether a running sequence is computing `seq`'s prompt up to its last full block,
+        which the prefix cache gives `seq` once that is done (a step or so): then `seq` waits
+        for it rather than computing it again (the samples of a GRPO group, sent as requests
+        of their own, share one prefill so)."""
+        if not self.config.enable_prefix_caching or not group.can_chunk:
+            return False
+        if self.states.num_rows and not group.media_keys():
+            return False  # no state is saved at its prompt's end (`_plan_prompt_save`)
         num_blocks = (seq.num_tokens - 1) // self.config.block_size
-        return self.blocks.lookup(self._hashes(seq, num_blocks))
+        if not num_blocks:
+            return False
+        key = self._hashes(seq, num_blocks)[-1]
+        return any(
+            other.num_registered_blocks < num_blocks
+            and len(other.block_hashes) >= num_blocks
+            and other.block_hashes[num_blocks - 1] == key
+            for other in self._running
+        )
+
+    def _plan_prompt_save(self, seq: Sequence, group: SequenceGroup, cached: int) -> None:
+        """Where the model keeps states, have `seq`'s prefill save it at the end of its prompt's
+        last full block (before its last token), so that the same prompt again resumes there:
+        prompts with media only (the others share batched prefills, which run whole)."""
+        size = self.config.block_size
+        end = (seq.num_tokens - 1) // size * size
+        if not (self.states.num_rows and group.media_keys()) or end <= cached:
+            return
+        if _inside_run(group, end):
+            return
+        seq.state_save = self.states.add(self._hashes(seq, end // size)[-1], end, None)
+
+    def _take_save(self, item: ScheduledPrefill) -> None:
+        """Give `item` its sequence's planned state save if its tokens reach it."""
+        point = item.seqs[0].state_save
+        if point is not None and item.start < point.num_tokens <= item.end:
+            item.save = (point.num_tokens, point.row)
+            item.seqs[0].state_save = None
+
+    def _save_end_state(self, seq: Sequence) -> None:
+        """Save the state of a sequence that ended, after every token it fed: where the next
+        turn (its tokens and more) resumes. Its blocks are registered, the last partial one
+        under its `partial_block_hash`."""
+        end = seq.num_fed_tokens
+        group = self._groups.get(seq.request_id)
+        if group is None or not end or seq.slot is None or _inside_run(group, end):
+            return
+        size = self.config.block_size
+        self._register(seq, end)
+        tail = None
+        if end % size:
+            tail = self._tail_hash(seq, end)
+            self.blocks.register(seq.block_ids[end // size], tail)
+        parent = self._hashes(seq, end // size)[-1] if end >= size else b""
+        point = self.states.add(parent, end, tail)
+        if point is not None:
+            self._state_saves.append((seq.slot, point.row))
+
+    def forget_cached(self) -> None:
+        """Forget every cached block and saved state (new weights make them stale)."""
+        self.blocks.forget_cached()
+        self.states.clear()
+        self._state_saves = []
 
     def _continue_chunks(self, budget: int) -> list[ScheduledPrefill]:
         """The next chunk of every sequence whose prompt is being prefilled in chunks, oldest
@@ -352,8 +478,9 @@ class Scheduler:
             start = seq.num_computed_tokens
             limit = min(seq.prefill_end, start + max(budget, self.config.block_size))
             end = _chunk_end(group, start, limit)
-            seq.num_computed_tokens = end
+            seq.num_computed_tokens = seq.num_fed_tokens = end
             items.append(ScheduledPrefill(group, [seq], start, end))
+            self._take_save(items[-1])
             budget -= end - start
         return items
 
@@ -395,13 +522,14 @@ class Scheduler:
                 continue
             if need > 0:
                 seq.block_ids += self.blocks.allocate(need)
+            seq.num_fed_tokens = seq.next_position + 1
             decode.append(seq)
         return decode, preempted
 
     def _preempt(self, seq: Sequence) -> None:
         assert not seq.num_in_flight, "read a sequence's token in flight before preempting it"
         self._release(seq)
-        seq.num_computed_tokens = seq.prefill_end = 0
+        seq.num_computed_tokens = seq.prefill_end = seq.num_fed_tokens = 0
         self._running.remove(seq)
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
@@ -441,12 +569,15 @@ class Scheduler:
             )
             end = seq.num_tokens
             hit: list[int] = []
+            point = None
             if joins:
                 shared = seq.num_prompt_tokens // block_size
                 need = len(last.seqs[0].block_ids) - shared
+            elif self._awaits_prefix(seq, group):
+                break
             else:
-                hit = self._cached_prefix(seq, group)
-                cached = len(hit) * block_size
+                hit, point = self._cached_prefix(seq, group)
+                cached = point.num_tokens if point is not None else len(hit) * block_size
                 need = blocks_for(seq.num_tokens, block_size) - len(hit)
                 if seq.num_tokens - cached > budget:
                     if group.can_chunk and budget >= block_size:
@@ -461,14 +592,25 @@ class Scheduler:
             seq.slot = self.slots.allocate(1)[0]
             seq.status = SequenceStatus.RUNNING
             seq.prefill_end, seq.num_computed_tokens = seq.num_tokens, end
+            seq.num_fed_tokens = end
             if joins:
                 own = last.seqs[0].block_ids
                 seq.block_ids = self.blocks.share(own[:shared]) + self.blocks.allocate(need)
                 last.seqs.append(seq)
             else:
+                item = ScheduledPrefill(group, [seq], cached, end, cached)
+                # NOTE: the tail block's copy runs before any prefill of the step writes a
+                # block, so it may be evicted below, even into this table.
+                tail = point and point.tail_hash and self.blocks.lookup([point.tail_hash])[0]
                 seq.block_ids = self.blocks.acquire(hit) + self.blocks.allocate(need)
+                if point is not None:
+                    item.restore_row = point.row
+                if tail:
+                    item.copy_block = (tail, seq.block_ids[len(hit)])
                 seq.num_registered_blocks = len(hit)
-                admitted.append(ScheduledPrefill(group, [seq], cached, end, cached))
+                self._plan_prompt_save(seq, group, cached)
+                self._take_save(item)
+                admitted.append(item)
                 budget -= end - cached
                 self.num_admitted_tokens += seq.num_tokens
                 self.num_cached_tokens += cached
@@ -476,6 +618,11 @@ class Scheduler:
         return admitted
 
     def _release(self, seq: Sequence) -> None:
+        if seq.state_save is not None:  # its prefill never reached the save
+            self.states.discard(seq.state_save)
+            seq.state_save = None
+        if self.states.num_rows and seq.finish_reason in ("stop", "length"):
+            self._save_end_state(seq)
         if self.config.enable_prefix_caching and seq.block_ids:
             self._register(seq)  # its blocks stay cached once freed
         seq.num_registered_blocks = 0
@@ -489,6 +636,7 @@ class Scheduler:
         """Free the slots and blocks of sequences the engine finished this step
         (`Sequence.finish` already called); a group leaves when all its sequences are done.
         Sequences already freed (e.g. by `cancel`) are ignored."""
+        finished = list(finished)
         for seq in finished:
             assert seq.is_finished, f"sequence {seq.seq_id} is not finished ({seq.status})"
             if seq in self._running:
@@ -496,6 +644,7 @@ class Scheduler:
             elif seq in self._waiting:
                 self._waiting.remove(seq)
             self._release(seq)
+        for seq in finished:  # after all: releasing a sequence reads its group
             group = self._groups.get(seq.request_id)
             if group is not None and group.is_finished:
                 del self._groups[seq.request_id]
@@ -510,6 +659,11 @@ class Scheduler:
         for seq in group.unfinished_seqs():
             seq.finish("abort")
         self.update(group.seqs)
+
+
+def _inside_run(group: SequenceGroup, position: int) -> bool:
+    """Whether `position` falls inside a run the group holds whole (a cut there would split it)."""
+    return any(start < position < end for start, end in group.whole_runs)
 
 
 def _chunk_end(group: SequenceGroup, start: int, end: int) -> int:

@@ -80,6 +80,10 @@ class Sequence:
     # registered in the prefix cache (scheduler.py).
     block_hashes: list[bytes] = field(default_factory=list)
     num_registered_blocks: int = 0
+    # Positions whose keys (and state) the steps launched so far write, and the resume point its
+    # prefill saves the state at, once a chunk reaches it (areno/engine/state_cache.py).
+    num_fed_tokens: int = 0
+    state_save: Any = None
     finish_reason: str | None = None
     num_preemptions: int = 0
     # Tokens sampled on the device that the host has not read yet (0 or 1: an overlapped step

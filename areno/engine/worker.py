@@ -44,8 +44,14 @@ class PrefillItem:
     start: int = 0
     end: int | None = None
     # The first tokens whose keys the table's blocks hold from the prefix cache: the prompt's
-    # first chunk starts there.
+    # first chunk starts there, from the state saved in `restore_row` where the model keeps
+    # one, its tail block copied as `copy_block` (source, destination) says.
     cached: int = 0
+    restore_row: int | None = None
+    copy_block: tuple[int, int] | None = None
+    # (position, row): save slots[0]'s state in saved-state `row` when the prefill reaches
+    # `position` (areno/engine/state_cache.py).
+    save: tuple[int, int] | None = None
 
     @property
     def is_chunk(self) -> bool:
@@ -81,6 +87,8 @@ class StepInput:
     decode_block_tables: list[list[int]] | None = None
     rows: list[RowSampling] = field(default_factory=list)
     finished_seq_ids: list[int] = field(default_factory=list)  # drop their generators
+    # (slot, row): save ended sequences' slot states first (areno/engine/state_cache.py).
+    state_saves: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def num_rows(self) -> int:
@@ -95,6 +103,7 @@ class StepInput:
             self.decode_positions,
             self.decode_token_ids,
             self.decode_block_tables,
+            state_saves=self.state_saves,
         )
 
 
@@ -169,6 +178,8 @@ class Worker:
         prefill_compile: str = "auto",
         packed_linear: bool = False,
         fuse_projections: str = "off",
+        state_rows: int = 0,
+        encoder_cache_bytes: int = 0,
     ):
         """`pool`: how the KV block pool is sized (areno/engine/kv_pool.py); `num_blocks` sets
         its size directly (None: every slot `max_len` tokens). `packed_linear`: on CPU in
@@ -176,7 +187,9 @@ class Worker:
         (areno/engine/cpu_linear.py); not under tensor parallelism, whose shards are DTensors.
         `prefill_compile` "auto" compiles batched prefills as the decode step is compiled, but
         not under tensor parallelism (not yet run there on a GPU). `fuse_projections` "auto"
-        fuses on CUDA without tensor parallelism, whose shards cannot be concatenated."""
+        fuses on CUDA without tensor parallelism, whose shards cannot be concatenated.
+        `state_rows`, `encoder_cache_bytes`: saved slot states and media tower outputs for the
+        prefix cache (ModelRunner's)."""
         if prefill_compile == "auto" and tensor_parallel:
             prefill_compile = "off"
         if fuse_projections == "auto":
@@ -193,6 +206,8 @@ class Worker:
             prefill_compile=prefill_compile,
             packed_linear=packed_linear and not tensor_parallel,
             fuse_projections=fuse_projections == "on",
+            state_rows=state_rows,
+            encoder_cache_bytes=encoder_cache_bytes,
         )
         self.samples = sample
         self.tensor_parallel = tensor_parallel
@@ -238,6 +253,10 @@ class Worker:
             prefill_compile=config.prefill_compile,
             packed_linear=config.cpu_packed_linear,
             fuse_projections=config.fuse_projections,
+            state_rows=_state_rows(config),
+            encoder_cache_bytes=int(config.encoder_cache_gib * (1 << 30))
+            if config.enable_prefix_caching
+            else 0,
         )
 
     @property
@@ -256,7 +275,7 @@ class Worker:
             measured = True
             tokens = min(options.profile_tokens, runner.max_len)
             activation, state_per_slot = runner.measure_prefill_memory(tokens)
-            states = state_per_slot * runner.num_slots
+            states = state_per_slot * runner.num_rows
             budget = fraction_budget(self.device, options.memory_fraction, activation, states)
             num_blocks = budget // per_block
         else:
@@ -293,6 +312,8 @@ class Worker:
         result is read (`StepInput.decode_token_ids` None)."""
         for seq_id in step.finished_seq_ids:
             self._generators.pop(seq_id, None)
+        if step.state_saves:  # before the decode, which may scribble on idle slots
+            self.runner.save_states(step.state_saves)
         # NOTE: decode before prefill: a graphed decode may scribble on slots that are not
         # decoding (see areno/engine/cuda_graphs.py), which the prefill then overwrites.
         decoded = []
@@ -306,6 +327,11 @@ class Worker:
                     step.decode_slots, step.decode_positions, token_ids, step.decode_block_tables
                 )
             )
+        for item in step.prefill:  # before any prefill writes a block
+            if item.copy_block is not None:
+                self.runner.copy_block(*item.copy_block)
+            if item.restore_row is not None:
+                self.runner.restore_state(item.restore_row, item.slots[0])
         logits = self._prefill(step.prefill) + decoded
         if not self.samples or not logits:
             return None
@@ -321,12 +347,8 @@ class Worker:
         last: list[torch.Tensor | None] = [None] * len(items)
         batchable = []
         for i, item in enumerate(items):
-            if item.is_chunk:
-                table = item.block_tables[0] if item.block_tables else None
-                end = item.end if item.end is not None else item.inputs.num_prompt_tokens
-                last[i] = self.runner.prefill_chunk(
-                    item.inputs, item.slots[0], table, item.start, end, item.cached
-                )
+            if item.is_chunk or item.save is not None:
+                last[i] = self._prefill_chunks(item)
             elif can_batch_prefill(item.inputs):
                 batchable.append(i)
             else:
@@ -351,6 +373,23 @@ class Worker:
             for v, item in zip(last, items, strict=True)
             if item.is_final
         ]
+
+    def _prefill_chunks(self, item: PrefillItem) -> torch.Tensor:
+        """An item's tokens start..end as one chunk, or as two around its state save."""
+        table = item.block_tables[0] if item.block_tables else None
+        end = item.end if item.end is not None else item.inputs.num_prompt_tokens
+        bounds = [item.start, end]
+        if item.save is not None and item.save[0] < end:
+            bounds.insert(1, item.save[0])
+        for start, stop in zip(bounds, bounds[1:], strict=False):
+            last = self.runner.prefill_chunk(
+                item.inputs, item.slots[0], table, start, stop, item.cached
+            )
+            if item.save is not None and stop == item.save[0]:
+                self.runner.save_states([(item.slots[0], item.save[1])])
+        if len(item.slots) > 1:
+            self.runner.fork_prompt(item.slots, item.block_tables, end)
+        return last
 
     def _sample(
         self, logits_BV: torch.Tensor, rows: list[RowSampling], row_slots: list[int]
@@ -398,8 +437,13 @@ class Worker:
 
     @property
     def caches_prefixes(self) -> bool:
-        """Whether a prompt may start from the prefix cache's blocks (ModelRunner's)."""
-        return self.runner.caches_prefixes
+        """Whether a prompt may start from the prefix cache's blocks: every layer keeps only
+        keys, or there are rows to save the other layers' states in."""
+        return not self.runner.keeps_slot_state or self.runner.num_state_rows > 0
+
+    @property
+    def num_state_rows(self) -> int:
+        return self.runner.num_state_rows
 
     def whole_runs(self, inputs: PromptInputs) -> list[tuple[int, int]]:
         """The token runs of a prompt that one prefill chunk must hold whole (ModelRunner's)."""
@@ -449,6 +493,7 @@ class Worker:
             param.copy_(full)
         if self.runner.linears is not None:
             self.runner.linears.repack(params[name] for name, _ in updates)
+        self.runner.weights_changed([name for name, _ in updates])
         return len(updates)
 
 
@@ -461,3 +506,13 @@ def media_placeholder_ids(config) -> list[int]:
             if isinstance(value, int) and value >= 0:
                 ids.add(value)
     return sorted(ids)
+
+
+def _state_rows(config: EngineConfig) -> int:
+    """The saved slot states an engine of `config` keeps for its prefix cache."""
+    if not config.enable_prefix_caching:
+        return 0
+    rows = config.prefix_state_rows
+    # NOTE: two per running sequence: one where its next turn resumes, and room for the
+    # prompts that several sequences share.
+    return 2 * config.max_running_prompts if rows is None else rows

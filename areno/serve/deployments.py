@@ -234,11 +234,22 @@ class GeneratorServer:
         self.free_blocks = metrics.Gauge(
             "areno_engine_free_kv_blocks", "KV cache blocks free in this engine's pool."
         )
-        self.preemptions = metrics.Counter(
-            "areno_engine_preemptions",
-            "Sequences preempted for KV blocks (recomputed later) in this engine.",
-        )
-        self._num_preemptions = 0
+        # Engine counters (stats key -> Serve counter), raised by what they grew since read.
+        self.counters = {
+            "num_preemptions": metrics.Counter(
+                "areno_engine_preemptions",
+                "Sequences preempted for KV blocks (recomputed later) in this engine.",
+            ),
+            "num_prompt_tokens_admitted": metrics.Counter(
+                "areno_engine_prompt_tokens",
+                "Prompt tokens of the sequences this engine admitted (prefill requested).",
+            ),
+            "num_prompt_tokens_cached": metrics.Counter(
+                "areno_engine_prompt_tokens_cached",
+                "Of those, the tokens the prefix cache held (not prefilled again).",
+            ),
+        }
+        self._counted = dict.fromkeys(self.counters, 0)
         logger.info("%s", self.generator.pool.describe(self.generator.max_context_len))
 
     async def generate_all(self, inputs, params: SamplingParams, request_id: str):
@@ -275,9 +286,10 @@ class GeneratorServer:
         self.queue_depth.set(stats["num_waiting"])
         self.running.set(stats["num_running"])
         self.free_blocks.set(stats["num_free_blocks"])
-        if stats["num_preemptions"] > self._num_preemptions:
-            self.preemptions.inc(stats["num_preemptions"] - self._num_preemptions)
-            self._num_preemptions = stats["num_preemptions"]
+        for key, counter in self.counters.items():
+            if stats[key] > self._counted[key]:
+                counter.inc(stats[key] - self._counted[key])
+                self._counted[key] = stats[key]
 
     def stats(self) -> dict[str, int]:
         return self.generator.stats()

@@ -46,6 +46,9 @@ class RolloutConfig:
     max_prompt_tokens: int | None = None
     max_context_len: int = 1024
     block_size: int = 16  # tokens per KV cache block
+    # a group's episodes and an episode's turns reuse the prefill of what they share
+    enable_prefix_caching: bool = True
+    prefix_state_rows: int | None = None  # None: two per running sequence (EngineConfig)
     kv_cache_gib: float | None = None  # None: as serving sizes its pool (see EngineConfig)
     kv_cache_memory_fraction: float = 0.9
     max_tokens_per_turn: int = 64

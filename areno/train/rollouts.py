@@ -148,6 +148,30 @@ def collect(
     return groups, time.perf_counter() - start
 
 
+def prompt_token_counts(workers: Sequence[Any]) -> list[tuple[int, int]]:
+    """Each worker's engine counters: prompt tokens admitted, and of them those its prefix cache
+    held (read before and after a rollout: `prefill_metrics`)."""
+    stats = wait_all([w.stats.remote() for w in workers], list(range(len(workers))))
+    return [(s["num_prompt_tokens_admitted"], s["num_prompt_tokens_cached"]) for s in stats]
+
+
+def prefill_metrics(
+    before: Sequence[tuple[int, int]], after: Sequence[tuple[int, int]]
+) -> dict[str, float]:
+    """Prompt tokens the rollout asked the engines to prefill, those they computed (the rest
+    the prefix cache held) and the hit rate; a restarted worker counts from zero."""
+    requested = cached = 0
+    for (admitted_0, cached_0), (admitted_1, cached_1) in zip(before, after, strict=True):
+        restarted = admitted_1 < admitted_0
+        requested += admitted_1 - (0 if restarted else admitted_0)
+        cached += cached_1 - (0 if restarted else cached_0)
+    return {
+        "prefill_tokens_requested": float(requested),
+        "prefill_tokens_computed": float(requested - cached),
+        "prefix_hit_rate": cached / requested if requested else 0.0,
+    }
+
+
 def score(
     reward_fn: Callable[..., Any],
     groups: Sequence[Sequence[Trajectory]],

@@ -23,6 +23,8 @@ def rollout_spec(config: GRPOConfig, model_path: str) -> RolloutSpec:
         max_running_prompts=r.max_running_prompts,
         max_context_len=r.max_context_len,
         block_size=r.block_size,
+        enable_prefix_caching=r.enable_prefix_caching,
+        prefix_state_rows=r.prefix_state_rows,
         kv_cache_gib=r.kv_cache_gib,
         # A worker on a share of a GPU (beside the trainer) takes that share of its memory.
         kv_cache_memory_fraction=r.kv_cache_memory_fraction * min(r.num_gpus_per_worker or 1, 1),

@@ -207,14 +207,17 @@ class Coordinator:
         cfg = self.config
         samples = self.stream.next_batch(cfg.grpo.prompts_per_step)
         seed = cfg.run.seed * 1_000_003 + step * 10_007
+        counts = rollouts.prompt_token_counts(self.workers)
         groups, rollout_s, retries = self._collect(
             f"step {step + 1}'s rollout", samples, cfg.grpo.group_size, self.sampling, seed
         )
+        prefill = rollouts.prefill_metrics(counts, rollouts.prompt_token_counts(self.workers))
         reward_s = rollouts.score(self.reward_fn, groups, samples, cfg.reward_kwargs)
         adv = rollouts.advantages(groups, cfg.grpo.normalize_std)
         trajectories = [t for group in groups for t in group]
         metrics = rollouts.rollout_metrics(trajectories)
         generated = sum(t.num_generated_tokens for t in trajectories)
+        metrics.update(prefill)
         metrics.update(
             rollout_s=rollout_s,
             reward_s=reward_s,

@@ -4,11 +4,17 @@ recently freed when the pool needs blocks."""
 
 from __future__ import annotations
 
-import pytest
+from pathlib import Path
 
-from areno.engine.block_manager import BlockManager, block_hashes
+import numpy as np
+import pytest
+from PIL import Image
+
+from areno.engine.block_manager import BlockManager, block_hashes, partial_block_hash
+from areno.engine.sampling import SamplingParams
+from areno.engine.state_cache import StateCache
 from areno.media.samples import write_image
-from tests.engine.generating import GREEDY, arrive_together, run, text, with_media
+from tests.engine.generating import FAMILIES, GREEDY, arrive_together, run, text, with_media
 
 TOKENS = list(range(100, 140))  # 2 full blocks of 16 and 8 tokens more
 
@@ -92,6 +98,29 @@ def test_acquiring_a_block_that_is_not_cached_is_an_error():
         blocks.acquire([block])
 
 
+def test_a_partial_block_hash_differs_from_a_full_blocks_and_names_its_media():
+    full = block_hashes(TOKENS[:16], 16)[0]
+    assert partial_block_hash(TOKENS[:16]) != full
+    assert partial_block_hash(TOKENS[:5], parent=full) != partial_block_hash(TOKENS[:5])
+    with_a = partial_block_hash(TOKENS[:5], [(2, 9, "sha-a")])
+    assert with_a != partial_block_hash(TOKENS[:5], [(2, 9, "sha-b")])
+
+
+def test_saved_states_are_found_after_their_blocks_and_evicted_least_recently_used():
+    states = StateCache(2)
+    a = states.add(b"h1", 16, None)
+    b = states.add(b"h1", 19, b"tail")
+    assert {a.row, b.row} == {0, 1}
+    assert states.add(b"h1", 16, None) is None  # known: touched, not saved again
+    assert states.after(b"h1") == [a, b] and states.after(b"h2") == []
+    c = states.add(b"h2", 32, None)  # b was used least recently
+    assert c.row == b.row and states.after(b"h1") == [a]
+    states.discard(a)
+    assert len(states) == 1 and states.after(b"h1") == []
+    states.clear()
+    assert len(states) == 0 and {states.add(b"x", 4, None).row for _ in range(1)} <= {0, 1}
+
+
 # --- the engine: prompts that start from cached blocks --------------------------------------
 
 
@@ -146,13 +175,93 @@ def test_prompts_start_from_their_cached_prefix_media_included_and_equal_generat
     assert again == (expected[0], (inputs[0].num_prompt_tokens - 1) // block * block)
 
 
-def test_models_with_linear_or_sliding_layers_leave_the_cache_off(setups):
-    for family in ("qwen3_5", "minicpmv4_6", "gemma4"):
-        gen = setups(family).generator(enable_prefix_caching=True)
+def _one_pixel_off(path: Path, out: Path) -> str:
+    image = np.array(Image.open(path))
+    image[0, 0, 0] ^= 1
+    Image.fromarray(image).save(out)
+    return str(out)
+
+
+def _tool_image(url: str) -> list[dict]:
+    part = {"type": "image_url", "image_url": {"url": url}}
+    content = [part, {"type": "text", "text": "Here it is."}]
+    return [{"role": "tool", "tool_call_id": "call_1", "content": content}]
+
+
+def _episode(setup, gen, first, tool_images, params) -> list[tuple]:
+    """An agent's episode sent token in, as rollouts send it: each turn is the last turn's
+    prompt, its generated tokens and a tool result with an image. Per turn: (tokens,
+    logprobs, prompt tokens cached, prompt tokens)."""
+    processor, x, turns = setup.processor, first, []
+    for url in [*tool_images, None]:
+        before = gen.stats()["num_prompt_tokens_cached"]
+        (sample,) = run(gen.generate_all(x, params)).samples
+        cached = gen.stats()["num_prompt_tokens_cached"] - before
+        turns.append((sample.token_ids, sample.logprobs, cached, x.num_prompt_tokens))
+        if url is not None:
+            result = _tool_image(url)
+            media = setup.decoder.decode_many(processor.media_refs(result))
+            x = processor.extend(x, sample.token_ids, processor.encode_continuation(result, media))
+    return turns
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_with_the_cache_every_family_gives_the_tokens_and_logprobs_of_a_cold_prefill(
+    setups, media, family, overlap, tmp_path
+):
+    """With the prefix cache, whatever the family's layers (Qwen3.5's and MiniCPM-V 4.6's
+    linear attention, Gemma 4's sliding windows): (a) the same image prompt again resumes at
+    its last full block, (b) n seeded samples of it, (c) a 3-turn episode whose tool returns an
+    image resumes each turn where the last one ended; every token and logprob is the cold
+    engine's (fp32, 1e-4). An image one pixel off misses the cache from its first token."""
+    setup = setups(family)
+    ask = "Describe it, please, in a few words."
+    first = setup.encode(with_media("image", media["image"], ask))
+    off_by_one = setup.encode(
+        with_media("image", _one_pixel_off(Path(media["image"]), tmp_path / "b.png"), ask)
+    )
+    greedy = SamplingParams(temperature=0, max_tokens=6, logprobs=True, ignore_eos=True)
+    sampled = SamplingParams(temperature=1.0, seed=5, n=3, max_tokens=6, logprobs=True)
+    other = str(write_image(tmp_path / "other.png", 64, 48, seed=3))
+    results = {}
+    for cache in (False, True):
+        gen = setup.generator(
+            block_size=4,
+            enable_prefix_caching=cache,
+            prefix_state_rows=16,
+            overlap_steps=overlap,
+        )
         try:
-            assert not gen.core.scheduler.config.enable_prefix_caching
+            turns = _episode(setup, gen, first, [other, media["image"]], greedy)
+            again = _cached_tokens(gen, first, greedy)
+            samples = run(gen.generate_all(first, sampled)).samples
+            missed = _cached_tokens(gen, off_by_one, greedy)
+            encodes = gen.stats()["num_media_encodes_cached"]
         finally:
             gen.shutdown()
+        results[cache] = turns, again, samples, missed, encodes
+    cold, warm = results[False], results[True]
+    for (tokens, logprobs, _, _), (tokens_c, logprobs_c, _, _) in zip(
+        cold[0], warm[0], strict=True
+    ):
+        assert tokens_c == tokens
+        assert logprobs_c == pytest.approx(logprobs, abs=1e-4)
+    n = first.num_prompt_tokens
+    # Each later turn resumes where the turn before ended, after every token it fed (all but
+    # its last): there exactly where layers keep states, else at the last full block.
+    assert warm[0][0][2] == 0
+    for before, turn in zip(warm[0], warm[0][1:], strict=False):
+        fed = before[3] + 6 - 1
+        assert fed // 4 * 4 <= turn[2] <= fed
+    assert warm[1] == (cold[1][0], (n - 1) // 4 * 4)  # (a)
+    for cold_sample, warm_sample in zip(cold[2], warm[2], strict=True):  # (b)
+        assert warm_sample.token_ids == cold_sample.token_ids
+        assert warm_sample.logprobs == pytest.approx(cold_sample.logprobs, abs=1e-4)
+    (span,) = first.mm_spans
+    assert warm[3][0] == cold[3][0]  # its own features, not the cached image's
+    assert warm[3][1] <= span.start and cold[3][1] == 0
+    # Media seen again (the image of each later turn and request) skipped the towers.
+    assert cold[4] == 0 and warm[4] > 0
 
 
 def test_new_weights_forget_the_cached_blocks(setups):

@@ -81,7 +81,8 @@ class _StubGenerator:
         self.is_paused = paused
 
     def stats(self) -> dict[str, int]:
-        return {"num_waiting": 0, "num_running": 0, "num_free_blocks": 8, "num_preemptions": 0}
+        counts = ("num_preemptions", "num_prompt_tokens_admitted", "num_prompt_tokens_cached")
+        return {"num_waiting": 0, "num_running": 0, "num_free_blocks": 8} | dict.fromkeys(counts, 0)
 
     async def generate_all(self, inputs, params, request_id):
         return "done"
@@ -104,8 +105,9 @@ def _generator_server(paused: bool, max_queued_requests: int = 0):
     server = GeneratorServer.func_or_class.__new__(GeneratorServer.func_or_class)
     server.generator = _StubGenerator(paused)
     server.admission = Admission(1, max_queued_requests)
-    server.queue_depth = server.running = server.free_blocks = server.preemptions = _Gauge()
-    server._num_preemptions = 0
+    server.queue_depth = server.running = server.free_blocks = _Gauge()
+    server.counters = dict.fromkeys(server.generator.stats(), _Gauge())
+    server._counted = dict.fromkeys(server.counters, 0)
     return server
 
 

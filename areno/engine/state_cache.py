@@ -1,0 +1,95 @@
+"""Saved slot states, where a later prompt may resume: the prefix cache's half for layers that
+keep no per-token keys. Pure Python; the runner owns the storage (areno/engine/cache.py).
+
+Qwen3.5's linear-attention layers hold one conv and one recurrent state per slot, and Gemma 4's
+sliding-window layers a ring of their last window of keys: a prompt whose first tokens are
+cached in KV blocks still needs those states as they stood after exactly those tokens. The
+runner keeps `num_rows` spare rows of them beside the slots'; this class says which rows hold
+which resume point, and evicts the least recently used when a new one needs a row.
+
+A resume point is the state after the first `num_tokens` tokens of some sequence: those past
+its last full block (the tail, fewer than a block) are named by `partial_block_hash`, and their
+keys live in a block registered under that hash. Points are saved
+- at the end of a prompt's last full block (after a prefill that stops there), so that another
+  request with the same prompt (the samples of a GRPO group) resumes there;
+- at the end of a finished sequence (every token it fed), so that the next turn of an episode
+  or a chat, which sends those tokens and more, prefills only the new ones.
+A point is usable while its blocks are cached; its row is reused when it is the least recently
+used and a new point needs one.
+"""
+
+from __future__ import annotations
+
+import collections
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ResumePoint:
+    """The state after `num_tokens` tokens: full blocks up to `parent` (their last block's
+    prefix hash, b"" for none), then the tail block `tail_hash` (None when `num_tokens` ends a
+    block). `row`: where its state is saved."""
+
+    parent: bytes
+    num_tokens: int
+    tail_hash: bytes | None
+    row: int
+
+    @property
+    def key(self) -> tuple[bytes, int, bytes | None]:
+        return self.parent, self.num_tokens, self.tail_hash
+
+
+class StateCache:
+    """Which of `num_rows` saved-state rows holds which resume point, least recently used first."""
+
+    def __init__(self, num_rows: int) -> None:
+        self.num_rows = num_rows
+        self._points: collections.OrderedDict[tuple, ResumePoint] = collections.OrderedDict()
+        self._by_parent: dict[bytes, list[ResumePoint]] = {}
+        self._free_rows = list(range(num_rows - 1, -1, -1))
+
+    def __len__(self) -> int:
+        return len(self._points)
+
+    def after(self, parent: bytes) -> list[ResumePoint]:
+        """The points that resume right after the full blocks ending in `parent`."""
+        return list(self._by_parent.get(parent, ()))
+
+    def touch(self, point: ResumePoint) -> None:
+        """Mark `point` used now (evicted last)."""
+        self._points.move_to_end(point.key)
+
+    def add(self, parent: bytes, num_tokens: int, tail_hash: bytes | None) -> ResumePoint | None:
+        """A row for a new point, evicting the least recently used where none is free; None when
+        the point is known already (it is touched instead) or there are no rows."""
+        key = (parent, num_tokens, tail_hash)
+        if key in self._points:
+            self._points.move_to_end(key)
+            return None
+        if not self.num_rows:
+            return None
+        if not self._free_rows:
+            self._drop(next(iter(self._points.values())))
+        point = ResumePoint(parent, num_tokens, tail_hash, self._free_rows.pop())
+        self._points[key] = point
+        self._by_parent.setdefault(parent, []).append(point)
+        return point
+
+    def discard(self, point: ResumePoint) -> None:
+        """Forget `point` (its state was never saved)."""
+        if self._points.get(point.key) is point:
+            self._drop(point)
+
+    def _drop(self, point: ResumePoint) -> None:
+        del self._points[point.key]
+        siblings = self._by_parent[point.parent]
+        siblings.remove(point)
+        if not siblings:
+            del self._by_parent[point.parent]
+        self._free_rows.append(point.row)
+
+    def clear(self) -> None:
+        """Forget every point (new weights make the saved states stale)."""
+        for point in list(self._points.values()):
+            self._drop(point)
