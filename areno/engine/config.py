@@ -97,7 +97,7 @@ class EngineConfig:
     kv_cache_gib: float | None = None
     kv_cache_memory_fraction: float = 0.9
     max_prefill_tokens_per_step: int = 8192
-    enable_prefix_caching: bool = False
+    enable_prefix_caching: bool = True
     prefix_state_rows: int | None = None
     encoder_cache_gib: float = 0.5
     dtype: str = "auto"

@@ -44,26 +44,28 @@ class EncoderCache:
         return len(self._entries)
 
     @contextlib.contextmanager
-    def around(self, spans: list[MediaSpan]):
+    def around(self, spans: list[MediaSpan], model: torch.nn.Module | None = None):
         """Within the block, the owner's feature methods answer from the cache for `spans`, the
-        media items of the prompt being prefilled."""
+        media items of the prompt being prefilled; `model`: another model's (with the same
+        towers) answer from this cache instead."""
+        owner = self.owner if model is None else getattr(model, "model", model)
         patched = []
         for modality, name in _METHODS.items():
             items = tuple(
                 (s.content_hash, s.num_placeholder_tokens) for s in spans if s.modality == modality
             )
-            if not items or not hasattr(self.owner, name) or not self.max_bytes:
+            if not items or not hasattr(owner, name) or not self.max_bytes:
                 continue
-            patched.append((name, self.owner.__dict__.get(name)))
-            setattr(self.owner, name, self._cached(getattr(self.owner, name), (modality, items)))
+            patched.append((name, owner.__dict__.get(name)))
+            setattr(owner, name, self._cached(getattr(owner, name), (modality, items)))
         try:
             yield
         finally:
             for name, own in patched:
                 if own is None:
-                    delattr(self.owner, name)
+                    delattr(owner, name)
                 else:
-                    setattr(self.owner, name, own)
+                    setattr(owner, name, own)
 
     def _cached(self, encode, key: tuple):
         def features(*args, **kwargs):

@@ -3,6 +3,7 @@ ranks, DeepSpeed) -> weight sync -> checkpoint. One optimizer step per training 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import time
@@ -12,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from areno.data import SampleStream, load_samples
+from areno.engine.encoder_cache import EncoderCache
 from areno.engine.sampling import SamplingParams
 from areno.rollout.trajectory import Trajectory
 from areno.train import checkpoint, rollouts
@@ -40,6 +42,10 @@ def deepspeed_config(config: GRPOConfig, world_size: int, dtype: torch.dtype) ->
         "steps_per_print": 1 << 30,
         "wall_clock_breakdown": False,
     }
+
+
+# Media features a trainer rank keeps within one step (frozen towers: `Learner.features`).
+TRAINER_FEATURE_BYTES = 1 << 30
 
 
 def _keep_cpu_ranks_on_gloo() -> None:
@@ -84,6 +90,16 @@ class Learner:
         if config.grpo.loss.kl_coef > 0:
             self.ref = self.adapter.load_model(model_path, dtype=dtype).to(self.device).eval()
             self.ref.requires_grad_(False)
+        # Frozen towers and projectors give every pass the same media features: the step's
+        # trajectories (a group's share its prompt's media) and the reference's pass reuse them.
+        # NOTE: not under ZeRO-3, whose every module forward gathers its partitioned
+        # parameters with the other ranks: a rank that skipped a tower's forward would hang.
+        self.features = None
+        adapter = self.adapter
+        if set(adapter.media_towers + adapter.projectors) <= set(self.frozen) and (
+            config.trainer.zero_stage < 3
+        ):
+            self.features = EncoderCache(self.module, TRAINER_FEATURE_BYTES)
 
     @property
     def module(self) -> torch.nn.Module:
@@ -94,7 +110,6 @@ class Learner:
     ) -> dict[str, float]:
         """Accumulate the loss of this rank's trajectories and take one optimizer step."""
         set_train_mode(self.module, self.frozen)
-        cfg = self.config.grpo
         sums: dict[str, float] = {"tokens": 0.0, "abs_diff": 0.0, "max_abs": 0.0, "clip": 0.0}
         sums.update({"kl": 0.0, "loss": 0.0, "ratio_max": 0.0})
         if not totals["learn"]:
@@ -105,8 +120,29 @@ class Learner:
         # The rollouts' sampling temperature: their logprobs are tempered (see
         # areno/rollout/episode.py), and so are these.
         temperature = self.config.rollout.temperature
-        for traj, advantage in share:
-            start = traj.num_prompt_tokens
+        try:
+            for traj, advantage in share:
+                self._learn(traj, advantage, totals, sums, scale_all, temperature)
+        finally:
+            if self.features is not None:
+                self.features.clear()
+        return sums
+
+    def _shared_features(self, inputs) -> contextlib.ExitStack:
+        """Around one trajectory's passes: the policy's and the reference's media features
+        from `self.features`."""
+        stack = contextlib.ExitStack()
+        if self.features is not None:
+            stack.enter_context(self.features.around(inputs.mm_spans))
+            if self.ref is not None:
+                stack.enter_context(self.features.around(inputs.mm_spans, self.ref))
+        return stack
+
+    def _learn(self, traj, advantage, totals, sums, scale_all, temperature) -> None:
+        """One trajectory's loss, backward and (accumulated) step, added to `sums`."""
+        cfg = self.config.grpo
+        start = traj.num_prompt_tokens
+        with self._shared_features(traj.inputs):
             logprobs = sequence_logprobs(self.module, traj.inputs, self.device, start, temperature)
             logprobs = logprobs[None]
             mask = torch.tensor([traj.loss_mask[start:]], dtype=torch.float32, device=self.device)
@@ -118,34 +154,33 @@ class Learner:
                     ref_lp = sequence_logprobs(
                         self.ref, traj.inputs, self.device, start, temperature
                     )[None]
-            adv = torch.tensor([advantage], dtype=torch.float32, device=self.device)
-            loss, info = policy_loss(
-                logprobs.float(),
-                old.float(),
-                adv,
-                mask,
-                config=cfg.loss,
-                ref_logprobs=ref_lp,
-                rollout_logprobs=rollout_lp,
-            )
-            n = float(mask.sum().item())
-            if cfg.loss.loss_agg == "token_mean":
-                weight = n / max(totals["tokens"], 1)
-            else:
-                weight = 1.0 / totals["episodes"]
-            # DeepSpeed divides by the accumulation steps and averages over ranks; undo both so
-            # the summed gradient is that of the batch-level aggregate.
-            self.engine.backward(loss * weight * scale_all)
-            self.engine.step()
-            diff = logprob_mismatch(logprobs.detach(), rollout_lp, mask)
-            sums["tokens"] += n
-            sums["abs_diff"] += diff["logprob_mismatch_mean_abs"] * n
-            sums["max_abs"] = max(sums["max_abs"], diff["logprob_mismatch_max_abs"])
-            sums["clip"] += info["clip_fraction"] * n
-            sums["kl"] += info.get("kl", 0.0) * n
-            sums["ratio_max"] = max(sums["ratio_max"], info["ratio_max"])
-            sums["loss"] += float(loss.item()) * weight
-        return sums
+        adv = torch.tensor([advantage], dtype=torch.float32, device=self.device)
+        loss, info = policy_loss(
+            logprobs.float(),
+            old.float(),
+            adv,
+            mask,
+            config=cfg.loss,
+            ref_logprobs=ref_lp,
+            rollout_logprobs=rollout_lp,
+        )
+        n = float(mask.sum().item())
+        if cfg.loss.loss_agg == "token_mean":
+            weight = n / max(totals["tokens"], 1)
+        else:
+            weight = 1.0 / totals["episodes"]
+        # DeepSpeed divides by the accumulation steps and averages over ranks; undo both so
+        # the summed gradient is that of the batch-level aggregate.
+        self.engine.backward(loss * weight * scale_all)
+        self.engine.step()
+        diff = logprob_mismatch(logprobs.detach(), rollout_lp, mask)
+        sums["tokens"] += n
+        sums["abs_diff"] += diff["logprob_mismatch_mean_abs"] * n
+        sums["max_abs"] = max(sums["max_abs"], diff["logprob_mismatch_max_abs"])
+        sums["clip"] += info["clip_fraction"] * n
+        sums["kl"] += info.get("kl", 0.0) * n
+        sums["ratio_max"] = max(sums["ratio_max"], info["ratio_max"])
+        sums["loss"] += float(loss.item()) * weight
 
 
 def _device(config: GRPOConfig) -> str:

@@ -116,7 +116,12 @@ def test_media_prompts_prefilled_in_chunks_through_their_media_equal_generate(
         setup.encode(with_media(kind, media[kind], tail)) for kind in kinds
     ]
     expected = [setup.reference(x, GREEDY.max_tokens) for x in inputs]
-    gen = setup.generator(max_prefill_tokens_per_step=8, block_size=4, overlap_steps=overlap)
+    gen = setup.generator(
+        max_prefill_tokens_per_step=8,
+        block_size=4,
+        overlap_steps=overlap,
+        enable_prefix_caching=False,  # every prompt from its first token
+    )
     runner = gen.core.executor.worker.runner
     runs = {x.num_prompt_tokens: runner.whole_runs(x) for x in inputs[1:]}
     outputs, chunks = run_chunked(gen, inputs)
@@ -152,15 +157,17 @@ def test_gemma4_sliding_layers_keep_only_their_window_while_decoding_past_it(set
     gen = setup.generator(max_running_prompts=2, max_context_len=1024, overlap_steps=overlap)
     try:
         got = run(gen.generate_all(x, params)).samples[0].token_ids
-        cache = gen.core.executor.worker.runner.cache
-        types = cache.layer_types
+        runner = gen.core.executor.worker.runner
+        cache, types = runner.cache, runner.cache.layer_types
     finally:
         gen.shutdown()
     assert got == expected
     ring = blocks_for(window, 16) + 1
     for i, layer in cache.attention.items():
         if types[i] == "sliding_attention":  # each slot's ring: the window and a block more
-            assert layer.ring_blocks == ring and layer.keys.shape[0] == 2 * ring + 1
+            # (the rows: 2 slots and the prefix cache's saved states)
+            assert runner.num_rows == 2 + runner.num_state_rows
+            assert layer.ring_blocks == ring and layer.keys.shape[0] == runner.num_rows * ring + 1
         else:  # the pool: every slot's 1,024 tokens
             assert layer.ring_blocks is None and layer.keys.shape[0] > 2 * 1024 // 16
 

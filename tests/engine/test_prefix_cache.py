@@ -4,16 +4,20 @@ recently freed when the pool needs blocks."""
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from PIL import Image
 
 from areno.engine.block_manager import BlockManager, block_hashes, partial_block_hash
+from areno.engine.encoder_cache import EncoderCache
 from areno.engine.sampling import SamplingParams
 from areno.engine.state_cache import StateCache
 from areno.media.samples import write_image
+from areno.train.policy import sequence_logprobs
 from tests.engine.generating import FAMILIES, GREEDY, arrive_together, run, text, with_media
 
 TOKENS = list(range(100, 140))  # 2 full blocks of 16 and 8 tokens more
@@ -277,3 +281,25 @@ def test_new_weights_forget_the_cached_blocks(setups):
         assert _cached_tokens(gen, x)[1] == 0
     finally:
         gen.shutdown()
+
+
+def test_passes_over_the_same_media_share_one_tower_call_and_give_the_same_logprobs(setups, media):
+    """What the trainer does with frozen towers (`Learner.features`): the policy's and the
+    reference's passes over a trajectory, and the trajectories of a group, encode their media
+    once; the logprobs are those of passes that encode it each time."""
+    setup = setups("qwen3_5")
+    x = setup.encode(with_media("image", media["image"], "Describe it, please."))
+    reference = copy.deepcopy(setup.model)
+    with torch.no_grad():
+        cold = sequence_logprobs(setup.model, x, "cpu", start=1)
+        features = EncoderCache(setup.model, 1 << 30)
+        passes = []
+        for _ in range(2):  # two trajectories of a group: policy and reference passes each
+            with features.around(x.mm_spans), features.around(x.mm_spans, reference):
+                passes += [
+                    sequence_logprobs(m, x, "cpu", start=1) for m in (setup.model, reference)
+                ]
+    assert (features.num_misses, features.num_hits) == (1, 3)
+    for logprobs in passes:
+        torch.testing.assert_close(logprobs, cold, rtol=0, atol=1e-5)
+    assert "get_image_features" not in vars(setup.model.model)  # unpatched after
