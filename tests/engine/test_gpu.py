@@ -255,3 +255,36 @@ def test_update_weights_by_cuda_ipc(tiny_path):
     finally:
         done.set()
         gen.shutdown()
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_vl", "gemma4"])
+def test_prefix_cache_on_cuda_gives_the_cold_engine_tokens(tiny_path, tmp_path, family):
+    """On CUDA (float32, decode graphs captured, saves and restores beside them): an episode of
+    three turns whose tool returns an image, sent token in, and the same image prompt again,
+    give the cold engine's tokens and logprobs; the later turns resume from the cache."""
+    from areno.media.samples import write_image
+    from tests.engine.test_prefix_cache import _episode
+
+    setup = Setup(tiny_path(family))
+    setup.model.cuda()
+    image = str(write_image(tmp_path / "a.png", 64, 48))
+    other = str(write_image(tmp_path / "b.png", 64, 48, seed=3))
+    first = setup.encode(with_media("image", image, "Describe it, please, in a few words."))
+    greedy = SamplingParams(temperature=0, max_tokens=6, logprobs=True, ignore_eos=True)
+    results = {}
+    for cache in (False, True):
+        gen = setup.generator(block_size=4, enable_prefix_caching=cache)
+        try:
+            turns = _episode(setup, gen, first, [other, image], greedy)
+            before = gen.stats()["num_prompt_tokens_cached"]
+            again = asyncio.run(gen.generate_all(first, greedy)).samples[0]
+            cached = gen.stats()["num_prompt_tokens_cached"] - before
+        finally:
+            gen.shutdown()
+        results[cache] = turns, again, cached
+    (cold, cold_again, _), (warm, warm_again, cached) = results[False], results[True]
+    for a, b in zip(cold, warm, strict=True):
+        assert b[0] == a[0]
+        assert b[1] == pytest.approx(a[1], abs=1e-3)
+    assert warm_again.token_ids == cold_again.token_ids
+    assert all(turn[2] > 0 for turn in warm[1:]) and cached > 0
