@@ -14,7 +14,8 @@ and so those prefilled; and the wall time of the step (tools, decoding and encod
 
     python benchmarks/rollout_prefill.py                     # tiny Gemma 4 on CPU
     python benchmarks/rollout_prefill.py --family qwen3_5 --size 2b --device cuda \\
-        --calls view_frames,view_frames --seconds 10 --fps 4 --max-frames 8 --prompts 8
+        --dtype bfloat16 --calls view_frames,view_frames --seconds 8 --fps 2 --frame-size 224 \\
+        --max-frames 4 --prompts 4 --max-tokens 32
 """
 
 from __future__ import annotations
@@ -144,6 +145,7 @@ def main() -> None:
     parser.add_argument("--max-frames", type=int, default=2, help="frames a view_frames returns")
     parser.add_argument("--seconds", type=float, default=5.0, help="clip length")
     parser.add_argument("--fps", type=float, default=4.0)
+    parser.add_argument("--frame-size", type=int, default=64, help="clip width and height")
     parser.add_argument("--max-context-len", type=int, default=4096)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="auto")
@@ -160,7 +162,7 @@ def main() -> None:
             seed=args.seed,
             seconds=args.seconds,
             fps=args.fps,
-            size=64,
+            size=args.frame_size,
             data_urls=False,
             progress=False,
         )
