@@ -57,6 +57,7 @@ class Rollout:
             enable_prefix_caching=caching,
             device=args.device,
             dtype=args.dtype,
+            decode_compile=args.decode_compile,
         )
         self.generator = Generator.from_config(path, config)
         self.agent = ave_agent(max_turns=args.turns, max_frames=args.max_frames)
@@ -149,6 +150,7 @@ def main() -> None:
     parser.add_argument("--max-context-len", type=int, default=4096)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--decode-compile", default="auto", choices=["auto", "off", "inductor"])
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="benchmarks/results/rollout_prefill.json")
     args = parser.parse_args()
