@@ -16,7 +16,7 @@ from areno.engine.block_manager import BlockManager, block_hashes, partial_block
 from areno.engine.encoder_cache import EncoderCache
 from areno.engine.sampling import SamplingParams
 from areno.engine.state_cache import StateCache
-from areno.media.samples import write_image
+from areno.media.samples import write_audio, write_image
 from areno.train.policy import sequence_logprobs
 from tests.engine.generating import FAMILIES, GREEDY, arrive_together, run, text, with_media
 
@@ -186,16 +186,16 @@ def _one_pixel_off(path: Path, out: Path) -> str:
     return str(out)
 
 
-def _tool_image(url: str) -> list[dict]:
-    part = {"type": "image_url", "image_url": {"url": url}}
+def _tool_image(url: str, kind: str = "image") -> list[dict]:
+    part = {"type": f"{kind}_url", f"{kind}_url": {"url": url}}
     content = [part, {"type": "text", "text": "Here it is."}]
     return [{"role": "tool", "tool_call_id": "call_1", "content": content}]
 
 
-def _episode(setup, gen, first, tool_images, params) -> list[tuple]:
+def _episode(setup, gen, first, tool_images, params, kind: str = "image") -> list[tuple]:
     """An agent's episode sent token in, as rollouts send it: each turn is the last turn's
-    prompt, its generated tokens and a tool result with an image. Per turn: (tokens,
-    logprobs, prompt tokens cached, prompt tokens)."""
+    prompt, its generated tokens and a tool result with an image (or `kind` of media). Per
+    turn: (tokens, logprobs, prompt tokens cached, prompt tokens)."""
     processor, x, turns = setup.processor, first, []
     for url in [*tool_images, None]:
         before = gen.stats()["num_prompt_tokens_cached"]
@@ -203,7 +203,7 @@ def _episode(setup, gen, first, tool_images, params) -> list[tuple]:
         cached = gen.stats()["num_prompt_tokens_cached"] - before
         turns.append((sample.token_ids, sample.logprobs, cached, x.num_prompt_tokens))
         if url is not None:
-            result = _tool_image(url)
+            result = _tool_image(url, kind)
             media = setup.decoder.decode_many(processor.media_refs(result))
             x = processor.extend(x, sample.token_ids, processor.encode_continuation(result, media))
     return turns
@@ -266,6 +266,31 @@ def test_with_the_cache_every_family_gives_the_tokens_and_logprobs_of_a_cold_pre
     assert warm[3][1] <= span.start and cold[3][1] == 0
     # Media seen again (the image of each later turn and request) skipped the towers.
     assert cold[4] == 0 and warm[4] > 0
+
+
+def test_gemma4_audio_prompts_and_turns_resume_from_the_cache_with_the_cold_tokens(
+    setups, media, tmp_path
+):
+    """Gemma 4 with audio: the same audio prompt again, and an episode whose tool returns a
+    clip, give the cold engine's tokens and logprobs while resuming from the cache."""
+    setup = setups("gemma4")
+    other = str(write_audio(tmp_path / "b.wav", seconds=1.0, seed=3))
+    first = setup.encode(with_media("audio", media["audio"], "What do you hear?"))
+    greedy = SamplingParams(temperature=0, max_tokens=6, logprobs=True, ignore_eos=True)
+    results = {}
+    for cache in (False, True):
+        gen = setup.generator(block_size=4, enable_prefix_caching=cache)
+        try:
+            turns = _episode(setup, gen, first, [other], greedy, kind="audio")
+            again = _cached_tokens(gen, first, greedy)
+        finally:
+            gen.shutdown()
+        results[cache] = turns, again
+    (cold, cold_again), (warm, warm_again) = results[False], results[True]
+    for a, b in zip(cold, warm, strict=True):
+        assert b[0] == a[0] and b[1] == pytest.approx(a[1], abs=1e-4)
+    assert warm[1][2] == warm[0][3] + 6 - 1  # the second turn resumed where the first ended
+    assert warm_again == (cold_again[0], (first.num_prompt_tokens - 1) // 4 * 4)
 
 
 def test_new_weights_forget_the_cached_blocks(setups):
