@@ -464,6 +464,8 @@ class Scheduler:
         self.blocks.forget_cached()
         self.states.clear()
         self._state_saves = []
+        for seq in self._running:
+            seq.state_save = None  # its row may go to a new point
 
     def _continue_chunks(self, budget: int) -> list[ScheduledPrefill]:
         """The next chunk of every sequence whose prompt is being prefilled in chunks, oldest
