@@ -63,7 +63,7 @@ def chat_ttfts(client, model: str, image: str, args) -> list[float]:
     return ttfts
 
 
-def served(path: str, images: list[str], args, caching: bool) -> list[list[float]]:
+def served(path: str, images: list[str], args, caching: bool) -> tuple[list[list[float]], dict]:
     import openai
     import ray
     from ray import serve
@@ -83,7 +83,15 @@ def served(path: str, images: list[str], args, caching: bool) -> list[list[float
         serve.run(build_app(config), name=APP_NAME, route_prefix="/")
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none")
         chat_ttfts(client, config.model_name, images[-1], args)  # warm-up, its own image
-        return [chat_ttfts(client, config.model_name, image, args) for image in images[:-1]]
+        generator = serve.get_deployment_handle("GeneratorServer", APP_NAME)
+        before = generator.stats.remote().result()
+        ttfts = [chat_ttfts(client, config.model_name, image, args) for image in images[:-1]]
+        after = generator.stats.remote().result()
+        counts = {
+            key: after[key] - before[key]
+            for key in ("num_prompt_tokens_admitted", "num_prompt_tokens_cached")
+        }
+        return ttfts, counts
     finally:
         serve.shutdown()
         ray.shutdown()
@@ -92,13 +100,14 @@ def served(path: str, images: list[str], args, caching: bool) -> list[list[float
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--family", default="gemma4")
+    parser.add_argument("--size", default="small", help="tiny checkpoint size (tiny, small)")
     parser.add_argument("--chats", type=int, default=8)
     parser.add_argument("--turns", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--image-size", type=int, default=448)
     parser.add_argument("--out", default="benchmarks/results/chat_prefix.json")
     args = parser.parse_args()
-    path = str(tiny_checkpoint(args.family))
+    path = str(tiny_checkpoint(args.family, size=args.size))
     with tempfile.TemporaryDirectory() as tmp:
         size = args.image_size
         images = [
@@ -108,15 +117,20 @@ def main() -> None:
         runs = {caching: served(path, images, args, caching) for caching in (False, True)}
     medians = {
         caching: [statistics.median(chat[t] for chat in chats) * 1e3 for t in range(args.turns)]
-        for caching, chats in runs.items()
+        for caching, (chats, _) in runs.items()
     }
     print(f"\n{Path(path).name}: {args.chats} chats x {args.turns} turns, an image in turn 1")
     print(f"{'turn':<6}{'TTFT off ms':>13}{'TTFT on ms':>13}{'ratio':>8}")
     for t in range(args.turns):
         off, on = medians[False][t], medians[True][t]
         print(f"{t + 1:<6}{off:>13.1f}{on:>13.1f}{off / on:>8.2f}")
+    counts = runs[True][1]
+    print(
+        f"with the cache: {counts['num_prompt_tokens_cached']} of "
+        f"{counts['num_prompt_tokens_admitted']} prompt tokens held"
+    )
     meta = {key: value for key, value in vars(args).items() if key != "out"}
-    results = {"ttft_ms_off": medians[False], "ttft_ms_on": medians[True]}
+    results = {"ttft_ms_off": medians[False], "ttft_ms_on": medians[True], "tokens_on": counts}
     write_results(args.out, {**meta, "model": Path(path).name}, results)
 
 

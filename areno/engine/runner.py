@@ -503,6 +503,10 @@ class ModelRunner:
         state restored (`restore_state`)."""
         return self.ring_blocks is not None or "linear_attention" in self.layer_types
 
+    @property
+    def has_linear_state(self) -> bool:
+        return "linear_attention" in self.layer_types
+
     def weights_changed(self, names: list[str]) -> None:
         """New values of the parameters `names`: tower outputs are stale unless all of them
         belong to the text stack (frozen towers are not sent)."""

@@ -375,17 +375,22 @@ class Worker:
         ]
 
     def _prefill_chunks(self, item: PrefillItem) -> torch.Tensor:
-        """An item's tokens start..end as one chunk, or as two around its state save."""
+        """An item's tokens start..end as one chunk, or as two around its state save. A
+        sliding ring saved up to a block past its position holds all a resumption there reads
+        (the window before it), so only linear-attention state needs the prefill to stop there."""
         table = item.block_tables[0] if item.block_tables else None
         end = item.end if item.end is not None else item.inputs.num_prompt_tokens
         bounds = [item.start, end]
-        if item.save is not None and item.save[0] < end:
-            bounds.insert(1, item.save[0])
+        save_at = None
+        if item.save is not None:
+            save_at = item.save[0] if self.runner.has_linear_state else end
+            if save_at < end:
+                bounds.insert(1, save_at)
         for start, stop in zip(bounds, bounds[1:], strict=False):
             last = self.runner.prefill_chunk(
                 item.inputs, item.slots[0], table, start, stop, item.cached
             )
-            if item.save is not None and stop == item.save[0]:
+            if stop == save_at:
                 self.runner.save_states([(item.slots[0], item.save[1])])
         if len(item.slots) > 1:
             self.runner.fork_prompt(item.slots, item.block_tables, end)
