@@ -45,7 +45,8 @@ class EngineConfig:
     max_prefill_tokens_per_step: prompt tokens prefilled per step (`--max-num-batched-tokens`);
         a longer prompt is prefilled in chunks beside the decodes (see SchedulerConfig).
     enable_prefix_caching: keep computed full KV blocks by the chained hash of their tokens and
-        media, so that a prompt starts from its longest cached prefix (SchedulerConfig). Where
+        media, so that a prompt starts from its longest cached prefix (SchedulerConfig;
+        `--enable-prefix-caching`, on by default as in vLLM). Where
         layers keep state besides keys (linear attention, sliding windows), a prompt resumes
         only where that state was saved: at the end of a prompt with media's last full block,
         and at the end of every finished sequence (areno/engine/state_cache.py).

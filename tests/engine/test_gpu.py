@@ -273,7 +273,8 @@ def test_prefix_cache_on_cuda_gives_the_cold_engine_tokens(tiny_path, tmp_path, 
     greedy = SamplingParams(temperature=0, max_tokens=6, logprobs=True, ignore_eos=True)
     results = {}
     for cache in (False, True):
-        gen = setup.generator(block_size=4, enable_prefix_caching=cache)
+        # graphs captured, not compiled (the compile is other tests' and costs minutes)
+        gen = setup.generator(block_size=4, enable_prefix_caching=cache, decode_compile="off")
         try:
             turns = _episode(setup, gen, first, [other, image], greedy)
             before = gen.stats()["num_prompt_tokens_cached"]
