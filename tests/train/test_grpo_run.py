@@ -222,6 +222,11 @@ def test_ray_job_submit_runs_training_and_private_data_stays_private(
     ):
         assert key in records[-1], key
     assert records[-1]["policy_version"] == 1  # step 2's rollouts ran on step 1's weights
+    # The step's prompt tokens, and those the rollout engines' prefix cache spared.
+    last = records[-1]
+    assert last["prefill_tokens_requested"] > 0
+    assert 0 <= last["prefill_tokens_computed"] <= last["prefill_tokens_requested"]
+    assert 0 <= last["prefix_hit_rate"] <= 1
     assert records[-1]["kl"] > 0 and records[-1]["logprob_mismatch_mean_abs"] <= 1e-4
     _assert_serving_classes_load(run_dir / "hf")
     # the canary reached the reward (it raises otherwise) and nothing else
