@@ -312,6 +312,8 @@ class Scheduler:
             for seq in self._running:
                 self._register(seq)
         decode, preempted = self._reserve_decode_blocks()
+        if self.states.num_rows:
+            self._save_last_states()
         budget = self.config.max_prefill_tokens_per_step
         prefill = self._continue_chunks(budget)
         budget -= sum(item.num_chunk_tokens for item in prefill)
@@ -458,6 +460,16 @@ class Scheduler:
         point = self.states.add(parent, end, tail)
         if point is not None:
             self._state_saves.append((seq.slot, point.row))
+
+    def _save_last_states(self) -> None:
+        """Save now the end state of each running sequence whose in-flight token is its last
+        (it does not decode this step, `_may_decode`): by the time the host reads that token,
+        this step's padded decode may have written over its idle slot."""
+        for seq in self._running:
+            if seq.end_saved or self._is_prefilling(seq) or self._may_decode(seq):
+                continue
+            self._save_end_state(seq)
+            seq.end_saved = True
 
     def forget_cached(self) -> None:
         """Forget every cached block and saved state (new weights make them stale)."""
@@ -623,7 +635,7 @@ class Scheduler:
         if seq.state_save is not None:  # its prefill never reached the save
             self.states.discard(seq.state_save)
             seq.state_save = None
-        if self.states.num_rows and seq.finish_reason in ("stop", "length"):
+        if self.states.num_rows and seq.finish_reason in ("stop", "length") and not seq.end_saved:
             self._save_end_state(seq)
         if self.config.enable_prefix_caching and seq.block_ids:
             self._register(seq)  # its blocks stay cached once freed

@@ -84,6 +84,7 @@ class Sequence:
     # prefill saves the state at, once a chunk reaches it (areno/engine/state_cache.py).
     num_fed_tokens: int = 0
     state_save: Any = None
+    end_saved: bool = False  # its state after its last fed token is saved already
     finish_reason: str | None = None
     num_preemptions: int = 0
     # Tokens sampled on the device that the host has not read yet (0 or 1: an overlapped step

@@ -4,6 +4,7 @@ recently freed when the pool needs blocks."""
 
 from __future__ import annotations
 
+import asyncio
 import copy
 from pathlib import Path
 
@@ -328,3 +329,40 @@ def test_passes_over_the_same_media_share_one_tower_call_and_give_the_same_logpr
     for logprobs in passes:
         torch.testing.assert_close(logprobs, cold, rtol=0, atol=1e-5)
     assert "get_image_features" not in vars(setup.model.model)  # unpatched after
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "gemma4"])
+def test_saves_and_restores_beside_a_padded_graph_decode_keep_the_cold_tokens(
+    setups, media, family, tmp_path
+):
+    """The decode step of CUDA graphs, run eagerly (`decode_graphs="static"`): its padded rows
+    write idle slots' states, which saves run before and restores after; four episodes at once,
+    token in, give the cold engine's tokens."""
+    setup = setups(family)
+    other = str(write_image(tmp_path / "other.png", 64, 48, seed=3))
+    prompts = [
+        setup.encode(with_media("image", media["image"], f"Describe it, please, part {i}."))
+        for i in range(4)
+    ]
+    greedy = SamplingParams(temperature=0, max_tokens=5, logprobs=True, ignore_eos=True)
+
+    async def episodes(gen):
+        return await asyncio.gather(
+            *(asyncio.to_thread(_episode, setup, gen, x, [other], greedy) for x in prompts)
+        )
+
+    results = {}
+    for cache in (False, True):
+        gen = setup.generator(
+            block_size=4,
+            enable_prefix_caching=cache,
+            decode_graphs="static",
+            overlap_steps="on",
+        )
+        try:
+            results[cache] = run(episodes(gen))
+        finally:
+            gen.shutdown()
+    for cold, warm in zip(results[False], results[True], strict=True):
+        assert [t[0] for t in warm] == [t[0] for t in cold]
+        assert warm[1][2] > 0  # the second turn resumed from the first's end
