@@ -244,6 +244,7 @@ class Scheduler:
         self.num_admitted_tokens = 0
         self.num_cached_tokens = 0
         self.states = StateCache(config.num_state_rows if config.enable_prefix_caching else 0)
+        self._cache_epoch = 0  # weights forgotten so far (`forget_cached`)
         self._state_saves: list[tuple[int, int]] = []
         self._watermark = int(self.WATERMARK * config.num_blocks)
 
@@ -360,6 +361,8 @@ class Scheduler:
             computed = seq.num_computed_tokens
         elif computed is None:
             computed = min(seq.next_position, seq.num_tokens)
+        if seq.cache_epoch != self._cache_epoch:
+            return  # its keys are partly the old weights'
         full = min(computed // self.config.block_size, len(seq.block_ids))
         if full <= seq.num_registered_blocks:
             return
@@ -417,7 +420,8 @@ class Scheduler:
             return False
         key = self._hashes(seq, num_blocks)[-1]
         return any(
-            other.num_registered_blocks < num_blocks
+            other.cache_epoch == self._cache_epoch
+            and other.num_registered_blocks < num_blocks
             and len(other.block_hashes) >= num_blocks
             and other.block_hashes[num_blocks - 1] == key
             for other in self._running
@@ -450,6 +454,8 @@ class Scheduler:
         group = self._groups.get(seq.request_id)
         if group is None or not end or seq.slot is None or _inside_run(group, end):
             return
+        if seq.cache_epoch != self._cache_epoch:
+            return
         size = self.config.block_size
         self._register(seq, end)
         tail = None
@@ -476,6 +482,7 @@ class Scheduler:
         self.blocks.forget_cached()
         self.states.clear()
         self._state_saves = []
+        self._cache_epoch += 1  # running sequences keep their keys but never cache them
         for seq in self._running:
             seq.state_save = None  # its row may go to a new point
 
@@ -606,7 +613,7 @@ class Scheduler:
             seq.slot = self.slots.allocate(1)[0]
             seq.status = SequenceStatus.RUNNING
             seq.prefill_end, seq.num_computed_tokens = seq.num_tokens, end
-            seq.num_fed_tokens = end
+            seq.num_fed_tokens, seq.cache_epoch = end, self._cache_epoch
             if joins:
                 own = last.seqs[0].block_ids
                 seq.block_ids = self.blocks.share(own[:shared]) + self.blocks.allocate(need)

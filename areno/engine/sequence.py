@@ -85,6 +85,9 @@ class Sequence:
     num_fed_tokens: int = 0
     state_save: Any = None
     end_saved: bool = False  # its state after its last fed token is saved already
+    # The weights its keys were computed with (Scheduler.forget_cached counts them): keys and
+    # states of older weights are never cached.
+    cache_epoch: int = 0
     finish_reason: str | None = None
     num_preemptions: int = 0
     # Tokens sampled on the device that the host has not read yet (0 or 1: an overlapped step

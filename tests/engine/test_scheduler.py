@@ -428,3 +428,23 @@ def test_stop_string_kept_when_requested_and_earliest_wins() -> None:
 
 def test_no_stop_string_check_without_text() -> None:
     assert step(decoded(stop=("x",)), 5, None) is None
+
+
+def test_a_sequence_running_across_new_weights_never_caches_its_blocks():
+    """Keys computed partly with old weights stay their sequence's own: after `forget_cached`
+    (new weights) a running sequence registers no more blocks, and one admitted after does."""
+    sched = Scheduler(SchedulerConfig(4, 128, 1000, None, 4, enable_prefix_caching=True))
+    old = group("old", num_prompt_tokens=9)
+    old.can_chunk = True
+    sched.add(old)
+    (item,) = sched.schedule().prefill
+    sched.forget_cached()
+    new = group("new", num_prompt_tokens=9)  # the same prompt: it need not wait for "old"
+    new.can_chunk = True
+    sched.add(new)
+    assert [i.group for i in sched.schedule().prefill] == [new]
+    (old_seq,), (new_seq,) = old.seqs, new.seqs
+    assert old_seq.num_registered_blocks == 0
+    sched.schedule()
+    assert new_seq.num_registered_blocks == 2
+    assert sched.blocks.num_cached == 2
