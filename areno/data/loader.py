@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
+from areno.data.guard import check_private
 from areno.data.sample import Sample, SampleError
 from areno.errors import ConfigError
 
@@ -84,6 +85,7 @@ def _checked(spec: str, items: Iterable[Any]) -> Iterator[Sample]:
                 f"loader {spec!r} yielded a {type(item).__name__} at index {index}, "
                 f"not a Sample{hint}"
             )
+        check_private(item)
         yield item
 
 

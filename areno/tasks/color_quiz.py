@@ -15,6 +15,7 @@ image -> color mapping, which GRPO must then learn.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import random
 import re
@@ -25,6 +26,7 @@ import numpy as np
 from PIL import Image
 
 from areno.data import Sample
+from areno.data.guard import PUBLIC_VALUES
 from areno.rollout.trajectory import Trajectory
 
 COLORS: dict[str, tuple[int, int, int]] = {
@@ -89,7 +91,10 @@ def load(
     order = order[:num_samples]
     for index, option in enumerate(order):
         color = names[option]
-        path = directory / f"{split}-{index:05d}-{color}.png"
+        # NOTE: the name says nothing of the color (the policy reads it): a digest of what
+        # decides the image keeps files of other seeds, splits and color lists apart.
+        key = f"{seed}|{split}|{','.join(names)}|{index}".encode()
+        path = directory / f"{split}-{index:05d}-{hashlib.sha256(key).hexdigest()[:10]}.png"
         _write_image(path, COLORS[color], pixel_rng)
         messages = [
             {
@@ -105,6 +110,7 @@ def load(
             "color": color,
             "options": {LETTERS[i]: name for i, name in enumerate(names)},
             "warmup_answer": LETTERS[rng.randrange(len(names))],
+            PUBLIC_VALUES: list(names),  # the question lists every option
         }
         yield Sample(messages=messages, private=private, id=f"color_quiz-{split}-{index}")
 

@@ -19,6 +19,7 @@ import pytest
 import soundfile as sf
 from PIL import Image
 
+from areno.data.guard import PUBLIC_VALUES
 from areno.processing.types import PromptInputs
 from areno.rollout.agent import ToolContext
 from areno.rollout.trajectory import ToolCallRecord, Trajectory
@@ -134,7 +135,8 @@ def test_ave_dataset_is_deterministic_and_keeps_answers_private(tmp_path):
     rows_b = [json.loads(line) for line in (b / "train.jsonl").read_text().splitlines()]
     assert [r["private"] for r in rows_a] == [r["private"] for r in rows_b]
     for row in rows_a:
-        assert set(row["private"]) == {"label", "start_s", "end_s", "duration_s", "warmup_call"}
+        keys = {"label", "start_s", "end_s", "duration_s", "warmup_call", PUBLIC_VALUES}
+        assert set(row["private"]) == keys
         [call] = row["private"]["warmup_call"]["tool_calls"]  # the sft format target
         assert call["name"] == "submit_answer"
         assert set(call["arguments"]) == {"label", "start_s", "end_s"}

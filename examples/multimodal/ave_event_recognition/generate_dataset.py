@@ -26,6 +26,7 @@ if __package__ in (None, ""):  # run as a script: make `examples` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 
 from areno.data import Sample
+from areno.data.guard import PUBLIC_VALUES
 from examples.multimodal.ave_event_recognition.events import EVENTS, Event
 
 SAMPLING_RATE = 16000
@@ -203,6 +204,8 @@ def make_split(
             "end_s": end_s,
             "duration_s": seconds,
             "warmup_call": warmup_call(warmup_rng, num_segments),
+            # the question lists every class and names the call
+            PUBLIC_VALUES: [e.name for e in EVENTS] + ["submit_answer"],
         }
         sample = Sample([{"role": "user", "content": content}], private=private, id=path.stem)
         lines.append(sample.to_json())

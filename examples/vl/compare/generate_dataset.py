@@ -20,6 +20,7 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 
 from areno.data import Sample
+from areno.data.guard import PUBLIC_VALUES
 from examples.vl.common import COLORS, SHAPES, scene, write_split
 
 SPLIT_SEEDS = {"train": 0, "validation": 1}
@@ -54,7 +55,13 @@ def make_sample(rng: np.random.Generator, index: int, split: str, media: Path, s
         _image(rng, shape, count, size).save(path)
         content.append({"type": "image_url", "image_url": {"url": str(path.resolve())}})
     content.append({"type": "text", "text": question(shape)})
-    private = {"answer": answer, "counts": list(counts), "shape": shape}
+    # The question names the shape and both choices.
+    private = {
+        "answer": answer,
+        "counts": list(counts),
+        "shape": shape,
+        PUBLIC_VALUES: ["first", "second", shape],
+    }
     return Sample(
         [{"role": "user", "content": content}], private=private, id=f"{split}-{index:05d}"
     )

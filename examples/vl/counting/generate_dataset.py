@@ -20,6 +20,7 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 
 from areno.data import Sample
+from areno.data.guard import PUBLIC_VALUES
 from examples.vl.common import COLORS, SHAPES, scene, write_split
 
 SPLIT_SEEDS = {"train": 0, "validation": 1}
@@ -49,7 +50,12 @@ def make_sample(rng: np.random.Generator, index: int, split: str, media: Path, s
         {"type": "image_url", "image_url": {"url": str(path.resolve())}},
         {"type": "text", "text": question(color, shape, size)},
     ]
-    private = {"count": count, "target": f"{color} {shape}", "boxes": targets}
+    private = {  # the question names the target
+        "count": count,
+        "target": f"{color} {shape}",
+        "boxes": targets,
+        PUBLIC_VALUES: [f"{color} {shape}"],
+    }
     return Sample([{"role": "user", "content": content}], private=private, id=path.stem)
 
 
