@@ -15,7 +15,14 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from areno.errors import ConfigError
+from areno.errors import ArenoError, ConfigError
+
+
+class ToolNameClashError(ArenoError):
+    """A sample's tools and its agent's tools share a name."""
+
+    code = "tool_name_clash"
+
 
 ToolResult = str | list[dict]
 
@@ -68,6 +75,23 @@ class Agent:
         if self.system_prompt and not (messages and messages[0].get("role") == "system"):
             messages.insert(0, {"role": "system", "content": self.system_prompt})
         return messages
+
+    def prompt_tools(
+        self, sample_tools: Sequence[dict] | None, sample_id: str | None = None
+    ) -> list[dict] | None:
+        """The tools a sample's prompt offers: the agent's, then the sample's own (None when
+        neither has any). Training (`areno train`) and warm starts (`areno sft`) both build
+        prompts with these. Raises ToolNameClashError when one name is in both."""
+        mine = {schema.get("function", {}).get("name") for schema in self.tool_schemas}
+        theirs = [schema.get("function", {}).get("name") for schema in sample_tools or ()]
+        clash = sorted(mine & set(theirs))
+        if clash:
+            raise ToolNameClashError(
+                f"sample {sample_id!r} brings tools named {clash}, which its agent has too; "
+                "rename them in the sample or leave them to the agent"
+            )
+        tools = [*copy.deepcopy(self.tool_schemas), *copy.deepcopy(list(sample_tools or ()))]
+        return tools or None
 
     def call_tool(self, name: str, arguments: dict, ctx: ToolContext) -> list[dict] | str:
         """Run one tool; a ToolError or unknown name becomes an error text for the model."""

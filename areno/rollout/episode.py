@@ -53,11 +53,18 @@ class RolloutEnv:
         return int(tokenizer.convert_tokens_to_ids(self.processor.adapter.stop_tokens[0]))
 
 
-def encode_prompt_for(env: RolloutEnv, agent: Agent, messages: list[dict]) -> PromptInputs:
-    """The episode's first prompt: the agent's messages, decoded and encoded on the one path."""
+def encode_prompt_for(
+    env: RolloutEnv,
+    agent: Agent,
+    messages: list[dict],
+    tools: list[dict] | None = None,
+    sample_id: str | None = None,
+) -> PromptInputs:
+    """The episode's first prompt: the agent's messages with its tools and the sample's own
+    `tools` (`Agent.prompt_tools`), decoded and encoded on the one path."""
     messages = agent.prompt_messages(messages)
     media = env.decoder.decode_many(env.processor.media_refs(messages))
-    return env.processor.encode(messages, media, tools=agent.tool_schemas or None)
+    return env.processor.encode(messages, media, tools=agent.prompt_tools(tools, sample_id))
 
 
 async def run_episode(

@@ -67,12 +67,20 @@ class RolloutWorker:
         return ray.get_runtime_context().get_node_id() if ray.is_initialized() else os.uname()[1]
 
     async def run_group(
-        self, sample_id: str | None, messages: list[dict], group_size: int, sampling: SamplingParams
+        self,
+        sample_id: str | None,
+        messages: list[dict],
+        group_size: int,
+        sampling: SamplingParams,
+        tools: list[dict] | None = None,
     ) -> tuple[list[Trajectory], dict[str, float]]:
-        """`group_size` episodes of one public sample, run concurrently; the prompt is decoded
-        and encoded once for the group. Returns the trajectories and timings."""
+        """`group_size` episodes of one public sample (its messages and tools), run
+        concurrently; the prompt is decoded and encoded once for the group. Returns the
+        trajectories and timings."""
         start = time.perf_counter()
-        prompt = await asyncio.to_thread(encode_prompt_for, self.env, self.agent, messages)
+        prompt = await asyncio.to_thread(
+            encode_prompt_for, self.env, self.agent, messages, tools, sample_id
+        )
         encoded = time.perf_counter()
         episodes = [
             run_episode(

@@ -142,7 +142,9 @@ def collect(
         if seed is not None:
             params = dataclasses.replace(sampling, seed=seed + 100_003 * index)
         worker = workers[index % len(workers)]
-        refs.append(worker.run_group.remote(public.id, public.messages, group_size, params))
+        refs.append(
+            worker.run_group.remote(public.id, public.messages, group_size, params, public.tools)
+        )
         indices.append(index % len(workers))
     groups = [trajectories for trajectories, _ in wait_all(refs, indices)]
     return groups, time.perf_counter() - start

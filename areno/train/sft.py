@@ -58,13 +58,13 @@ def target_text(processor: Processor, sample, target, tools=None) -> str:
 
 
 def _encode(
-    processor: Processor, decoder: MediaDecoder, sample, target, agent: Agent | None
+    processor: Processor, decoder: MediaDecoder, sample, target, agent: Agent
 ) -> tuple[PromptInputs, int]:
-    """The sample's prompt as a rollout encodes it (the agent's system prompt and tools when
-    given) followed by the target's tokens and the end-of-turn token."""
-    messages, tools = sample.messages, sample.tools
-    if agent is not None:
-        messages, tools = agent.prompt_messages(messages), agent.tool_schemas or tools
+    """The sample's prompt exactly as a rollout encodes it (`encode_prompt_for`: the agent's
+    system prompt, its tools and the sample's) followed by the target's tokens and the
+    end-of-turn token."""
+    messages = agent.prompt_messages(sample.messages)
+    tools = agent.prompt_tools(sample.tools, sample.id)
     media = decoder.decode_many(processor.media_refs(messages))
     prompt = processor.encode(messages, media, tools=tools)
     tokenizer = processor.tokenizer
@@ -82,7 +82,7 @@ def sft(config: SFTConfig, log=print) -> Path:
         raise ConfigError(f"loader {config.loader} yielded no samples")
     processor = Processor(config.model_path)
     decoder = MediaDecoder(MediaPolicy.for_training(), processor.decode_options())
-    agent = load_agent(config.agent, **config.agent_kwargs) if config.agent else None
+    agent = load_agent(config.agent, **config.agent_kwargs)  # None: the plain answerer
     examples = []
     for sample in samples:
         if config.target_key not in sample.private:
