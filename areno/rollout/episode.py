@@ -7,6 +7,7 @@ History is never re-templated, so the trainer scores exactly the tokens the gene
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 from dataclasses import dataclass
@@ -112,9 +113,13 @@ async def run_episode(
             generated.append(eot)  # close the turn the way the template would; not trained on
             traj.loss_mask.append(0)
             traj.rollout_logprobs.append(0.0)
-        results, final = _run_tools(agent, ctx, parsed.tool_calls, turn, traj)
+        # NOTE: off the event loop, in a thread: a slow tool, its media's decoding and the
+        # encoding of its results never stall the worker's other episodes.
+        results, final = await asyncio.to_thread(
+            _run_tools, agent, ctx, parsed.tool_calls, turn, traj
+        )
         _log_turn(ctx, turn, output, parsed, traj)
-        delta = _encode_results(env, agent, results)
+        delta = await asyncio.to_thread(_encode_results, env, agent, results)
         if inputs.num_prompt_tokens + len(generated) + delta.num_prompt_tokens >= (
             limits.max_context_len
         ):
@@ -122,7 +127,7 @@ async def run_episode(
             traj.finish = "context"
             break
         before = inputs.num_prompt_tokens + len(generated)
-        inputs = env.processor.extend(inputs, generated, delta)
+        inputs = await asyncio.to_thread(env.processor.extend, inputs, generated, delta)
         # NOTE: not delta.num_prompt_tokens: a family that numbers media per prompt (MiniCPM-V)
         # may renumber the delta's media, which can change its length by a digit.
         added = inputs.num_prompt_tokens - before

@@ -14,15 +14,32 @@ clip, which run_episode encodes and appends between turns; the parser is scripte
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
+import time
 
 import pytest
 import torch
 
+from areno.engine.sampling import SamplingParams
+from areno.rollout import ToolContext
+from areno.rollout.episode import EpisodeLimits, RolloutEnv, encode_prompt_for, run_episode
 from areno.train.policy import load_policy, sequence_logprobs
-from tests.rollout.scripted import Turn, make_setup, run_scripted
+from tests.rollout.scripted import ScriptedTurns, Turn, _schema, make_setup, run_scripted
 
 LOOK, HEAR, SUBMIT = Turn(("look",)), Turn(("hear",)), Turn(("submit",))
+
+
+class TimedTurns(ScriptedTurns):
+    """ScriptedTurns that also record when each generate call started."""
+
+    def __init__(self, generator, script):
+        super().__init__(generator, script)
+        self.started: list[float] = []
+
+    async def generate_all(self, inputs, params):
+        self.started.append(time.monotonic())
+        return await super().generate_all(inputs, params)
 
 
 @pytest.fixture(scope="module")
@@ -206,3 +223,47 @@ def test_log_completions_shows_each_turn_with_its_calls_and_results(setup, monke
     caplog.clear()
     run_scripted(setup, [SUBMIT], seed=3)
     assert not [r for r in caplog.records if r.name == COMPLETION_LOGGER]
+
+
+def test_a_slow_tool_leaves_the_other_episodes_turns_flowing(setup):
+    """Episode 0's first tool sleeps 2 s; episode 1, on the same worker's event loop, keeps
+    running turns meanwhile (its generate calls, timed, fall inside the sleep)."""
+    env_base = RolloutEnv(setup.decoder, setup.processor, setup.generator, None)
+    prompt = encode_prompt_for(env_base, setup.agent, setup.messages)
+    sleeping: list[float] = []
+
+    def slow(arguments, ctx):
+        sleeping.append(time.monotonic())
+        time.sleep(2.0)
+        sleeping.append(time.monotonic())
+        return "done, slowly"
+
+    agent = dataclasses.replace(
+        setup.agent,
+        tools={**setup.agent.tools, "slow": slow},
+        tool_schemas=[*setup.agent.tool_schemas, _schema("slow")],
+        max_turns=6,
+    )
+    scripts = [[Turn(("slow",)), SUBMIT], [LOOK, LOOK, LOOK, LOOK, LOOK, SUBMIT]]
+    turns = [TimedTurns(setup.generator, script) for script in scripts]
+    limits = EpisodeLimits(4096, 4)
+
+    async def both():
+        return await asyncio.gather(
+            *(
+                run_episode(
+                    RolloutEnv(setup.decoder, setup.processor, scripted, scripted),
+                    agent,
+                    ToolContext("scene", setup.messages, index),
+                    prompt,
+                    SamplingParams(temperature=1.0, seed=index),
+                    limits,
+                )
+                for index, scripted in enumerate(turns)
+            )
+        )
+
+    asyncio.run(both())
+    start, end = sleeping
+    during = [t for t in turns[1].started if start < t < end]
+    assert len(during) >= 2, (turns[1].started, sleeping)
