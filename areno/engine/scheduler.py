@@ -40,14 +40,9 @@ import heapq
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from areno.engine.block_manager import (
-    BlockManager,
-    block_hashes,
-    blocks_for,
-    partial_block_hash,
-)
+from areno.engine.block_manager import BlockManager, blocks_for
+from areno.engine.prefix_cache import PrefixCache
 from areno.engine.sequence import Sequence, SequenceGroup, SequenceStatus
-from areno.engine.state_cache import ResumePoint, StateCache
 from areno.engine.stopping import reaches_length_limit
 from areno.errors import ArenoError, ConfigError, PromptTooLongError
 
@@ -243,9 +238,10 @@ class Scheduler:
         # Prompt tokens admitted, and of them those the prefix cache held.
         self.num_admitted_tokens = 0
         self.num_cached_tokens = 0
-        self.states = StateCache(config.num_state_rows if config.enable_prefix_caching else 0)
-        self._cache_epoch = 0  # weights forgotten so far (`forget_cached`)
-        self._state_saves: list[tuple[int, int]] = []
+        self.prefix = PrefixCache(
+            config.enable_prefix_caching, self.blocks, config.num_state_rows, self._groups
+        )
+        self.states = self.prefix.states
         self._watermark = int(self.WATERMARK * config.num_blocks)
 
     @property
@@ -311,10 +307,10 @@ class Scheduler:
         while the engine drains for a pause, or this step preempted)."""
         if self.config.enable_prefix_caching:
             for seq in self._running:
-                self._register(seq)
+                self.prefix.register(seq)
         decode, preempted = self._reserve_decode_blocks()
         if self.states.num_rows:
-            self._save_last_states()
+            self.prefix.save_last_states(self._running, self._may_decode)
         budget = self.config.max_prefill_tokens_per_step
         prefill = self._continue_chunks(budget)
         budget -= sum(item.num_chunk_tokens for item in prefill)
@@ -322,169 +318,15 @@ class Scheduler:
             prefill += self._admit(budget, first=not prefill)
         out = SchedulerOutput(prefill, decode, self.num_waiting, self.num_running, preempted)
         if not out.is_empty:  # else they wait for the next step that runs (before any reuse)
-            out.state_saves, self._state_saves = self._state_saves, []
+            out.state_saves = self.prefix.take_saves()
         return out
 
     def _is_prefilling(self, seq: Sequence) -> bool:
         return seq.num_computed_tokens < seq.prefill_end
 
-    def _hashes(self, seq: Sequence, num_blocks: int) -> list[bytes]:
-        """The prefix hashes of `seq`'s first `num_blocks` full blocks (kept on it as they are
-        first needed)."""
-        known, size = len(seq.block_hashes), self.config.block_size
-        if num_blocks > known:
-            start = known * size
-            media = [
-                (first - start, last - start, key)
-                for first, last, key in self._groups[seq.request_id].media_keys()
-            ]
-            parent = seq.block_hashes[-1] if known else b""
-            tokens = seq.token_ids[start : num_blocks * size]
-            seq.block_hashes += block_hashes(tokens, size, media, parent)
-        return seq.block_hashes[:num_blocks]
-
-    def _tail_hash(self, seq: Sequence, num_tokens: int) -> bytes:
-        """The `partial_block_hash` of `seq`'s tokens after its last full block before
-        `num_tokens`, up to it."""
-        first = num_tokens // self.config.block_size * self.config.block_size
-        media = [
-            (a - first, b - first, key) for a, b, key in self._groups[seq.request_id].media_keys()
-        ]
-        parent = self._hashes(seq, first // self.config.block_size)[-1] if first else b""
-        return partial_block_hash(seq.token_ids[first:num_tokens], media, parent)
-
-    def _register(self, seq: Sequence, computed: int | None = None) -> None:
-        """Register the full blocks of `seq` whose keys earlier steps wrote (launched steps
-        run in order: a later step reading them runs after); `computed`: its first tokens
-        whose keys are written (default: what its prefill and decodes have reached)."""
-        if computed is None and self._is_prefilling(seq):
-            computed = seq.num_computed_tokens
-        elif computed is None:
-            computed = min(seq.next_position, seq.num_tokens)
-        if seq.cache_epoch != self._cache_epoch:
-            return  # its keys are partly the old weights'
-        full = min(computed // self.config.block_size, len(seq.block_ids))
-        if full <= seq.num_registered_blocks:
-            return
-        hashes = self._hashes(seq, full)
-        for i in range(seq.num_registered_blocks, full):
-            self.blocks.register(seq.block_ids[i], hashes[i])
-        seq.num_registered_blocks = full
-
-    def _cached_prefix(
-        self, seq: Sequence, group: SequenceGroup
-    ) -> tuple[list[int], ResumePoint | None]:
-        """The prefix cache's blocks for `seq`'s first tokens (not yet held), leaving at least
-        its last token to prefill (its logits sample the first new token), never ending inside
-        a run the group holds whole; where the model keeps states, only up to the longest
-        saved resume point (`StateCache`), which is returned too."""
-        if not (self.config.enable_prefix_caching and group.can_chunk):
-            return [], None
-        size, limit = self.config.block_size, seq.num_tokens - 1
-        hashes = self._hashes(seq, limit // size)
-        blocks = self.blocks.lookup(hashes)
-        if not self.states.num_rows:
-            while blocks and _inside_run(group, len(blocks) * size):
-                blocks.pop()
-            return blocks, None
-        for k in range(len(blocks), -1, -1):
-            best = None
-            for point in self.states.after(hashes[k - 1] if k else b""):
-                end = point.num_tokens
-                if end > limit or _inside_run(group, end):
-                    continue
-                if best is not None and best.num_tokens >= end:
-                    continue
-                if point.tail_hash is not None and (
-                    point.tail_hash != self._tail_hash(seq, end)
-                    or not self.blocks.lookup([point.tail_hash])
-                ):
-                    continue
-                best = point
-            if best is not None:
-                self.states.touch(best)
-                return blocks[:k], best
-        return [], None
-
-    def _awaits_prefix(self, seq: Sequence, group: SequenceGroup) -> bool:
-        """Whether a running sequence is computing `seq`'s prompt up to its last full block,
-        which the prefix cache gives `seq` once that is done (a step or so): then `seq` waits
-        for it rather than computing it again (the samples of a GRPO group, sent as requests
-        of their own, share one prefill so)."""
-        if not self.config.enable_prefix_caching or not group.can_chunk:
-            return False
-        if self.states.num_rows and not group.media_keys():
-            return False  # no state is saved at its prompt's end (`_plan_prompt_save`)
-        num_blocks = (seq.num_tokens - 1) // self.config.block_size
-        if not num_blocks:
-            return False
-        key = self._hashes(seq, num_blocks)[-1]
-        return any(
-            other.cache_epoch == self._cache_epoch
-            and other.num_registered_blocks < num_blocks
-            and len(other.block_hashes) >= num_blocks
-            and other.block_hashes[num_blocks - 1] == key
-            for other in self._running
-        )
-
-    def _plan_prompt_save(self, seq: Sequence, group: SequenceGroup, cached: int) -> None:
-        """Where the model keeps states, have `seq`'s prefill save it at the end of its prompt's
-        last full block (before its last token), so that the same prompt again resumes there:
-        prompts with media only (the others share batched prefills, which run whole)."""
-        size = self.config.block_size
-        end = (seq.num_tokens - 1) // size * size
-        if not (self.states.num_rows and group.media_keys()) or end <= cached:
-            return
-        if _inside_run(group, end):
-            return
-        seq.state_save = self.states.add(self._hashes(seq, end // size)[-1], end, None)
-
-    def _take_save(self, item: ScheduledPrefill) -> None:
-        """Give `item` its sequence's planned state save if its tokens reach it."""
-        point = item.seqs[0].state_save
-        if point is not None and item.start < point.num_tokens <= item.end:
-            item.save = (point.num_tokens, point.row)
-            item.seqs[0].state_save = None
-
-    def _save_end_state(self, seq: Sequence) -> None:
-        """Save the state of a sequence that ended, after every token it fed: where the next
-        turn (its tokens and more) resumes. Its blocks are registered, the last partial one
-        under its `partial_block_hash`."""
-        end = seq.num_fed_tokens
-        group = self._groups.get(seq.request_id)
-        if group is None or not end or seq.slot is None or _inside_run(group, end):
-            return
-        if seq.cache_epoch != self._cache_epoch:
-            return
-        size = self.config.block_size
-        self._register(seq, end)
-        tail = None
-        if end % size:
-            tail = self._tail_hash(seq, end)
-            self.blocks.register(seq.block_ids[end // size], tail)
-        parent = self._hashes(seq, end // size)[-1] if end >= size else b""
-        point = self.states.add(parent, end, tail)
-        if point is not None:
-            self._state_saves.append((seq.slot, point.row))
-
-    def _save_last_states(self) -> None:
-        """Save now the end state of each running sequence whose in-flight token is its last
-        (it does not decode this step, `_may_decode`): by the time the host reads that token,
-        this step's padded decode may have written over its idle slot."""
-        for seq in self._running:
-            if seq.end_saved or self._is_prefilling(seq) or self._may_decode(seq):
-                continue
-            self._save_end_state(seq)
-            seq.end_saved = True
-
     def forget_cached(self) -> None:
         """Forget every cached block and saved state (new weights make them stale)."""
-        self.blocks.forget_cached()
-        self.states.clear()
-        self._state_saves = []
-        self._cache_epoch += 1  # running sequences keep their keys but never cache them
-        for seq in self._running:
-            seq.state_save = None  # its row may go to a new point
+        self.prefix.forget(self._running)
 
     def _continue_chunks(self, budget: int) -> list[ScheduledPrefill]:
         """The next chunk of every sequence whose prompt is being prefilled in chunks, oldest
@@ -501,7 +343,7 @@ class Scheduler:
             end = _chunk_end(group, start, limit)
             seq.num_computed_tokens = seq.num_fed_tokens = end
             items.append(ScheduledPrefill(group, [seq], start, end))
-            self._take_save(items[-1])
+            self.prefix.take_save(items[-1])
             budget -= end - start
         return items
 
@@ -594,10 +436,10 @@ class Scheduler:
             if joins:
                 shared = seq.num_prompt_tokens // block_size
                 need = len(last.seqs[0].block_ids) - shared
-            elif self._awaits_prefix(seq, group):
+            elif self.prefix.awaits(seq, group, self._running):
                 break
             else:
-                hit, point = self._cached_prefix(seq, group)
+                hit, point = self.prefix.lookup(seq, group)
                 cached = point.num_tokens if point is not None else len(hit) * block_size
                 need = blocks_for(seq.num_tokens, block_size) - len(hit)
                 if seq.num_tokens - cached > budget:
@@ -613,7 +455,8 @@ class Scheduler:
             seq.slot = self.slots.allocate(1)[0]
             seq.status = SequenceStatus.RUNNING
             seq.prefill_end, seq.num_computed_tokens = seq.num_tokens, end
-            seq.num_fed_tokens, seq.cache_epoch = end, self._cache_epoch
+            seq.num_fed_tokens = end
+            self.prefix.stamp(seq)
             if joins:
                 own = last.seqs[0].block_ids
                 seq.block_ids = self.blocks.share(own[:shared]) + self.blocks.allocate(need)
@@ -629,8 +472,8 @@ class Scheduler:
                 if tail:
                     item.copy_block = (tail, seq.block_ids[len(hit)])
                 seq.num_registered_blocks = len(hit)
-                self._plan_prompt_save(seq, group, cached)
-                self._take_save(item)
+                self.prefix.plan_prompt_save(seq, group, cached)
+                self.prefix.take_save(item)
                 admitted.append(item)
                 budget -= end - cached
                 self.num_admitted_tokens += seq.num_tokens
@@ -643,9 +486,9 @@ class Scheduler:
             self.states.discard(seq.state_save)
             seq.state_save = None
         if self.states.num_rows and seq.finish_reason in ("stop", "length") and not seq.end_saved:
-            self._save_end_state(seq)
+            self.prefix.save_end_state(seq)
         if self.config.enable_prefix_caching and seq.block_ids:
-            self._register(seq)  # its blocks stay cached once freed
+            self.prefix.register(seq)  # its blocks stay cached once freed
         seq.num_registered_blocks = 0
         if seq.slot is not None:
             self.slots.free(seq.slot)
@@ -680,11 +523,6 @@ class Scheduler:
         for seq in group.unfinished_seqs():
             seq.finish("abort")
         self.update(group.seqs)
-
-
-def _inside_run(group: SequenceGroup, position: int) -> bool:
-    """Whether `position` falls inside a run the group holds whole (a cut there would split it)."""
-    return any(start < position < end for start, end in group.whole_runs)
 
 
 def _chunk_end(group: SequenceGroup, start: int, end: int) -> int:
