@@ -128,7 +128,7 @@ class PrefixCache:
         if not self.enabled or not group.can_chunk:
             return False
         if self.states.num_rows and not group.media_keys():
-            return False  # no state is saved at its prompt's end (`_plan_prompt_save`)
+            return False  # no state is saved at its prompt's end (`plan_prompt_save`)
         num_blocks = (seq.num_tokens - 1) // self.block_size
         if not num_blocks:
             return False
