@@ -123,7 +123,8 @@ def test_saved_states_are_found_after_their_blocks_and_evicted_least_recently_us
     states.discard(a)
     assert len(states) == 1 and states.after(b"h1") == []
     states.clear()
-    assert len(states) == 0 and {states.add(b"x", 4, None).row for _ in range(1)} <= {0, 1}
+    assert len(states) == 0 and states.after(b"h2") == []
+    assert states.add(b"x", 4, None).row in (0, 1)  # every row free again
 
 
 # --- the engine: prompts that start from cached blocks --------------------------------------
