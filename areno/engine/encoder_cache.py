@@ -38,6 +38,7 @@ class EncoderCache:
         self.max_bytes = max_bytes
         self.num_bytes = 0
         self.num_hits = self.num_misses = 0
+        self._encoding = False  # inside a missed call's own encoding
         self._entries: collections.OrderedDict[tuple, tuple[Any, int]] = collections.OrderedDict()
 
     def __len__(self) -> int:
@@ -69,13 +70,21 @@ class EncoderCache:
 
     def _cached(self, encode, key: tuple):
         def features(*args, **kwargs):
+            if self._encoding:
+                # NOTE: one feature method calling another (Qwen's get_video_features encodes
+                # frames with get_image_features) is part of the outer call, not a lookup.
+                return encode(*args, **kwargs)
             entry = self._entries.get(key)
             if entry is not None:
                 self._entries.move_to_end(key)
                 self.num_hits += 1
                 return entry[0]
             self.num_misses += 1
-            output = encode(*args, **kwargs)
+            self._encoding = True
+            try:
+                output = encode(*args, **kwargs)
+            finally:
+                self._encoding = False
             self._put(key, output)
             return output
 

@@ -23,6 +23,8 @@ class SampleDelta:
     top_logprobs: list[list[tuple[int, float]]] | None = None
     finish_reason: str | None = None  # "stop", "length" or "abort" once finished
     stop_reason: str | int | None = None  # the matched stop string or stop token id
+    # the policy version that produced each token (set by `merge_outputs`)
+    policy_versions: list[int] | None = None
 
 
 @dataclass
@@ -45,6 +47,8 @@ def merge_outputs(outputs: list[RequestOutput]) -> RequestOutput:
         for delta in output.samples:
             total = merged.setdefault(delta.index, SampleDelta(delta.index, []))
             total.token_ids += delta.token_ids
+            versions = [output.policy_version] * len(delta.token_ids)
+            total.policy_versions = (total.policy_versions or []) + versions
             total.text += delta.text
             if delta.logprobs is not None:
                 total.logprobs = (total.logprobs or []) + delta.logprobs

@@ -62,5 +62,8 @@ MINICPMV4_6 = register(
         projectors=("model.merger",),
         tool_format="hermes_json",
         stop_tokens=("<|im_end|>",),
+        # NOTE: a prompt's items sit side by side in one (1, 3, 14, W) tensor; two prompts'
+        # tensors do not concatenate into anything its forward reads as two prompts.
+        batched_media=False,
     )
 )

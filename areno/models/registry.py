@@ -28,6 +28,9 @@ class FamilyAdapter:
     stop_tokens: tuple[str, ...]  # end-of-turn tokens besides the tokenizer's eos
     auto_class: str = "AutoModelForImageTextToText"
     video_with_audio: bool = False  # a video's audio track goes to the model as an audio item
+    # Whether the forward takes several prompts' media concatenated along their first dimension
+    # (the processor's batch layout): trajectories with media then share a trainer forward.
+    batched_media: bool = True
     # Extra kwargs for the processor call, per modality group ("images_kwargs", "videos_kwargs"...).
     processor_kwargs: dict[str, dict] = field(default_factory=dict)
     # Tensor parallelism: whether transformers has a TP plan for the family's text stack, and

@@ -34,7 +34,7 @@ class Trajectory:
     num_prompt_tokens: int
     loss_mask: list[int]
     rollout_logprobs: list[float]
-    policy_versions: list[int]  # one per generated turn
+    policy_versions: list[int]  # one per generated turn: the version it ended on
     final_text: str = ""  # the last assistant turn's content (tool-call markup removed)
     tool_calls: list[ToolCallRecord] = field(default_factory=list)
     turn_texts: list[str] = field(default_factory=list)  # every assistant turn's raw text
@@ -42,6 +42,9 @@ class Trajectory:
     num_malformed_tool_calls: int = 0
     reward: float | None = None
     reward_components: dict[str, float] = field(default_factory=dict)
+    # the policy version of each sampled token (loss_mask 1), in order: weights may change in
+    # the middle of a turn when rollouts overlap training (rollout.max_staleness)
+    token_versions: list[int] = field(default_factory=list)
 
     @property
     def token_ids(self) -> list[int]:
@@ -62,7 +65,8 @@ class Trajectory:
     @property
     def policy_version(self) -> int:
         """The oldest policy that produced any of its tokens (what staleness is measured by)."""
-        return min(self.policy_versions) if self.policy_versions else 0
+        versions = self.token_versions or self.policy_versions
+        return min(versions) if versions else 0
 
     @property
     def media_hashes(self) -> list[str]:

@@ -65,11 +65,15 @@ class RolloutConfig:
     # times Ray restarts a lost rollout worker (its process crashed, its node went away); the
     # step whose rollout it was running is retried on the current policy, with the same samples
     max_restarts: int = 3
+    # rollouts of the next steps run while the trainer trains: a trajectory trained on at step t
+    # has no token sampled by a policy older than t - max_staleness (0: rollout, then train)
+    max_staleness: int = 0
 
     def __post_init__(self) -> None:
         for name in ("num_workers", "tp_size", "max_running_prompts", "max_tokens_per_turn"):
             _positive("rollout", name, getattr(self, name))
         _positive("rollout", "max_restarts", self.max_restarts, allow_zero=True)
+        _positive("rollout", "max_staleness", self.max_staleness, allow_zero=True)
         self.resources_per_worker = check_custom_resources(
             self.resources_per_worker, "rollout.resources_per_worker"
         )
@@ -86,10 +90,16 @@ class AlgoConfig:
     # "recompute": the trainer's own pre-update logprobs, with `tis_cap` correcting the mismatch.
     behaviour_logprobs: str = "rollout"
     loss: GRPOLossConfig = field(default_factory=GRPOLossConfig)
+    # optimizer steps per rollout batch: the batch split into `mini_batches` parts, each one
+    # step, all of it `epochs` times; the ratio is clipped against the behaviour logprobs
+    mini_batches: int = 1
+    epochs: int = 1
 
     def __post_init__(self) -> None:
         _positive("grpo", "group_size", self.group_size)
         _positive("grpo", "prompts_per_step", self.prompts_per_step)
+        _positive("grpo", "mini_batches", self.mini_batches)
+        _positive("grpo", "epochs", self.epochs)
         if self.behaviour_logprobs not in ("rollout", "recompute"):
             raise ConfigError(
                 f"grpo.behaviour_logprobs must be 'rollout' or 'recompute'; "
@@ -123,6 +133,9 @@ class TrainerConfig:
     resources_per_worker: dict = field(default_factory=dict)  # custom Ray resources, as rollout's
     freeze_media_towers: bool = True
     freeze_projectors: bool = True
+    # the most tokens one forward / backward takes (rows x the longest row): several trajectories
+    # share a pass up to it (areno/train/batching.py); 0: one trajectory per pass
+    micro_batch_tokens: int = 4096
     # times Ray Train restarts the worker group after a worker fails (Ray's FailureConfig); each
     # restart resumes from this launch's newest checkpoint (set run.save_every), or from where
     # the launch began when it has saved none yet
@@ -140,6 +153,7 @@ class TrainerConfig:
                 f"got {self.weight_sync!r}"
             )
         _positive("trainer", "max_failures", self.max_failures, allow_zero=True)
+        _positive("trainer", "micro_batch_tokens", self.micro_batch_tokens, allow_zero=True)
         self.resources_per_worker = check_custom_resources(
             self.resources_per_worker, "trainer.resources_per_worker"
         )
@@ -188,6 +202,13 @@ class GRPOConfig:
             raise ConfigError(
                 f"grpo.group_size x grpo.prompts_per_step = {total} episodes per step must "
                 f"divide evenly over trainer.num_workers = {self.trainer.num_workers}"
+            )
+        per_rank = total // self.trainer.num_workers
+        if per_rank % self.grpo.mini_batches:
+            raise ConfigError(
+                f"grpo.mini_batches = {self.grpo.mini_batches} must divide the {per_rank} "
+                f"episodes each of trainer.num_workers = {self.trainer.num_workers} ranks trains "
+                f"on per step (grpo.group_size x grpo.prompts_per_step / trainer.num_workers)"
             )
 
     @property

@@ -10,6 +10,7 @@ import torch
 
 from areno.models.registry import FamilyAdapter, adapter_for_checkpoint
 from areno.processing.types import PromptInputs
+from areno.train.batching import collate
 from areno.train.grpo import token_logprobs
 
 
@@ -89,3 +90,30 @@ def sequence_logprobs(
     if temperature not in (0, 1):
         logits = logits / temperature
     return token_logprobs(logits[:, :-1], ids[:, start:])[0]
+
+
+def batch_logprobs(
+    model: torch.nn.Module,
+    batch: list[PromptInputs],
+    starts: list[int],
+    device: str,
+    temperature: float = 1.0,
+) -> list[torch.Tensor]:
+    """`sequence_logprobs` of several trajectories from one forward over them as a right-padded
+    batch (`areno.train.batching.collate`): row b's logprobs of its tokens starts[b]..N_b-1."""
+    if len(batch) == 1:
+        return [sequence_logprobs(model, batch[0], device, starts[0], temperature)]
+    inputs = {k: v.to(device) for k, v in collate(batch).items()}
+    ids = inputs["input_ids"]
+    length = ids.shape[1]
+    keep = length - min(starts) + 1
+    logits = model(**inputs, use_cache=False, logits_to_keep=keep).logits[:, -keep:]
+    if temperature not in (0, 1):
+        logits = logits / temperature
+    offset = length - keep  # the position of logits[:, 0]
+    rows = []
+    for row, (item, start) in enumerate(zip(batch, starts, strict=True)):
+        end = item.num_prompt_tokens
+        picked = logits[row : row + 1, start - 1 - offset : end - 1 - offset]
+        rows.append(token_logprobs(picked, ids[row : row + 1, start:end])[0])
+    return rows

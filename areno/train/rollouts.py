@@ -7,6 +7,7 @@ other call of the batch has finished, so the caller can retry the batch on a cle
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import time
 from collections.abc import Callable, Sequence
@@ -115,26 +116,24 @@ def wait_for_workers(
 
 
 @dataclass
-class ScoredBatch:
-    trajectories: list[Trajectory]
-    advantages: torch.Tensor  # [num_trajectories]
-    timings: dict[str, float]
+class Dispatched:
+    """A batch of groups sent to the workers, not yet gathered (`dispatch`, `gather`)."""
+
+    refs: list[Any]
+    indices: list[int]  # the worker of each call
 
 
-def collect(
+def dispatch(
     workers: Sequence[Any],
     samples: Sequence[Sample],
     group_size: int,
     sampling: SamplingParams,
     *,
     seed: int | None = None,
-) -> tuple[list[list[Trajectory]], float]:
-    """Run one group per sample, spread round-robin over the workers; groups in sample order.
-    The seeds depend only on `seed` and the sample's index, so a retried batch samples again
-    exactly what the lost one would have."""
-    import dataclasses
-
-    start = time.perf_counter()
+) -> Dispatched:
+    """Start one group per sample, spread round-robin over the workers. The seeds depend only
+    on `seed` and the sample's index, so a retried batch samples again exactly what the lost
+    one would have."""
     refs, indices = [], []
     for index, sample in enumerate(samples):
         public = sample.public()
@@ -146,8 +145,27 @@ def collect(
             worker.run_group.remote(public.id, public.messages, group_size, params, public.tools)
         )
         indices.append(index % len(workers))
-    groups = [trajectories for trajectories, _ in wait_all(refs, indices)]
-    return groups, time.perf_counter() - start
+    return Dispatched(refs, indices)
+
+
+def gather(dispatched: Dispatched) -> tuple[list[list[Trajectory]], float]:
+    """The groups of a dispatched batch in sample order, and the seconds its slowest group took
+    on its worker (from its start there, however long after that it is gathered)."""
+    results = wait_all(dispatched.refs, dispatched.indices)
+    seconds = max((sum(timings.values()) for _, timings in results), default=0.0)
+    return [trajectories for trajectories, _ in results], seconds
+
+
+def collect(
+    workers: Sequence[Any],
+    samples: Sequence[Sample],
+    group_size: int,
+    sampling: SamplingParams,
+    *,
+    seed: int | None = None,
+) -> tuple[list[list[Trajectory]], float]:
+    """`dispatch`, then `gather`: the groups in sample order and the batch's seconds."""
+    return gather(dispatch(workers, samples, group_size, sampling, seed=seed))
 
 
 def prompt_token_counts(workers: Sequence[Any]) -> list[tuple[int, int]]:

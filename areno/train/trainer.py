@@ -3,10 +3,12 @@ ranks, DeepSpeed) -> weight sync -> checkpoint. One optimizer step per training 
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import logging
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -17,10 +19,11 @@ from areno.engine.encoder_cache import EncoderCache
 from areno.engine.sampling import SamplingParams
 from areno.rollout.trajectory import Trajectory
 from areno.train import checkpoint, rollouts
+from areno.train.batching import MiniBatch, plan_step
 from areno.train.config import GRPOConfig
 from areno.train.grpo import logprob_mismatch, policy_loss
 from areno.train.metrics import MetricsWriter
-from areno.train.policy import count_parameters, load_policy, sequence_logprobs, set_train_mode
+from areno.train.policy import batch_logprobs, count_parameters, load_policy, set_train_mode
 from areno.train.weight_sync import WeightSync, gathered, trainable_named
 
 logger = logging.getLogger("areno.train")
@@ -33,9 +36,11 @@ def _dtype(config: GRPOConfig, device: str) -> torch.dtype:
 
 
 def deepspeed_config(config: GRPOConfig, world_size: int, dtype: torch.dtype) -> dict:
+    # NOTE: micro-batches vary in number per step; `Learner.accumulate` marks the last one of
+    # each mini-batch as the accumulation boundary itself.
     return {
         "train_micro_batch_size_per_gpu": 1,
-        "gradient_accumulation_steps": config.episodes_per_step // world_size,
+        "gradient_accumulation_steps": 1,
         "gradient_clipping": config.optim.grad_clip,
         "zero_optimization": {"stage": config.trainer.zero_stage},
         "bf16": {"enabled": dtype == torch.bfloat16},
@@ -43,6 +48,10 @@ def deepspeed_config(config: GRPOConfig, world_size: int, dtype: torch.dtype) ->
         "wall_clock_breakdown": False,
     }
 
+
+# What a rank adds up over a step's passes (`Learner.train_step`, combined by `_reduce`).
+SUM_KEYS = ("tokens", "abs_diff", "max_abs", "clip", "kl", "loss", "ratio_max", "steps")
+SUM_KEYS += ("passes", "rows", "padded", "real", "fresh")
 
 # Media features a trainer rank keeps within one step (frozen towers: `Learner.features`).
 TRAINER_FEATURE_BYTES = 1 << 30
@@ -105,82 +114,143 @@ class Learner:
     def module(self) -> torch.nn.Module:
         return self.engine.module
 
-    def train_step(
-        self, share: list[tuple[Trajectory, float]], totals: dict[str, int]
-    ) -> dict[str, float]:
-        """Accumulate the loss of this rank's trajectories and take one optimizer step."""
+    def train_step(self, share: list[MiniBatch], learn: bool = True) -> dict[str, float]:
+        """This rank's part of a step: for each of `grpo.epochs` passes over the rollout batch,
+        each mini-batch's micro-batches accumulated, then one optimizer step."""
         set_train_mode(self.module, self.frozen)
-        sums: dict[str, float] = {"tokens": 0.0, "abs_diff": 0.0, "max_abs": 0.0, "clip": 0.0}
-        sums.update({"kl": 0.0, "loss": 0.0, "ratio_max": 0.0})
-        if not totals["learn"]:
+        sums = dict.fromkeys(SUM_KEYS, 0.0)
+        if not learn:
             # NOTE: every advantage is 0 and there is no KL term, so the loss has no gradient;
             # an optimizer step would still move the weights along Adam's momentum.
             return sums
-        scale_all = (self.config.episodes_per_step // self.world_size) * self.world_size
-        # The rollouts' sampling temperature: their logprobs are tempered (see
-        # areno/rollout/episode.py), and so are these.
-        temperature = self.config.rollout.temperature
+        cfg = self.config.grpo
+        fixed: dict[int, dict[str, torch.Tensor]] = {}  # per trajectory, constant over passes
         try:
-            for traj, advantage in share:
-                self._learn(traj, advantage, totals, sums, scale_all, temperature)
+            if cfg.behaviour_logprobs == "recompute" and cfg.mini_batches * cfg.epochs > 1:
+                self._recompute_old(share, fixed)
+            for _ in range(cfg.epochs):
+                for mini in share:
+                    self.accumulate(mini, sums, fixed)
+                    self.engine.step()
+                    sums["steps"] += 1
         finally:
             if self.features is not None:
                 self.features.clear()
         return sums
 
-    def _shared_features(self, inputs) -> contextlib.ExitStack:
-        """Around one trajectory's passes: the policy's and the reference's media features
+    def accumulate(
+        self,
+        mini: MiniBatch,
+        sums: dict[str, float],
+        fixed: dict[int, dict[str, torch.Tensor]] | None = None,
+    ) -> None:
+        """The gradient of one mini-batch's loss, accumulated over its micro-batches (the
+        optimizer step is the caller's)."""
+        fixed = {} if fixed is None else fixed
+        for index, micro in enumerate(mini.micro):
+            self.engine.set_gradient_accumulation_boundary(index == len(mini.micro) - 1)
+            self._learn(micro, mini, sums, fixed)
+
+    def _recompute_old(self, share: list[MiniBatch], fixed: dict) -> None:
+        """behaviour_logprobs="recompute" with several optimizer steps per batch: the policy's
+        logprobs before the first of them."""
+        temperature = self.config.rollout.temperature
+        with torch.no_grad():
+            for micro in (m for mini in share for m in mini.micro):
+                trajs = [traj for traj, _ in micro]
+                with self._shared_features(trajs):
+                    rows = self._logprobs(self.module, trajs, temperature)
+                for traj, row in zip(trajs, rows, strict=True):
+                    fixed.setdefault(id(traj), {})["old"] = row
+
+    def _logprobs(self, model, trajs: list[Trajectory], temperature: float) -> list:
+        starts = [t.num_prompt_tokens for t in trajs]
+        return batch_logprobs(model, [t.inputs for t in trajs], starts, self.device, temperature)
+
+    def _shared_features(self, trajs: list[Trajectory]) -> contextlib.ExitStack:
+        """Around one micro-batch's passes: the policy's and the reference's media features
         from `self.features`."""
         stack = contextlib.ExitStack()
         if self.features is not None:
-            stack.enter_context(self.features.around(inputs.mm_spans))
+            spans = [span for traj in trajs for span in traj.inputs.mm_spans]
+            stack.enter_context(self.features.around(spans))
             if self.ref is not None:
-                stack.enter_context(self.features.around(inputs.mm_spans, self.ref))
+                stack.enter_context(self.features.around(spans, self.ref))
         return stack
 
-    def _learn(self, traj, advantage, totals, sums, scale_all, temperature) -> None:
-        """One trajectory's loss, backward and (accumulated) step, added to `sums`."""
+    def _learn(self, micro, mini: MiniBatch, sums: dict, fixed: dict) -> None:
+        """One micro-batch's forward, its trajectories' losses and one backward, added to
+        `sums`."""
         cfg = self.config.grpo
-        start = traj.num_prompt_tokens
-        with self._shared_features(traj.inputs):
-            logprobs = sequence_logprobs(self.module, traj.inputs, self.device, start, temperature)
-            logprobs = logprobs[None]
+        # The rollouts' sampling temperature: their logprobs are tempered (see
+        # areno/rollout/episode.py), and so are these.
+        temperature = self.config.rollout.temperature
+        trajs = [traj for traj, _ in micro]
+        with self._shared_features(trajs):
+            rows = self._logprobs(self.module, trajs, temperature)
+            if self.ref is not None and any("ref" not in fixed.get(id(t), {}) for t in trajs):
+                with torch.no_grad():
+                    refs = self._logprobs(self.ref, trajs, temperature)
+                for traj, ref in zip(trajs, refs, strict=True):
+                    fixed.setdefault(id(traj), {})["ref"] = ref
+        total = None
+        for (traj, advantage), row in zip(micro, rows, strict=True):
+            start = traj.num_prompt_tokens
+            logprobs = row[None]
             mask = torch.tensor([traj.loss_mask[start:]], dtype=torch.float32, device=self.device)
             rollout_lp = torch.tensor([traj.rollout_logprobs[start:]], device=self.device)
-            old = rollout_lp if cfg.behaviour_logprobs == "rollout" else logprobs.detach()
-            ref_lp = None
-            if self.ref is not None:
-                with torch.no_grad():
-                    ref_lp = sequence_logprobs(
-                        self.ref, traj.inputs, self.device, start, temperature
-                    )[None]
-        adv = torch.tensor([advantage], dtype=torch.float32, device=self.device)
-        loss, info = policy_loss(
-            logprobs.float(),
-            old.float(),
-            adv,
-            mask,
-            config=cfg.loss,
-            ref_logprobs=ref_lp,
-            rollout_logprobs=rollout_lp,
-        )
-        n = float(mask.sum().item())
-        if cfg.loss.loss_agg == "token_mean":
-            weight = n / max(totals["tokens"], 1)
-        else:
-            weight = 1.0 / totals["episodes"]
-        # DeepSpeed divides by the accumulation steps and averages over ranks; undo both so
-        # the summed gradient is that of the batch-level aggregate.
-        self.engine.backward(loss * weight * scale_all)
-        self.engine.step()
-        diff = logprob_mismatch(logprobs.detach(), rollout_lp, mask)
-        sums["tokens"] += n
-        sums["abs_diff"] += diff["logprob_mismatch_mean_abs"] * n
-        sums["max_abs"] = max(sums["max_abs"], diff["logprob_mismatch_max_abs"])
-        sums["clip"] += info["clip_fraction"] * n
-        sums["kl"] += info.get("kl", 0.0) * n
-        sums["ratio_max"] = max(sums["ratio_max"], info["ratio_max"])
-        sums["loss"] += float(loss.item()) * weight
+            kept = fixed.get(id(traj), {})
+            if cfg.behaviour_logprobs == "rollout":
+                old = rollout_lp
+            else:
+                old = kept["old"][None] if "old" in kept else logprobs.detach()
+            ref_lp = kept["ref"][None] if "ref" in kept else None
+            adv = torch.tensor([advantage], dtype=torch.float32, device=self.device)
+            loss, info = policy_loss(
+                logprobs.float(),
+                old.float(),
+                adv,
+                mask,
+                config=cfg.loss,
+                ref_logprobs=ref_lp,
+                rollout_logprobs=rollout_lp,
+            )
+            n = float(mask.sum().item())
+            if cfg.loss.loss_agg == "token_mean":
+                weight = n / max(mini.tokens, 1)
+            else:
+                weight = 1.0 / mini.episodes
+            total = loss * weight if total is None else total + loss * weight
+            # NOTE: the engine-vs-trainer mismatch is read on tokens of the policy being trained;
+            # older ones (overlapped rollouts) differ by the updates since as well.
+            fresh = mask * _sampled_by(traj, mini.version, self.device)
+            n_fresh = float(fresh.sum().item())
+            diff = logprob_mismatch(logprobs.detach(), rollout_lp, fresh)
+            sums["tokens"] += n
+            sums["fresh"] += n_fresh
+            sums["abs_diff"] += diff["logprob_mismatch_mean_abs"] * n_fresh
+            sums["max_abs"] = max(sums["max_abs"], diff["logprob_mismatch_max_abs"])
+            sums["clip"] += info["clip_fraction"] * n
+            sums["kl"] += info.get("kl", 0.0) * n
+            sums["ratio_max"] = max(sums["ratio_max"], info["ratio_max"])
+            sums["loss"] += float(loss.item()) * weight
+        sums["passes"] += 1
+        sums["rows"] += len(trajs)
+        sums["padded"] += len(trajs) * max(t.num_tokens for t in trajs)
+        sums["real"] += sum(t.num_tokens for t in trajs)
+        # DeepSpeed averages the gradient over the ranks; undo it so the summed gradient is
+        # that of the mini-batch's aggregate.
+        self.engine.backward(total * self.world_size)
+
+
+def _sampled_by(traj: Trajectory, version: int | None, device: str) -> torch.Tensor:
+    """[1, response tokens]: 1 where policy `version` sampled the token (None: any policy)."""
+    start = traj.num_prompt_tokens
+    if version is None or not traj.token_versions:
+        return torch.ones(1, traj.num_tokens - start, device=device)
+    versions = iter(traj.token_versions)
+    marks = [float(next(versions) == version) if m else 0.0 for m in traj.loss_mask]
+    return torch.tensor([marks[start:]], device=device)
 
 
 def _device(config: GRPOConfig) -> str:
@@ -196,9 +266,19 @@ def _reduce(sums: dict[str, float]) -> dict[str, float]:
     gathered: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, sums)
     tokens = sum(s["tokens"] for s in gathered) or 1.0
+    steps = gathered[0]["steps"]  # the same on every rank
+    passes = sum(s["passes"] for s in gathered)
+    padded = sum(s["padded"] for s in gathered)
     return {
-        "loss": sum(s["loss"] for s in gathered),
-        "logprob_mismatch_mean_abs": sum(s["abs_diff"] for s in gathered) / tokens,
+        # the mean over the step's optimizer steps of each mini-batch's loss
+        "loss": sum(s["loss"] for s in gathered) / max(steps, 1),
+        "optimizer_steps": steps,
+        "trained_tokens": sum(s["real"] for s in gathered),  # every pass's trajectory tokens
+        "train_passes": passes,
+        "trajectories_per_pass": sum(s["rows"] for s in gathered) / max(passes, 1),
+        "padding_fraction": 1.0 - sum(s["real"] for s in gathered) / padded if padded else 0.0,
+        "logprob_mismatch_mean_abs": sum(s["abs_diff"] for s in gathered)
+        / (sum(s["fresh"] for s in gathered) or 1.0),
         "logprob_mismatch_max_abs": max(s["max_abs"] for s in gathered),
         "clip_fraction": sum(s["clip"] for s in gathered) / tokens,
         "kl": sum(s["kl"] for s in gathered) / tokens,
@@ -206,10 +286,10 @@ def _reduce(sums: dict[str, float]) -> dict[str, float]:
     }
 
 
-def _scatter(shares: list | None, totals: dict | None, rank: int) -> tuple[list, dict]:
-    """Each rank receives its own share of the step's trajectories (and the batch totals)."""
+def _scatter(shares: list | None, learn: bool | None, rank: int) -> tuple[list, bool]:
+    """Each rank receives its own mini-batches of the step (and whether the step learns)."""
     received: list[Any] = [None]
-    inputs = [(share, totals) for share in shares] if rank == 0 else None
+    inputs = [(share, learn) for share in shares] if rank == 0 else None
     dist.scatter_object_list(received, inputs, src=0)
     return received[0]
 
@@ -218,6 +298,17 @@ def _broadcast(obj: Any, rank: int) -> Any:
     box = [obj if rank == 0 else None]
     dist.broadcast_object_list(box, src=0)
     return box[0]
+
+
+@dataclass
+class PendingRollout:
+    """A step's rollout, launched and not yet finished (`Coordinator.launch`)."""
+
+    step: int
+    samples: list
+    seed: int
+    dispatched: rollouts.Dispatched
+    data_position: int  # the sample stream's position once this step's samples were drawn
 
 
 class Coordinator:
@@ -237,17 +328,34 @@ class Coordinator:
         r = config.rollout
         self.sampling = SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k)
         self.writer = MetricsWriter(config.run.run_dir)
+        # the workers' prompt token counters when the last rollout was gathered
+        self._counts = rollouts.prompt_token_counts(self.workers)
 
-    def rollout(self, step: int) -> tuple[list[Trajectory], torch.Tensor, dict[str, float]]:
+    def launch(self, step: int) -> PendingRollout:
+        """Start step `step`'s rollout on the workers (its samples drawn now); `finish` it."""
         cfg = self.config
         samples = self.stream.next_batch(cfg.grpo.prompts_per_step)
         seed = cfg.run.seed * 1_000_003 + step * 10_007
-        counts = rollouts.prompt_token_counts(self.workers)
-        groups, rollout_s, retries = self._collect(
-            f"step {step + 1}'s rollout", samples, cfg.grpo.group_size, self.sampling, seed
+        dispatched = rollouts.dispatch(
+            self.workers, samples, cfg.grpo.group_size, self.sampling, seed=seed
         )
-        prefill = rollouts.prefill_metrics(counts, rollouts.prompt_token_counts(self.workers))
-        reward_s = rollouts.score(self.reward_fn, groups, samples, cfg.reward_kwargs)
+        return PendingRollout(step, samples, seed, dispatched, self.stream.position)
+
+    def finish(
+        self, pending: PendingRollout
+    ) -> tuple[list[Trajectory], torch.Tensor, dict[str, float]]:
+        """Wait for a launched rollout (retried while lost workers come back), score it."""
+        cfg = self.config
+        what = f"step {pending.step + 1}'s rollout"
+        wait_start = time.perf_counter()
+        groups, rollout_s, retries = self._collect(
+            what, pending.samples, cfg.grpo.group_size, self.sampling, pending.seed, pending
+        )
+        idle_s = time.perf_counter() - wait_start
+        counts = rollouts.prompt_token_counts(self.workers)
+        prefill = rollouts.prefill_metrics(self._counts, counts)
+        self._counts = counts
+        reward_s = rollouts.score(self.reward_fn, groups, pending.samples, cfg.reward_kwargs)
         adv = rollouts.advantages(groups, cfg.grpo.normalize_std)
         trajectories = [t for group in groups for t in group]
         metrics = rollouts.rollout_metrics(trajectories)
@@ -255,27 +363,38 @@ class Coordinator:
         metrics.update(prefill)
         metrics.update(
             rollout_s=rollout_s,
+            idle_s=idle_s,  # the trainer waiting for the rollout
             reward_s=reward_s,
             rollout_tokens_per_s=generated / max(rollout_s, 1e-9),
             policy_version=min(t.policy_version for t in trajectories),
             rollout_retries=retries,
-            sample_ids=[sample.id for sample in samples],  # the data the step consumed
+            sample_ids=[sample.id for sample in pending.samples],  # the data the step consumed
         )
         return trajectories, adv, metrics
 
     def _collect(
-        self, what: str, samples: list, group_size: int, sampling: SamplingParams, seed: int
+        self,
+        what: str,
+        samples: list,
+        group_size: int,
+        sampling: SamplingParams,
+        seed: int,
+        pending: PendingRollout | None = None,
     ) -> tuple[list[list[Trajectory]], float, int]:
-        """rollouts.collect, retried while lost rollout workers come back (Ray restarts them,
-        rollout.max_restarts): same samples, same seeds, on the current policy. Returns the
-        groups, the seconds of the attempt that succeeded and the number of retries."""
+        """rollouts.collect (or the gathering of `pending`, already dispatched), retried while
+        lost rollout workers come back (Ray restarts them, rollout.max_restarts): same samples,
+        same seeds, on the current policy. Returns the groups, the seconds of the attempt that
+        succeeded and the number of retries."""
         max_retries = self.config.rollout.max_restarts
         retries = 0
         while True:
             try:
-                groups, seconds = rollouts.collect(
-                    self.workers, samples, group_size, sampling, seed=seed
-                )
+                if pending is not None and not retries:
+                    groups, seconds = rollouts.gather(pending.dispatched)
+                else:
+                    groups, seconds = rollouts.collect(
+                        self.workers, samples, group_size, sampling, seed=seed
+                    )
                 return groups, seconds, retries
             except rollouts.RolloutWorkerLostError as error:
                 if retries == max_retries:
@@ -298,7 +417,15 @@ class Coordinator:
         start = time.perf_counter()
         sampling = dataclasses.replace(self.sampling, temperature=self.config.run.eval_temperature)
         per_prompt = self.config.run.eval_samples_per_prompt
+        before = rollouts.prompt_token_counts(self.workers)
         groups, _, _ = self._collect("evaluation", self.eval_samples, per_prompt, sampling, 12345)
+        # NOTE: the step's prefill metrics leave the evaluation's prompts out (approximately,
+        # when rollouts run meanwhile: rollout.max_staleness > 0).
+        after = rollouts.prompt_token_counts(self.workers)
+        self._counts = [
+            (a0 + a2 - a1, c0 + c2 - c1)
+            for (a0, c0), (a1, c1), (a2, c2) in zip(self._counts, before, after, strict=True)
+        ]
         rollouts.score(self.reward_fn, groups, self.eval_samples, self.config.reward_kwargs)
         metrics = rollouts.rollout_metrics([t for g in groups for t in g], prefix="eval/")
         metrics["eval_s"] = time.perf_counter() - start
@@ -375,45 +502,60 @@ def run_steps(
     rank: int,
     launch_id: str | None = None,
 ) -> None:
+    """The steps from `state.step` to `run.max_steps`. With `rollout.max_staleness` k, rank 0
+    keeps the rollouts of the next k steps running while it trains on the current one: step
+    s's rollout starts once policy s - k is on the workers, so no token it trains on comes from
+    an older policy; the weights of each step reach the workers between two engine steps, in
+    the middle of those rollouts."""
     from tqdm import tqdm
 
     progress = None
     if rank == 0 and config.run.progress:
         progress = tqdm(total=config.run.max_steps, initial=state.step, desc="grpo", unit="step")
     world = dist.get_world_size()
+    pending: collections.deque[PendingRollout] = collections.deque()
+    launched = state.step  # the next step whose rollout is to start
     while state.step < config.run.max_steps:
         step_start = time.perf_counter()
-        metrics: dict[str, float] = {}
+        metrics: dict[str, Any] = {}
         eval_due = config.run.eval_every and state.step % config.run.eval_every == 0
         if rank == 0:
             if eval_due:
                 coordinator.writer.write(state.step, coordinator.evaluate())
-            trajectories, adv, rollout_m = coordinator.rollout(state.step)
+            last = min(state.step + config.rollout.max_staleness, config.run.max_steps - 1)
+            while launched <= last:
+                pending.append(coordinator.launch(launched))
+                launched += 1
+            this = pending.popleft()
+            trajectories, adv, rollout_m = coordinator.finish(this)
             metrics.update(rollout_m)
+            metrics.update(staleness_metrics(trajectories, state.step, config))
             pairs = list(zip(trajectories, adv.tolist(), strict=True))
-            per_rank = len(pairs) // world
-            shares = [pairs[r * per_rank : (r + 1) * per_rank] for r in range(world)]
+            shares = plan_step(
+                pairs,
+                world,
+                config.grpo.mini_batches,
+                config.trainer.micro_batch_tokens,
+                batched_media=learner.adapter.batched_media,
+                version=state.step,
+            )
             learn = config.grpo.loss.kl_coef > 0 or bool(adv.ne(0).any())
-            totals = {
-                "tokens": sum(t.num_generated_tokens for t in trajectories),
-                "episodes": len(trajectories),
-                "learn": learn,
-            }
             metrics["update_skipped"] = float(not learn)
         else:
-            shares, totals = None, None
-        share, totals = _scatter(shares, totals, rank)
+            shares, learn = None, None
+        share, learn = _scatter(shares, learn, rank)
         train_start = time.perf_counter()
-        sums = learner.train_step(share, totals)
+        sums = learner.train_step(share, learn)
         train_metrics = _reduce(sums)
         train_s = time.perf_counter() - train_start
         state.step += 1
-        if totals["learn"]:
+        if learn:
             sync_s = _sync(learner, sync, state.step, rank)
         else:  # no optimizer step: the workers' weights are current, only the version moves
             sync_s = sync.advance(state.step) if sync is not None else 0.0
         if rank == 0:
-            state.data_position = coordinator.stream.position
+            # the samples of rollouts still running are drawn again by a run resumed from here
+            state.data_position = this.data_position
         state = _broadcast(state, rank)
         saved = config.run.save_every and state.step % config.run.save_every == 0
         if saved or state.step == config.run.max_steps:
@@ -422,8 +564,9 @@ def run_steps(
             )
         if rank == 0:
             metrics.update(train_metrics)
-            metrics.update(train_s=train_s, weight_sync_s=sync_s)
-            metrics["step_s"] = time.perf_counter() - step_start
+            step_s = time.perf_counter() - step_start
+            metrics.update(train_s=train_s, weight_sync_s=sync_s, step_s=step_s)
+            metrics["train_tokens_per_s"] = train_metrics["trained_tokens"] / max(train_s, 1e-9)
             metrics["data_position"] = state.data_position
             metrics["trainable_params"] = learner.num_trainable
             coordinator.writer.write(state.step, metrics)
@@ -434,3 +577,23 @@ def run_steps(
         coordinator.writer.write(state.step, coordinator.evaluate())
     if progress is not None:
         progress.close()
+
+
+def staleness_metrics(
+    trajectories: list[Trajectory], step: int, config: GRPOConfig
+) -> dict[str, float]:
+    """How many versions behind policy `step` (the one being trained) each sampled token's
+    policy was: a histogram of token counts ("staleness/k") and the largest. Raises if a token
+    is older than `rollout.max_staleness` allows (the loop's own invariant)."""
+    counts: collections.Counter[int] = collections.Counter()
+    for traj in trajectories:
+        counts.update(step - version for version in traj.token_versions)
+    oldest = max(counts, default=0)
+    if oldest > config.rollout.max_staleness:
+        raise RuntimeError(
+            f"step {step + 1} trains on tokens {oldest} policy versions old; "
+            f"rollout.max_staleness is {config.rollout.max_staleness}"
+        )
+    metrics = {f"staleness/{k}": float(n) for k, n in sorted(counts.items())}
+    metrics["staleness_max"] = float(oldest)
+    return metrics

@@ -332,6 +332,27 @@ def test_passes_over_the_same_media_share_one_tower_call_and_give_the_same_logpr
     assert "get_image_features" not in vars(setup.model.model)  # unpatched after
 
 
+def test_a_video_beside_an_image_is_cached_as_a_video(setups, media):
+    """Qwen's `get_video_features` encodes its frames through `get_image_features`: that inner
+    call belongs to the video's encoding, so it neither answers from the image's entry nor
+    stores the video's features under the image's key."""
+    setup = setups("qwen3_5")
+    messages = with_media("image", media["image"], "Compare them.")
+    messages[0]["content"].insert(1, {"type": "video_url", "video_url": {"url": media["video"]}})
+    x = setup.encode(messages)
+    assert [span.modality for span in x.mm_spans] == ["image", "video"]
+    with torch.no_grad():
+        cold = sequence_logprobs(setup.model, x, "cpu", start=1)
+        features = EncoderCache(setup.model, 1 << 30)
+        passes = []
+        for _ in range(2):
+            with features.around(x.mm_spans):
+                passes.append(sequence_logprobs(setup.model, x, "cpu", start=1))
+    assert (features.num_misses, features.num_hits) == (2, 2)
+    for logprobs in passes:
+        torch.testing.assert_close(logprobs, cold, rtol=0, atol=1e-5)
+
+
 @pytest.mark.parametrize("family", ["qwen3_5", "gemma4"])
 def test_saves_and_restores_beside_a_padded_graph_decode_keep_the_cold_tokens(
     setups, media, family, tmp_path

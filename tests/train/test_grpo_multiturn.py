@@ -1,46 +1,22 @@
 """One GRPO step on a group of multi-turn episodes, through the trainer's own `Learner`
-(DeepSpeed on CPU, a one-rank gloo group in this process, no Ray): the trajectory the reward
+(DeepSpeed on CPU, a one-rank gloo group in this process, no Ray; the group's episodes share
+trainer passes): the trajectory the reward
 favours gains logprob on the sampled tokens of EVERY turn, the others lose it, and the sign
 follows the advantage. Episodes: the tiny Gemma 4 of the AVE example, a tool that returns an
 image and one that returns audio between the turns (tests/rollout/scripted.py)."""
 
 from __future__ import annotations
 
-import os
-import socket
-
 import pytest
 import torch
 
 from areno.train import rollouts
+from areno.train.batching import plan_step
 from areno.train.config import GRPOConfig
 from areno.train.policy import sequence_logprobs
 from tests.rollout.scripted import Turn, make_setup, run_scripted
 
 GROUP = 4
-
-
-@pytest.fixture(scope="module")
-def process_group():
-    import torch.distributed as dist
-
-    # A group some earlier test left behind would hang DeepSpeed's first collective.
-    assert not dist.is_initialized(), "an earlier test left torch.distributed initialized"
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": "0", "WORLD_SIZE": "1"}
-    env["LOCAL_RANK"] = "0"
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    dist.init_process_group("gloo", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
-    for key, value in saved.items():
-        if value is None:
-            os.environ.pop(key, None)
-        else:
-            os.environ[key] = value
 
 
 @pytest.fixture(scope="module")
@@ -99,12 +75,9 @@ def one_step(checkpoint, episodes, rewards: list[float], lr: float = 1e-4, learn
     advantages = rollouts.advantages([trajectories], normalize_std=True)
     before = [[sum(t.logprobs) / len(t.token_ids) for t in sampled] for _, sampled in episodes]
     model = learner(checkpoint, lr)
-    totals = {
-        "tokens": sum(t.num_generated_tokens for t in trajectories),
-        "episodes": len(trajectories),
-        "learn": learn,
-    }
-    sums = model.train_step(list(zip(trajectories, advantages.tolist(), strict=True)), totals)
+    pairs = list(zip(trajectories, advantages.tolist(), strict=True))
+    (share,) = plan_step(pairs, 1, 1, model.config.trainer.micro_batch_tokens)
+    sums = model.train_step(share, learn)
     after = turn_logprobs(model.module, episodes)
     model.engine.destroy()
     return advantages, before, after, sums

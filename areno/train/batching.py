@@ -1,0 +1,151 @@
+"""Several trajectories in one trainer forward: which may share one, and their batch tensors.
+
+A step's trajectories are split into `grpo.mini_batches` mini-batches (one optimizer step each)
+and each mini-batch into micro-batches of at most `trainer.micro_batch_tokens` tokens, counted
+as the forward pays for them: rows x the longest row. Trajectories are placed longest first, so
+a micro-batch holds rows of similar length and padding stays a small share. Rows are
+right-padded: every row keeps the positions, masks and media it has alone.
+
+Media tensors batch the way the processor batches prompts: concatenated along their first
+dimension (patches, images, frames, clips). Two trajectories whose media tensors of one name
+differ past that dimension (two clips of audio of different lengths) do not share a forward,
+nor do trajectories with media in a family whose forward cannot take several prompts' media
+(`FamilyAdapter.batched_media`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from areno.processing.types import PromptInputs
+
+# name -> (shape past the first dimension, dtype) of a trajectory's media tensors
+Signature = dict[str, tuple[tuple[int, ...], torch.dtype]]
+
+
+@dataclass
+class MiniBatch:
+    """One rank's part of one optimizer step: micro-batches of (trajectory, advantage) pairs,
+    and the counts over every rank that the batch-level loss is normalised by."""
+
+    micro: list[list[tuple[Any, float]]] = field(default_factory=list)
+    tokens: int = 0  # generated tokens of the mini-batch on all ranks
+    episodes: int = 0  # trajectories of the mini-batch on all ranks
+    version: int | None = None  # the policy version being trained (None: not tracked)
+
+
+def is_per_token(value: torch.Tensor, num_tokens: int) -> bool:
+    """A tensor with one entry per prompt token, like Gemma's `mm_token_type_ids`."""
+    return value.ndim == 2 and value.shape == (1, num_tokens)
+
+
+def signature(inputs: PromptInputs) -> Signature:
+    n = inputs.num_prompt_tokens
+    return {
+        name: (tuple(value.shape[1:]), value.dtype)
+        for name, value in inputs.mm_inputs.items()
+        if not is_per_token(value, n)
+    }
+
+
+def compatible(a: Signature, b: Signature) -> bool:
+    return all(b[name] == spec for name, spec in a.items() if name in b)
+
+
+def plan_micro_batches(
+    inputs: Sequence[PromptInputs], budget: int, *, batched_media: bool = True
+) -> list[list[int]]:
+    """Indices into `inputs`, grouped into micro-batches of at most `budget` padded tokens
+    (first fit, longest first; a trajectory longer than the budget runs alone; budget 0: one
+    trajectory per micro-batch)."""
+    order = sorted(range(len(inputs)), key=lambda i: (-inputs[i].num_prompt_tokens, i))
+    if budget <= 0:
+        return [[i] for i in order]
+    batches: list[tuple[list[int], Signature]] = []
+    for i in order:
+        item = inputs[i]
+        sig = signature(item)
+        alone = not batched_media and bool(item.mm_spans)
+        for members, shared in batches if not alone else ():
+            longest = inputs[members[0]].num_prompt_tokens  # placed longest first
+            fits = (len(members) + 1) * longest <= budget
+            media_ok = batched_media or not inputs[members[0]].mm_spans
+            if fits and media_ok and compatible(shared, sig):
+                members.append(i)
+                shared.update(sig)
+                break
+        else:
+            batches.append(([i], dict(sig)))
+    return [members for members, _ in batches]
+
+
+def split_to(batches: list[list[int]], count: int) -> list[list[int]]:
+    """`batches` split further until there are `count` of them (the largest split first), so
+    that every rank runs the same number of backward passes; `count` is at most the number of
+    items."""
+    batches = [list(b) for b in batches]
+    while len(batches) < count:
+        largest = max(range(len(batches)), key=lambda j: len(batches[j]))
+        members = batches.pop(largest)
+        half = len(members) // 2
+        batches[largest:largest] = [members[:half], members[half:]]
+    return batches
+
+
+def plan_step(
+    pairs: Sequence[tuple[Any, float]],
+    world_size: int,
+    mini_batches: int,
+    budget: int,
+    *,
+    batched_media: bool = True,
+    version: int | None = None,
+) -> list[list[MiniBatch]]:
+    """Each rank's mini-batches of a step's (trajectory, advantage) pairs: mini-batch m is the
+    m-th contiguous part of `pairs` (whole groups stay together when they divide evenly), split
+    evenly over the ranks, and each rank's part planned into micro-batches; every rank gets the
+    same number of micro-batches per mini-batch (their backward passes reduce together)."""
+    size = len(pairs) // (world_size * mini_batches)  # per rank and mini-batch
+    shares: list[list[MiniBatch]] = [[] for _ in range(world_size)]
+    for m in range(mini_batches):
+        part = pairs[m * size * world_size : (m + 1) * size * world_size]
+        tokens = sum(traj.num_generated_tokens for traj, _ in part)
+        per_rank = [part[r * size : (r + 1) * size] for r in range(world_size)]
+        plans = [
+            plan_micro_batches(
+                [traj.inputs for traj, _ in own], budget, batched_media=batched_media
+            )
+            for own in per_rank
+        ]
+        count = max(len(plan) for plan in plans)
+        for rank, (own, plan) in enumerate(zip(per_rank, plans, strict=True)):
+            micro = [[own[i] for i in members] for members in split_to(plan, count)]
+            shares[rank].append(MiniBatch(micro, tokens, len(part), version))
+    return shares
+
+
+def collate(batch: Sequence[PromptInputs]) -> dict[str, torch.Tensor]:
+    """The model inputs of several prompts as one right-padded batch: ids, attention mask and
+    per-token tensors padded with 0 to the longest, media tensors concatenated in row order."""
+    length = max(item.num_prompt_tokens for item in batch)
+    ids = torch.zeros(len(batch), length, dtype=torch.long)
+    mask = torch.zeros(len(batch), length, dtype=torch.long)
+    per_token: dict[str, torch.Tensor] = {}
+    media: dict[str, list[torch.Tensor]] = {}
+    for row, item in enumerate(batch):
+        n = item.num_prompt_tokens
+        ids[row, :n] = torch.tensor(item.input_ids, dtype=torch.long)
+        mask[row, :n] = 1
+        for name, value in item.mm_inputs.items():
+            if is_per_token(value, n):
+                if name not in per_token:
+                    per_token[name] = torch.zeros(len(batch), length, dtype=value.dtype)
+                per_token[name][row, :n] = value[0]
+            else:
+                media.setdefault(name, []).append(value)
+    joined = {name: torch.cat(values) for name, values in media.items()}
+    return {"input_ids": ids, "attention_mask": mask, **per_token, **joined}

@@ -1,0 +1,127 @@
+"""Seconds per GRPO step, and where they go, for the color quiz and the AVE agent at their
+shipped configs (configs/color_quiz.yaml, examples/multimodal/ave_event_recognition/grpo.yaml)
+on the embedded tiny checkpoints: the serial loop with one trajectory per trainer pass
+(`rollout.max_staleness 0`, `trainer.micro_batch_tokens 0`) beside the overlapped, batched one
+(`max_staleness 1`, `micro_batch_tokens 4096`), in one run.
+
+Each setting is `areno train` in a subprocess, as a user runs it (its own local Ray), for
+`--steps` steps without evaluation; the figures are means over the steps after the first
+(the first pays for start-up and, overlapped, has no earlier rollout to hide behind).
+Per step, from metrics.jsonl: `step_s` (wall), `rollout_s` (the step's rollout on the workers,
+overlapped with other phases when max_staleness > 0), `idle_s` (the trainer waiting for that
+rollout), `train_s`, `weight_sync_s`.
+
+    python benchmarks/grpo_step.py                 # both tasks, 6 steps each setting
+    python benchmarks/grpo_step.py --tasks ave --steps 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "benchmarks"))
+sys.path.insert(0, str(REPO))
+from engine_workloads import write_results  # noqa: E402
+
+from areno.models.tiny import tiny_checkpoint  # noqa: E402
+
+SETTINGS = {
+    "serial, 1 per pass": {"rollout.max_staleness": 0, "trainer.micro_batch_tokens": 0},
+    "overlapped, batched": {"rollout.max_staleness": 1, "trainer.micro_batch_tokens": 4096},
+}
+PHASES = ("step_s", "rollout_s", "idle_s", "train_s", "weight_sync_s", "reward_s")
+AVE = "examples/multimodal/ave_event_recognition"
+
+
+def task_args(task: str, data: Path) -> list[str]:
+    if task == "color_quiz":
+        return [
+            "--config",
+            str(REPO / "configs" / "color_quiz.yaml"),
+            "--model-path",
+            str(tiny_checkpoint("qwen3_5")),
+            "--set",
+            f"data.loader_kwargs.media_dir={data / 'color_quiz'}",
+        ]
+    if not (data / "ave" / "train.jsonl").exists():
+        subprocess.run(
+            [sys.executable, f"{AVE}/generate_dataset.py", "--out", str(data / "ave")]
+            + ["--num-train", "48", "--num-validation", "8", "--no-progress"],
+            cwd=REPO,
+            check=True,
+        )
+    path = str(data / "ave")
+    return [
+        "--config",
+        str(REPO / AVE / "grpo.yaml"),
+        "--set",
+        f"data.loader_kwargs.path={path}",
+        "--set",
+        f"data.eval_loader_kwargs.path={path}",
+    ]
+
+
+def run(task: str, setting: dict, steps: int, data: Path, work: Path) -> dict:
+    run_dir = work / f"{task}-{setting['rollout.max_staleness']}"
+    cmd = [sys.executable, "-m", "areno.cli", "train", "--no-progress", *task_args(task, data)]
+    cmd += ["--run-dir", str(run_dir), "--max-steps", str(steps), "--eval-every", "0"]
+    cmd += ["--set", "run.export_hf=false", "--set", "run.save_every=0"]
+    for key, value in setting.items():
+        cmd += ["--set", f"{key}={value}"]
+    env = {**os.environ, "PYTHONPATH": str(REPO), "RAY_ADDRESS": ""}
+    start = time.perf_counter()
+    log = work / f"{run_dir.name}.log"
+    with log.open("w") as out:
+        result = subprocess.run(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
+    wall = time.perf_counter() - start
+    if result.returncode:
+        raise SystemExit(f"{task} failed; see {log}:\n" + log.read_text()[-3000:])
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steady = [r for r in records if "step_s" in r and r["step"] > 1]
+    row = {k: sum(r.get(k, 0.0) for r in steady) / len(steady) for k in PHASES}
+    row["train_passes"] = sum(r["train_passes"] for r in steady) / len(steady)
+    row["staleness_max"] = max(r["staleness_max"] for r in steady)
+    row["reward_mean"] = sum(r["reward_mean"] for r in steady) / len(steady)
+    row["run_wall_s"] = wall
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tasks", default="color_quiz,ave")
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--out", default=str(REPO / "benchmarks/results/grpo_step.json"))
+    args = parser.parse_args()
+    results: dict[str, dict] = {}
+    with tempfile.TemporaryDirectory(prefix="grpo_step_") as tmp:
+        data, work = Path(tmp) / "data", Path(tmp) / "runs"
+        work.mkdir(parents=True)
+        for task in args.tasks.split(","):
+            results[task] = {}
+            for name, setting in SETTINGS.items():
+                results[task][name] = {**setting, **run(task, setting, args.steps, data, work)}
+                print(task, name, json.dumps(results[task][name]), flush=True)
+    header = f"{'task':<11} {'setting':<20} " + " ".join(f"{p:>13}" for p in PHASES)
+    print(header + f" {'passes':>7} {'speed-up':>9}")
+    for task, rows in results.items():
+        base = rows["serial, 1 per pass"]["step_s"]
+        for name, row in rows.items():
+            cells = " ".join(f"{row[p]:>13.2f}" for p in PHASES)
+            print(
+                f"{task:<11} {name:<20} {cells} {row['train_passes']:>7.1f} "
+                f"{base / row['step_s']:>8.2f}x"
+            )
+    meta = {"steps": args.steps, "settings": SETTINGS, "mean_over": "steps 2..N"}
+    write_results(args.out, meta, {"results": results})
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,198 @@
+"""Batched trainer passes: the plan (which trajectories share a forward, the same number of
+passes on every rank) and the one thing that matters about them, that the gradient of a
+batched mini-batch equals the one-trajectory-per-pass gradient (fp32, the trainer's own
+`Learner` under DeepSpeed, every family, trajectories with images, video and audio)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from areno.media.decoder import MediaDecoder
+from areno.media.samples import write_audio, write_image, write_video
+from areno.media.sources import MediaPolicy
+from areno.models.tiny import TINY_FAMILIES
+from areno.processing.processor import Processor
+from areno.processing.types import PromptInputs
+from areno.rollout.trajectory import Trajectory
+from areno.train.batching import collate, plan_micro_batches, plan_step, split_to
+from areno.train.config import GRPOConfig
+
+
+def _prompt(n: int, **mm: torch.Tensor) -> PromptInputs:
+    return PromptInputs(list(range(1, n + 1)), dict(mm))
+
+
+def test_micro_batches_fill_the_token_budget_longest_first() -> None:
+    items = [_prompt(n) for n in (10, 40, 30, 12, 11)]
+    # rows x longest row <= 60, longest first, first fit: [40], [30, 12], [11, 10]
+    assert plan_micro_batches(items, 60) == [[1], [2, 3], [4, 0]]
+    assert plan_micro_batches(items, 80) == [[1, 2], [3, 4, 0]]
+    assert plan_micro_batches(items, 0) == [[1], [2], [3], [4], [0]]
+    # a trajectory longer than the budget runs alone
+    assert plan_micro_batches([_prompt(100), _prompt(5)], 50) == [[0], [1]]
+
+
+def test_media_of_different_shapes_or_unbatchable_families_do_not_share_a_pass() -> None:
+    clip = lambda frames: torch.zeros(1, frames, 8)  # noqa: E731
+    items = [_prompt(10, audio=clip(99)), _prompt(10, audio=clip(50)), _prompt(9, audio=clip(99))]
+    assert plan_micro_batches(items, 1000) == [[0, 2], [1]]
+    items[0].mm_spans.append(object())  # any media item
+    items[2].mm_spans.append(object())
+    plain = [_prompt(8), _prompt(7)]
+    assert plan_micro_batches([*items, *plain], 1000, batched_media=False) == [[0], [1, 3, 4], [2]]
+
+
+def test_collate_pads_rows_and_concatenates_media() -> None:
+    a = _prompt(3, pixel_values=torch.ones(4, 2), mm_token_type_ids=torch.ones(1, 3).long())
+    b = _prompt(5, pixel_values=torch.full((2, 2), 2.0))
+    batch = collate([a, b])
+    assert batch["input_ids"].tolist() == [[1, 2, 3, 0, 0], [1, 2, 3, 4, 5]]
+    assert batch["attention_mask"].tolist() == [[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]]
+    assert batch["mm_token_type_ids"].tolist() == [[1, 1, 1, 0, 0], [0, 0, 0, 0, 0]]
+    assert batch["pixel_values"].shape == (6, 2) and batch["pixel_values"][4:].eq(2).all()
+
+
+def test_every_rank_runs_as_many_passes_per_mini_batch() -> None:
+    split = split_to([[0, 1, 2, 3], [4]], 4)
+    assert sorted(i for b in split for i in b) == [0, 1, 2, 3, 4] and len(split) == 4
+
+    lengths = [100, 10, 10, 10, 10, 10, 10, 10]  # rank 0 gets the long one
+    pairs = [(_Traj(_prompt(n), 1), 0.5) for n in lengths]
+    shares = plan_step(pairs, world_size=2, mini_batches=2, budget=64)
+    for m in range(2):
+        counts = [len(shares[r][m].micro) for r in range(2)]
+        assert counts[0] == counts[1], counts
+        assert all(shares[r][m].episodes == 4 for r in range(2))
+    # mini-batch 0 is the first half of the pairs: ranks 0 and 1 take two each
+    assert [t.inputs.num_prompt_tokens for t, _ in sum(shares[0][0].micro, [])] == [100, 10]
+
+
+class _Traj:
+    def __init__(self, inputs: PromptInputs, generated: int):
+        self.inputs, self.num_generated_tokens = inputs, generated
+
+
+# --- the gradient of a batched mini-batch -------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def media(tmp_path_factory):
+    root = tmp_path_factory.mktemp("batch_media")
+    return {
+        "a": write_image(root / "a.png", 64, 48),
+        "b": write_image(root / "b.png", 80, 40, seed=3),
+        "video": write_video(root / "v.mp4"),
+        "audio": write_audio(root / "s.wav", seconds=1.0),
+    }
+
+
+def _trajectories(path, media) -> list[Trajectory]:
+    """Eight single-turn trajectories of mixed media and lengths, each with a made-up reply
+    (the loss only needs tokens, a mask and behaviour logprobs)."""
+    processor = Processor(path)
+    decoder = MediaDecoder(MediaPolicy.for_training(), processor.decode_options())
+    part = {
+        "a": {"type": "image_url", "image_url": {"url": str(media["a"])}},
+        "b": {"type": "image_url", "image_url": {"url": str(media["b"])}},
+        "video": {"type": "video_url", "video_url": {"url": str(media["video"])}},
+        "audio": {"type": "audio_url", "audio_url": {"url": str(media["audio"])}},
+    }
+    kinds = [["a"], ["a"], ["b", "video"], [], ["a"], [], ["b"], ["audio"]]
+    rng = random.Random(7)
+    out = []
+    for index, kind in enumerate(kinds):
+        if kind == ["audio"] and "audio" not in processor.adapter.modalities:
+            kind = ["a"]
+        content = [part[k] for k in kind] + [{"type": "text", "text": "look " * (index + 1)}]
+        messages = [{"role": "user", "content": content}]
+        prompt = processor.encode(messages, decoder.decode_many(processor.media_refs(messages)))
+        n = prompt.num_prompt_tokens
+        words = " ".join(rng.choice(("red", "blue", "cat", "sky", "ten")) for _ in range(index))
+        reply = processor.tokenizer.encode(f"The answer is {words}.", add_special_tokens=False)
+        mask = [1] * len(reply)
+        mask[1] = 0  # a token the policy did not sample (a tool's, say) inside the reply
+        logprobs = [-rng.uniform(1.0, 6.0) * m for m in mask]
+        out.append(
+            Trajectory(
+                f"s{index // 2}",
+                index % 2,
+                prompt.with_tokens(prompt.input_ids + reply),
+                n,
+                [0] * n + mask,
+                [0.0] * n + logprobs,
+                [0],
+                token_versions=[0] * sum(mask),
+            )
+        )
+    return out
+
+
+def _learner(path, zero_stage: int, budget: int, loss: dict, **grpo):
+    from areno.train.trainer import Learner
+
+    config = GRPOConfig.from_dict(
+        {
+            "model_path": str(path),
+            "grpo": {"group_size": 2, "prompts_per_step": 4, "loss": loss, **grpo},
+            "trainer": {"zero_stage": zero_stage, "micro_batch_tokens": budget},
+            "optim": {"lr": 1e-3},
+        }
+    )
+    torch.manual_seed(0)
+    return Learner(config, str(path), 0, 1)
+
+
+def _gradient(path, trajs, budget: int, loss: dict) -> tuple[dict[str, torch.Tensor], int]:
+    """The gradient of one mini-batch of `trajs` (ZeRO-0: whole on the parameters) and the
+    number of passes it took; the ratio is taken against the trainer's own logprobs, so that
+    no token is clipped out of the comparison."""
+    from areno.train.trainer import SUM_KEYS
+
+    learner = _learner(path, 0, budget, loss, behaviour_logprobs="recompute")
+    try:
+        pairs = list(zip(trajs, [1.0, -1.0, 0.5, -0.5, 2.0, 0.0, -2.0, 1.5], strict=True))
+        ((mini,),) = plan_step(pairs, 1, 1, budget, batched_media=learner.adapter.batched_media)
+        learner.module.train()
+        learner.accumulate(mini, dict.fromkeys(SUM_KEYS, 0.0))
+        grads = {
+            name: p.grad.detach().clone()
+            for name, p in learner.module.named_parameters()
+            if p.requires_grad and p.grad is not None
+        }
+        return grads, len(mini.micro)
+    finally:
+        learner.engine.destroy()
+
+
+@pytest.mark.parametrize("family", TINY_FAMILIES)
+def test_batched_passes_give_the_unbatched_gradient(process_group, tiny_path, media, family):
+    path = tiny_path(family)
+    trajs = _trajectories(path, media)
+    # the second with a KL term: the reference model's passes are batched too
+    for loss in ({"loss_agg": "token_mean"}, {"loss_agg": "seq_mean_token_mean", "kl_coef": 0.1}):
+        alone, passes_alone = _gradient(path, trajs, 0, loss)
+        batched, passes = _gradient(path, trajs, 1 << 16, loss)
+        assert passes_alone == len(trajs) and passes < passes_alone, (family, passes)
+        assert alone.keys() == batched.keys() and alone
+        for name, grad in alone.items():
+            torch.testing.assert_close(batched[name], grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_mini_batches_and_epochs_take_that_many_optimizer_steps(process_group, tiny_path, media):
+    """Two mini-batches over two epochs: four optimizer steps, each clipped against the
+    rollout logprobs (the behaviour policy), so later passes see ratios away from 1."""
+    path = tiny_path("qwen3_5")
+    trajs = _trajectories(path, media)
+    learner = _learner(path, 2, 1 << 16, {"loss_agg": "token_mean"}, mini_batches=2, epochs=2)
+    try:
+        pairs = list(zip(trajs, [1.0, -1.0] * 4, strict=True))
+        (share,) = plan_step(pairs, 1, 2, 1 << 16)
+        sums = learner.train_step(share)
+        assert sums["steps"] == 4 and learner.engine.global_steps == 4
+        assert sums["rows"] == 2 * len(trajs)
+        assert sums["ratio_max"] != pytest.approx(1.0)
+    finally:
+        learner.engine.destroy()
