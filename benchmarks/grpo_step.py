@@ -1,8 +1,14 @@
 """Seconds per GRPO step, and where they go, for the color quiz and the AVE agent at their
 shipped configs (configs/color_quiz.yaml, examples/multimodal/ave_event_recognition/grpo.yaml)
 on the embedded tiny checkpoints: the serial loop with one trajectory per trainer pass
-(`rollout.max_staleness 0`, `trainer.micro_batch_tokens 0`) beside the overlapped, batched one
-(`max_staleness 1`, `micro_batch_tokens 4096`), in one run.
+(`rollout.max_staleness 0`, `trainer.micro_batch_tokens 0`) beside the configs as shipped
+(overlapped, `max_staleness 1`, and batched: `micro_batch_tokens` 4096 and 8192), in one run.
+
+The color quiz starts from its format-only warm start (`areno sft --target-key warmup_answer`,
+as its README section runs it), so its groups have rewards to learn from. The AVE agent starts
+from the embedded tiny Gemma 4; its own reward is 0 for every episode of that untrained policy,
+so no step would train: the AVE runs score episodes with `varied_reward` below instead, a
+stand-in whose rewards differ within a group, so every step trains as a warm-started run's does.
 
 Each setting is `areno train` in a subprocess, as a user runs it (its own local Ray), for
 `--steps` steps without evaluation; the figures are means over the steps after the first
@@ -33,12 +39,37 @@ from engine_workloads import write_results  # noqa: E402
 
 from areno.models.tiny import tiny_checkpoint  # noqa: E402
 
+# "shipped": the task's config as it is (both ship max_staleness 1 and batched passes)
 SETTINGS = {
     "serial, 1 per pass": {"rollout.max_staleness": 0, "trainer.micro_batch_tokens": 0},
-    "overlapped, batched": {"rollout.max_staleness": 1, "trainer.micro_batch_tokens": 4096},
+    "shipped": {},
 }
 PHASES = ("step_s", "rollout_s", "idle_s", "train_s", "weight_sync_s", "reward_s")
 AVE = "examples/multimodal/ave_event_recognition"
+
+
+def varied_reward(trajectory, private: dict, **_) -> float:
+    """The AVE runs' stand-in reward (see the module docstring): in [0, 1], from the text."""
+    return (len(trajectory.final_text) % 5) / 4
+
+
+def warm_start(data: Path) -> Path:
+    """The color quiz's format-only warm start (its README section's `areno sft` command)."""
+    from areno.train.sft import SFTConfig, sft
+
+    out = data / "color_quiz_warm"
+    if not (out / "config.json").exists():
+        config = SFTConfig(
+            model_path=str(tiny_checkpoint("qwen3_5")),
+            out_dir=str(out),
+            loader="areno.tasks.color_quiz:load",
+            loader_kwargs={"num_samples": 256, "media_dir": str(data / "color_quiz")},
+            target_key="warmup_answer",
+            steps=60,
+            lr=3e-3,
+        )
+        sft(config, log=lambda _: None)
+    return out
 
 
 def task_args(task: str, data: Path) -> list[str]:
@@ -47,7 +78,7 @@ def task_args(task: str, data: Path) -> list[str]:
             "--config",
             str(REPO / "configs" / "color_quiz.yaml"),
             "--model-path",
-            str(tiny_checkpoint("qwen3_5")),
+            str(warm_start(data)),
             "--set",
             f"data.loader_kwargs.media_dir={data / 'color_quiz'}",
         ]
@@ -66,17 +97,20 @@ def task_args(task: str, data: Path) -> list[str]:
         f"data.loader_kwargs.path={path}",
         "--set",
         f"data.eval_loader_kwargs.path={path}",
+        "--set",
+        "reward=benchmarks.grpo_step:varied_reward",
     ]
 
 
 def run(task: str, setting: dict, steps: int, data: Path, work: Path) -> dict:
-    run_dir = work / f"{task}-{setting['rollout.max_staleness']}"
+    run_dir = work / f"{task}-{'shipped' if not setting else 'serial'}"
     cmd = [sys.executable, "-m", "areno.cli", "train", "--no-progress", *task_args(task, data)]
     cmd += ["--run-dir", str(run_dir), "--max-steps", str(steps), "--eval-every", "0"]
     cmd += ["--set", "run.export_hf=false", "--set", "run.save_every=0"]
     for key, value in setting.items():
         cmd += ["--set", f"{key}={value}"]
-    env = {**os.environ, "PYTHONPATH": str(REPO), "RAY_ADDRESS": ""}
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}  # a local Ray per run
+    env.update(PYTHONPATH=str(REPO), RAY_AUTH_MODE=env.get("RAY_AUTH_MODE", "disabled"))
     start = time.perf_counter()
     log = work / f"{run_dir.name}.log"
     with log.open("w") as out:
@@ -88,6 +122,8 @@ def run(task: str, setting: dict, steps: int, data: Path, work: Path) -> dict:
     steady = [r for r in records if "step_s" in r and r["step"] > 1]
     row = {k: sum(r.get(k, 0.0) for r in steady) / len(steady) for k in PHASES}
     row["train_passes"] = sum(r["train_passes"] for r in steady) / len(steady)
+    row["trajectories_per_pass"] = max(r["trajectories_per_pass"] for r in steady)
+    row["padding_fraction"] = max(r["padding_fraction"] for r in steady)
     row["staleness_max"] = max(r["staleness_max"] for r in steady)
     row["reward_mean"] = sum(r["reward_mean"] for r in steady) / len(steady)
     row["run_wall_s"] = wall

@@ -39,6 +39,9 @@ class RolloutSpec:
     max_prompt_tokens: int | None = None
     max_tokens_per_turn: int = 256
     allow_remote_media: bool = False
+    # torch's CPU compute threads (None: its default, every core): an overlapped GRPO loop
+    # gives the rollout and the trainer their own share of the cores
+    cpu_threads: int | None = None
 
 
 class RolloutWorker:
@@ -46,6 +49,10 @@ class RolloutWorker:
 
     def __init__(self, spec: RolloutSpec):
         self.spec = spec
+        if spec.cpu_threads is not None:
+            import torch
+
+            torch.set_num_threads(spec.cpu_threads)
         max_context_len = spec.engine.max_context_len
         processor = Processor(
             spec.model_path, limits=PromptLimits(spec.max_prompt_tokens, max_context_len)

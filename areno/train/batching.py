@@ -7,10 +7,10 @@ a micro-batch holds rows of similar length and padding stays a small share. Rows
 right-padded: every row keeps the positions, masks and media it has alone.
 
 Media tensors batch the way the processor batches prompts: concatenated along their first
-dimension (patches, images, frames, clips). Two trajectories whose media tensors of one name
-differ past that dimension (two clips of audio of different lengths) do not share a forward,
-nor do trajectories with media in a family whose forward cannot take several prompts' media
-(`FamilyAdapter.batched_media`).
+dimension (patches, images, frames, clips). Trajectories with media share a forward only with
+their own GRPO group (whose prompt media the frozen towers then encode once) and only when their
+media tensors line up; a family whose forward cannot take several prompts' media
+(`FamilyAdapter.batched_media`) runs its media trajectories alone.
 """
 
 from __future__ import annotations
@@ -22,9 +22,6 @@ from typing import Any
 import torch
 
 from areno.processing.types import PromptInputs
-
-# name -> (shape past the first dimension, dtype) of a trajectory's media tensors
-Signature = dict[str, tuple[tuple[int, ...], torch.dtype]]
 
 
 @dataclass
@@ -43,6 +40,10 @@ def is_per_token(value: torch.Tensor, num_tokens: int) -> bool:
     return value.ndim == 2 and value.shape == (1, num_tokens)
 
 
+# name -> (shape past the first dimension, dtype) of a trajectory's media tensors
+Signature = dict[str, tuple[tuple[int, ...], torch.dtype]]
+
+
 def signature(inputs: PromptInputs) -> Signature:
     n = inputs.num_prompt_tokens
     return {
@@ -57,30 +58,43 @@ def compatible(a: Signature, b: Signature) -> bool:
 
 
 def plan_micro_batches(
-    inputs: Sequence[PromptInputs], budget: int, *, batched_media: bool = True
+    inputs: Sequence[PromptInputs],
+    budget: int,
+    *,
+    groups: Sequence[Any] | None = None,
+    batched_media: bool = True,
 ) -> list[list[int]]:
     """Indices into `inputs`, grouped into micro-batches of at most `budget` padded tokens
     (first fit, longest first; a trajectory longer than the budget runs alone; budget 0: one
-    trajectory per micro-batch)."""
+    trajectory per micro-batch).
+
+    A trajectory with media shares a pass only with others of its group (`groups[i]`; by
+    default, trajectories with the same media items): a GRPO group's episodes share their
+    prompt's media, which the frozen towers then encode once for all the group's passes
+    (`Learner.features` keys tower outputs by a pass's media items), and only when their media
+    tensors line up (`compatible`). Text-only trajectories share passes freely."""
     order = sorted(range(len(inputs)), key=lambda i: (-inputs[i].num_prompt_tokens, i))
     if budget <= 0:
         return [[i] for i in order]
-    batches: list[tuple[list[int], Signature]] = []
+    batches: list[tuple[list[int], Any, Signature]] = []
     for i in order:
         item = inputs[i]
         sig = signature(item)
-        alone = not batched_media and bool(item.mm_spans)
-        for members, shared in batches if not alone else ():
+        if not item.mm_spans:
+            key = None
+        else:
+            key = groups[i] if groups is not None else tuple(s.content_hash for s in item.mm_spans)
+        alone = key is not None and not batched_media
+        for members, shared_key, shared in batches if not alone else ():
             longest = inputs[members[0]].num_prompt_tokens  # placed longest first
             fits = (len(members) + 1) * longest <= budget
-            media_ok = batched_media or not inputs[members[0]].mm_spans
-            if fits and media_ok and compatible(shared, sig):
+            if fits and shared_key == key and compatible(shared, sig):
                 members.append(i)
                 shared.update(sig)
                 break
         else:
-            batches.append(([i], dict(sig)))
-    return [members for members, _ in batches]
+            batches.append(([i], key, dict(sig)))
+    return [members for members, _, _ in batches]
 
 
 def split_to(batches: list[list[int]], count: int) -> list[list[int]]:

@@ -7,6 +7,7 @@ A YAML file mirrors the sections below (`data:`, `rollout:`, `grpo:`, `optim:`, 
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,6 +22,13 @@ def _positive(section: str, name: str, value: Any, *, allow_zero: bool = False) 
     low = 0 if allow_zero else 1
     if isinstance(value, bool) or not isinstance(value, int) or value < low:
         raise ConfigError(f"{section}.{name} must be an integer >= {low}; got {value!r}")
+
+
+def cpu_threads(num_cpus: float) -> int:
+    """torch's compute threads for one side of an overlapped loop (rollout.max_staleness > 0) on
+    CPU: the CPUs Ray gives it, at least one. Serially each side runs alone and keeps torch's
+    default, every core."""
+    return max(1, math.floor(num_cpus))
 
 
 @dataclass

@@ -11,7 +11,7 @@ from pathlib import Path
 from areno.engine.config import EngineConfig
 from areno.logs import ENV
 from areno.rollout.worker import RolloutSpec, RolloutWorker
-from areno.train.config import GRPOConfig
+from areno.train.config import GRPOConfig, cpu_threads
 
 logger = logging.getLogger("areno.train")
 
@@ -39,6 +39,10 @@ def rollout_spec(config: GRPOConfig, model_path: str) -> RolloutSpec:
         agent_kwargs=dict(r.agent_kwargs),
         max_prompt_tokens=r.max_prompt_tokens,
         max_tokens_per_turn=r.max_tokens_per_turn,
+        # NOTE: only a generator computing on CPU (no GPU share) competes with the trainer's
+        cpu_threads=cpu_threads(r.num_cpus_per_worker)
+        if r.max_staleness and not r.num_gpus_per_worker
+        else None,
     )
 
 

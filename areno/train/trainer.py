@@ -20,7 +20,7 @@ from areno.engine.sampling import SamplingParams
 from areno.rollout.trajectory import Trajectory
 from areno.train import checkpoint, rollouts
 from areno.train.batching import MiniBatch, plan_step
-from areno.train.config import GRPOConfig
+from areno.train.config import GRPOConfig, cpu_threads
 from areno.train.grpo import logprob_mismatch, policy_loss
 from areno.train.metrics import MetricsWriter
 from areno.train.policy import batch_logprobs, count_parameters, load_policy, set_train_mode
@@ -76,6 +76,10 @@ class Learner:
         self.device = _device(config)
         if self.device == "cpu":
             _keep_cpu_ranks_on_gloo()
+            if config.rollout.max_staleness:
+                # NOTE: rollouts run beside training: each side computes on its own share of the
+                # cores (oversubscribed, both slow down by more than half).
+                torch.set_num_threads(cpu_threads(config.trainer.num_cpus_per_worker))
         dtype = _dtype(config, self.device)
         model, self.adapter, self.frozen = load_policy(
             model_path,

@@ -15,7 +15,7 @@ from areno.media.samples import write_audio, write_image, write_video
 from areno.media.sources import MediaPolicy
 from areno.models.tiny import TINY_FAMILIES
 from areno.processing.processor import Processor
-from areno.processing.types import PromptInputs
+from areno.processing.types import MediaSpan, PromptInputs
 from areno.rollout.trajectory import Trajectory
 from areno.train.batching import collate, plan_micro_batches, plan_step, split_to
 from areno.train.config import GRPOConfig
@@ -35,14 +35,21 @@ def test_micro_batches_fill_the_token_budget_longest_first() -> None:
     assert plan_micro_batches([_prompt(100), _prompt(5)], 50) == [[0], [1]]
 
 
-def test_media_of_different_shapes_or_unbatchable_families_do_not_share_a_pass() -> None:
-    clip = lambda frames: torch.zeros(1, frames, 8)  # noqa: E731
-    items = [_prompt(10, audio=clip(99)), _prompt(10, audio=clip(50)), _prompt(9, audio=clip(99))]
-    assert plan_micro_batches(items, 1000) == [[0, 2], [1]]
-    items[0].mm_spans.append(object())  # any media item
-    items[2].mm_spans.append(object())
-    plain = [_prompt(8), _prompt(7)]
-    assert plan_micro_batches([*items, *plain], 1000, batched_media=False) == [[0], [1, 3, 4], [2]]
+def test_media_share_a_pass_within_their_group_when_their_tensors_line_up() -> None:
+    def clip(frames: int, group: str) -> PromptInputs:
+        prompt = _prompt(10, audio=torch.zeros(1, frames, 8))
+        prompt.mm_spans.append(MediaSpan("audio", 0, 1, 9, 8, f"hash-{group}"))
+        return prompt
+
+    items = [clip(99, "a"), clip(50, "a"), clip(99, "a"), clip(99, "b"), _prompt(8), _prompt(7)]
+    groups = ["a", "a", "a", "b", "c", "d"]
+    # 0 and 2 line up; 1's clip does not; 3 is another group's; text-only rows share freely
+    assert plan_micro_batches(items, 1000, groups=groups) == [[0, 2], [1], [3], [4, 5]]
+    # by default the group is the media itself
+    assert plan_micro_batches(items, 1000) == [[0, 2], [1], [3], [4, 5]]
+    # a family whose forward takes one prompt's media at a time
+    unbatched = plan_micro_batches(items, 1000, groups=groups, batched_media=False)
+    assert unbatched == [[0], [1], [2], [3], [4, 5]]
 
 
 def test_collate_pads_rows_and_concatenates_media() -> None:
@@ -72,7 +79,7 @@ def test_every_rank_runs_as_many_passes_per_mini_batch() -> None:
 
 class _Traj:
     def __init__(self, inputs: PromptInputs, generated: int):
-        self.inputs, self.num_generated_tokens = inputs, generated
+        self.inputs, self.num_generated_tokens, self.sample_id = inputs, generated, None
 
 
 # --- the gradient of a batched mini-batch -------------------------------------------------

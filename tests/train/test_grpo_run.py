@@ -73,7 +73,9 @@ def _last_per_step(records: list[dict], key: str) -> dict[int, float]:
 @pytest.mark.slow
 def test_grpo_learns_the_color_quiz(ray_head, warm_start, tmp_path):
     """Held-out reward (greedy, 64 unseen images) rises by >= 0.25 over step 0, from a
-    warm-start that knows the answer format but not which color is which."""
+    warm-start that knows the answer format but not which color is which, at the shipped
+    config: the next step's rollout runs while the trainer trains (max_staleness 1), and the
+    trainer's passes are batched."""
     run_dir = tmp_path / "run"
     start = time.monotonic()
     _train(
@@ -92,8 +94,17 @@ def test_grpo_learns_the_color_quiz(ray_head, warm_start, tmp_path):
     print(f"held-out reward by step: {evals}; {minutes:.1f} min")  # the curve, in the log
     assert steps[0] == 0 and evals[0] <= 0.5
     assert evals[steps[-1]] >= evals[0] + 0.25, evals
+    # engine and trainer agree on the tokens of the policy being trained
     mismatch = _last_per_step(records, "logprob_mismatch_mean_abs")
     assert len(mismatch) == 30 and max(mismatch.values()) <= 1e-4
+    # every step after the first trained on tokens one version old, none older
+    steps_stale = _last_per_step(records, "staleness_max")
+    assert set(steps_stale.values()) == {0.0, 1.0} and steps_stale[1] == 0.0
+    assert all(
+        r.get("staleness/1", 0) > 0 for r in records if r.get("step", 0) > 1 and "step_s" in r
+    )
+    passes = _last_per_step(records, "trajectories_per_pass")
+    assert min(v for v in passes.values() if v) > 1  # several trajectories per forward
     png = plot_run(run_dir)
     assert png.stat().st_size > 10_000
     shutil.copy(png, tmp_path / "color_quiz_curve.png")
