@@ -8,8 +8,6 @@ through, and checked against the loader's signature before it runs.
 
 from __future__ import annotations
 
-import difflib
-import importlib
 import inspect
 import json
 from collections.abc import Callable, Iterable, Iterator
@@ -19,6 +17,7 @@ from typing import Any
 from areno.data.guard import check_private
 from areno.data.sample import Sample, SampleError
 from areno.errors import ConfigError
+from areno.imports import import_callable
 
 BUILTIN_LOADERS: dict[str, str] = {"jsonl": "areno.data.loader:jsonl"}
 
@@ -33,22 +32,11 @@ def resolve_loader(spec: str) -> Loader:
             attribute does not exist, or it is not callable.
     """
     spec = BUILTIN_LOADERS.get(spec, spec) if isinstance(spec, str) else spec
-    module_name, attr_path = _split_spec(spec)
-    module = _import(module_name, spec)
-    target: Any = module
-    for i, attr in enumerate(attr_path):
-        if not hasattr(target, attr):
-            owner = ".".join([module_name, *attr_path[:i]])
-            raise ConfigError(
-                f"loader {spec!r}: {owner!r} has no attribute {attr!r}{_hint(target, attr)}"
-            )
-        target = getattr(target, attr)
-    if not callable(target):
-        raise ConfigError(
-            f"loader {spec!r} is a {type(target).__name__}, not a callable; name a function that "
-            "returns Samples"
-        )
-    return target
+    usage = (
+        'expected "package.module:callable" (e.g. "areno.data.loader:jsonl") or a built-in '
+        f"loader name ({', '.join(sorted(BUILTIN_LOADERS))})"
+    )
+    return import_callable(spec, "loader", usage)
 
 
 def load_samples(spec: str, **kwargs: Any) -> Iterator[Sample]:
@@ -132,42 +120,3 @@ def _split_file(path: Path, split: str) -> Path:
         f"split {split!r} given, but JSONL path {str(path)!r} is neither a directory (holding "
         f"'{split}.jsonl') nor a template containing '{{split}}'"
     )
-
-
-def _split_spec(spec: Any) -> tuple[str, list[str]]:
-    usage = (
-        'expected "package.module:callable" (e.g. "areno.data.loader:jsonl") or a built-in '
-        f"loader name ({', '.join(sorted(BUILTIN_LOADERS))})"
-    )
-    if not isinstance(spec, str):
-        raise ConfigError(f"loader spec must be a string, got {type(spec).__name__}; {usage}")
-    module_name, sep, attr = spec.strip().partition(":")
-    attr_path = attr.split(".")
-    if not sep or not module_name or ":" in attr or not all(p.isidentifier() for p in attr_path):
-        raise ConfigError(f"malformed loader spec {spec!r}; {usage}")
-    if not all(p.isidentifier() for p in module_name.split(".")):
-        raise ConfigError(f"malformed loader spec {spec!r}: bad module name; {usage}")
-    return module_name, attr_path
-
-
-def _import(module_name: str, spec: str) -> Any:
-    try:
-        return importlib.import_module(module_name)
-    except ModuleNotFoundError as e:
-        # Tell "the module named in the spec is missing" from "it imports something missing".
-        if e.name and (module_name == e.name or module_name.startswith(e.name + ".")):
-            raise ConfigError(
-                f"loader {spec!r}: no module named {module_name!r} (is it on PYTHONPATH, with "
-                "__init__.py in each package?)"
-            ) from None
-        raise ConfigError(f"loader {spec!r}: importing {module_name!r} failed: {e}") from e
-    except Exception as e:
-        raise ConfigError(
-            f"loader {spec!r}: importing {module_name!r} raised {type(e).__name__}: {e}"
-        ) from e
-
-
-def _hint(target: Any, attr: str) -> str:
-    names = [n for n in dir(target) if not n.startswith("_")]
-    close = difflib.get_close_matches(attr, names, n=3)
-    return f"; did you mean {', '.join(map(repr, close))}?" if close else ""

@@ -10,12 +10,12 @@ without any tool call is the final answer too.
 from __future__ import annotations
 
 import copy
-import importlib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from areno.errors import ArenoError, ConfigError
+from areno.imports import import_callable
 
 
 class ToolNameClashError(ArenoError):
@@ -108,17 +108,7 @@ def load_agent(spec: str | None, **kwargs: Any) -> Agent:
     """The Agent that `module:callable` returns (None: a plain single-turn answerer)."""
     if not spec:
         return Agent()
-    module_name, sep, attr = spec.partition(":")
-    if not sep or not module_name or not attr:
-        raise ConfigError(f"agent {spec!r} must be an import path of the form 'module:callable'")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as error:
-        raise ConfigError(f"agent {spec!r}: cannot import {module_name!r}: {error}") from error
-    factory = getattr(module, attr, None)
-    if not callable(factory):
-        raise ConfigError(f"agent {spec!r}: {module_name} has no callable {attr!r}")
-    agent = factory(**kwargs)
+    agent = import_callable(spec, "agent")(**kwargs)
     if not isinstance(agent, Agent):
         raise ConfigError(f"agent {spec!r} returned {type(agent).__name__}, not an areno Agent")
     return agent

@@ -4,7 +4,6 @@ log-probabilities it gives a trajectory's tokens (the same tokens and media the 
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
 
 import torch
 
@@ -49,10 +48,6 @@ def set_train_mode(model: torch.nn.Module, frozen: tuple[str, ...]) -> None:
     for name, module in model.named_modules():
         if _is_under(name, frozen):
             module.eval()
-
-
-def trainable_parameters(model: torch.nn.Module) -> Iterator[tuple[str, torch.nn.Parameter]]:
-    return ((n, p) for n, p in model.named_parameters() if p.requires_grad)
 
 
 def count_parameters(model: torch.nn.Module) -> tuple[int, int]:

@@ -8,7 +8,6 @@ other call of the batch has finished, so the caller can retry the batch on a cle
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -18,27 +17,12 @@ import torch
 
 from areno.data import Sample
 from areno.engine.sampling import SamplingParams
-from areno.errors import ConfigError
 from areno.rewards import combine
 from areno.rollout.trajectory import Trajectory
 from areno.train.grpo import group_advantages
 
 # How long a restarting rollout worker may take to come back (it loads its model again).
 RESTART_TIMEOUT_S = 900.0
-
-
-def load_callable(spec: str, what: str) -> Callable[..., Any]:
-    module_name, sep, attr = spec.partition(":")
-    if not sep or not module_name or not attr:
-        raise ConfigError(f"{what} {spec!r} must be an import path of the form 'module:callable'")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as error:
-        raise ConfigError(f"{what} {spec!r}: cannot import {module_name!r}: {error}") from error
-    fn = getattr(module, attr, None)
-    if not callable(fn):
-        raise ConfigError(f"{what} {spec!r}: {module_name} has no callable {attr!r}")
-    return fn
 
 
 class RolloutWorkerLostError(RuntimeError):

@@ -17,6 +17,7 @@ import torch.distributed as dist
 from areno.data import SampleStream, load_samples
 from areno.engine.encoder_cache import EncoderCache
 from areno.engine.sampling import SamplingParams
+from areno.imports import import_callable
 from areno.rollout.trajectory import Trajectory
 from areno.train import checkpoint, rollouts
 from areno.train.batching import MiniBatch, plan_step
@@ -328,7 +329,7 @@ class Coordinator:
         self.stream = SampleStream(
             train, seed=config.run.seed, shuffle=data.shuffle, start_position=state.data_position
         )
-        self.reward_fn = rollouts.load_callable(config.reward, "reward")
+        self.reward_fn = import_callable(config.reward, "reward")
         r = config.rollout
         self.sampling = SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k)
         self.writer = MetricsWriter(config.run.run_dir)
