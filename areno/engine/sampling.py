@@ -8,12 +8,8 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from areno.errors import ConfigError
-
-if TYPE_CHECKING:
-    from areno.protocol import ChatCompletionRequest
 
 MAX_TOP_LOGPROBS = 20
 LOGPROBS_MODES = ("raw", "tempered")
@@ -129,25 +125,3 @@ class SamplingParams:
     def is_greedy(self) -> bool:
         """Whether tokens are chosen by argmax (temperature 0)."""
         return self.temperature == 0
-
-    @classmethod
-    def from_request(cls, request: ChatCompletionRequest) -> SamplingParams:
-        """The sampling parameters of a Chat Completions request; unset fields take defaults."""
-
-        def given(value, default):
-            return default if value is None else value
-
-        return cls(
-            temperature=given(request.temperature, 1.0),
-            top_p=given(request.top_p, 1.0),
-            top_k=given(request.top_k, -1),
-            min_p=given(request.min_p, 0.0),
-            seed=request.seed,
-            max_tokens=request.max_new_tokens,
-            stop=tuple(request.stop_sequences),
-            stop_token_ids=tuple(given(request.stop_token_ids, ())),
-            ignore_eos=request.ignore_eos,
-            n=request.n,
-            logprobs=request.logprobs,
-            top_logprobs=given(request.top_logprobs, 0),
-        )

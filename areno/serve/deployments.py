@@ -51,6 +51,7 @@ from areno.serve.openai_routes import (
     reasoning_in_play,
     tools_in_play,
 )
+from areno.serve.sampling import sampling_params
 from areno.tools import get_tool_parser
 
 # HTTP requests the Serve proxy queues for the Ingress once every Ingress replica has
@@ -392,7 +393,7 @@ class Ingress:
                     f"{self.config.model_name!r}",
                     param="model",
                 )
-            params = SamplingParams.from_request(chat)
+            params = sampling_params(chat)
             parser = self.tool_parser if tools_in_play(chat) else None
             prefix = forced_reply_prefix(chat, parser)
             encoded = await self._encode(chat)

@@ -1,4 +1,4 @@
-"""SamplingParams: validation messages, normalisation, and reading a Chat Completions request."""
+"""SamplingParams: validation messages and normalisation."""
 
 from __future__ import annotations
 
@@ -6,7 +6,6 @@ import pytest
 
 from areno.engine.sampling import SamplingParams
 from areno.errors import ArenoError, ConfigError
-from areno.protocol import parse_chat_request
 
 MESSAGES = [{"role": "user", "content": "hi"}]
 
@@ -50,53 +49,3 @@ def test_defaults_and_normalisation() -> None:
     assert hash(params) == hash(SamplingParams(top_k=-1, stop=("a", "b"), stop_token_ids=(1, 2)))
     with pytest.raises(AttributeError):
         params.temperature = 0.5  # type: ignore[misc]
-
-
-def test_from_request_reads_every_sampling_field() -> None:
-    request = parse_chat_request(
-        {
-            "messages": MESSAGES,
-            "temperature": 0.3,
-            "top_p": 0.9,
-            "top_k": 40,
-            "min_p": 0.05,
-            "seed": 11,
-            "max_tokens": 100,
-            "max_completion_tokens": 50,
-            "stop": ["</s>", "END"],
-            "stop_token_ids": [7],
-            "ignore_eos": True,
-            "n": 3,
-            "logprobs": True,
-            "top_logprobs": 5,
-        }
-    )
-    assert SamplingParams.from_request(request) == SamplingParams(
-        temperature=0.3,
-        top_p=0.9,
-        top_k=40,
-        min_p=0.05,
-        seed=11,
-        max_tokens=50,  # max_completion_tokens wins over the legacy max_tokens
-        stop=("</s>", "END"),
-        stop_token_ids=(7,),
-        ignore_eos=True,
-        n=3,
-        logprobs=True,
-        top_logprobs=5,
-    )
-
-
-def test_from_request_fills_defaults_for_unset_and_null_fields() -> None:
-    request = parse_chat_request(
-        {"messages": MESSAGES, "temperature": None, "top_p": None, "stop": "x", "n": None}
-    )
-    assert SamplingParams.from_request(request) == SamplingParams(stop=("x",))
-    minimal = SamplingParams.from_request(parse_chat_request({"messages": MESSAGES}))
-    assert minimal == SamplingParams()
-
-
-def test_from_request_greedy_and_disabled_top_k() -> None:
-    request = parse_chat_request({"messages": MESSAGES, "temperature": 0, "top_k": -1})
-    params = SamplingParams.from_request(request)
-    assert params.is_greedy and params.top_k == -1

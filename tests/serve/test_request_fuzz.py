@@ -18,7 +18,6 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from areno.engine.sampling import SamplingParams
 from areno.errors import ArenoError
 from areno.media import DecodeOptions, MediaDecoder, MediaPolicy, samples
 from areno.processing import Processor
@@ -26,6 +25,7 @@ from areno.processing.encode import PromptLimits
 from areno.protocol import parse_chat_request
 from areno.protocol.chat import RESERVED_TEMPLATE_KWARGS
 from areno.serve.openai_routes import forced_prompt_text, forced_reply_prefix, tools_in_play
+from areno.serve.sampling import sampling_params
 from areno.tools import get_tool_parser
 from tests.protocol.test_fuzz import json_safe, json_values, mutate
 
@@ -63,7 +63,7 @@ def serve_prepare(processor, decoder, parser, body: Any):
     """What the Ingress does with a body up to the Generator call; None when it is refused."""
     try:
         chat = parse_chat_request(body)
-        SamplingParams.from_request(chat)
+        sampling_params(chat)
         prefix = forced_reply_prefix(chat, parser if tools_in_play(chat) else None)
         media = decoder.decode_many(processor.media_refs(chat.messages))
         inputs = processor.encode(
