@@ -66,6 +66,8 @@ def test_rollout_and_trainer_workers_train_on_different_nodes(cluster, tiny_path
         *("--set", "rollout.num_cpus_per_worker=0.5", "--set", "trainer.num_cpus_per_worker=0.5"),
         *("--set", "rollout.resources_per_worker={rollout: 1}"),
         *("--set", "trainer.resources_per_worker={trainer: 1}"),
+        # serial steps: step 2's rollout starts once step 1's weights have crossed the nodes
+        *("--set", "rollout.max_staleness=0"),
     )
     assert "areno train: done" in result.stdout
 

@@ -58,6 +58,8 @@ def faulty_run(ray_head, tiny_path, tmp_path_factory):
         "rollout.max_restarts": 1,
         "trainer.max_failures": 1,
         "run.export_hf": False,
+        # serial steps, so that the crash lands in a known step's rollout
+        "rollout.max_staleness": 0,
     }
     args = [
         *("--config", str(CONFIG), "--model-path", str(tiny_path("qwen3_5"))),
