@@ -78,6 +78,8 @@ def run(config: GRPOConfig) -> Path:
     from ray.train.torch import TorchConfig, TorchTrainer
 
     model_path = config.model_path or _embedded_default()
+    if Path(model_path).is_dir():  # a relative path means this process's, not a worker's, cwd
+        model_path = str(Path(model_path).resolve())
     run_dir = Path(config.run.run_dir).resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
     config.run.run_dir = str(run_dir)
