@@ -6,8 +6,8 @@ long-running server's steps eventually do. Reports the graphs captured, the devi
 reserves and allocates beyond what it held before the first capture, that memory per graph, and
 the mean capture time (the first decode of a new bucket, in which every decoding request
 waits). Two systems, one after the other in one process:
-- own-logits (the baseline, the engine before session 18): each graph's logits are its own
-  output, allocated in the graphs' pool and held as long as the graph;
+- own-logits (the baseline): each graph's logits are its own output, allocated in the graphs'
+  pool and held as long as the graph;
 - shared-logits (the engine): every graph writes its logits into rows of one buffer.
 Both decode the same steps; their last logits must be equal. The decode step runs uncompiled
 unless --compile names a backend (the engine's default on CUDA is inductor; its compile takes

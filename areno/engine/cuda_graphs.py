@@ -82,7 +82,7 @@ class DecodeGraphs:
         # Every graph writes its logits into rows of this one buffer (allocated at the first
         # capture, outside the graphs' pool): a graph's own output would stay allocated as long
         # as the graph, and with a row bucket for each key-length bucket of a long context those
-        # outputs alone grew to gigabytes (docs/performance.md, "The generator engine").
+        # outputs alone grew to gigabytes (docs/performance.md, "Decode graphs").
         self._logits_RV: torch.Tensor | None = None
         self._pool = torch.cuda.graph_pool_handle() if capture else None
         self.doubling = capture and runner.decodes_in_kernel
