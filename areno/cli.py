@@ -36,7 +36,7 @@ def _make_tiny(args: argparse.Namespace) -> None:
 def _demo(args: argparse.Namespace) -> None:
     from areno.demo import run_demo
 
-    run_demo(args.model_path, family=args.family)
+    run_demo(args.model_path, family=args.family, verbose=args.verbose)
 
 
 def _serve(args: argparse.Namespace) -> None:
@@ -399,6 +399,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=DEFAULT_FAMILY,
         choices=TINY_FAMILIES,
         help="tiny family to use when --model-path is not given",
+    )
+    demo.add_argument(
+        "--verbose",
+        action="store_true",
+        help="show Ray's, Serve's and the libraries' logs on the terminal (default: in a log "
+        "file the demo names)",
     )
     demo.set_defaults(func=_demo)
     _add_serve_parser(sub)

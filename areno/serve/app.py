@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import signal
 import threading
+from collections.abc import Callable
 from typing import Any
 
 from areno.engine.config import EngineConfig
@@ -123,9 +124,45 @@ def app_builder(args: dict[str, Any]):
     return build_app(ServeConfig(engine=engine, **args))
 
 
-def run_server(config: ServeConfig, *, block: bool = True) -> None:
-    """Start (or join, via RAY_ADDRESS) Ray, deploy the app on config.host:config.port, and
-    serve until Ctrl-C / SIGTERM, then shut the app down."""
+def banner(config: ServeConfig) -> list[str]:
+    """What `areno serve` prints once the app is up: the URL, the model and its modalities, and
+    the KV pool a Generator replica built (asked from it: on CUDA the pool gets what memory the
+    replica found free)."""
+    from areno.models.registry import adapter_for_checkpoint
+
+    adapter = adapter_for_checkpoint(config.model_path)
+    modalities = ", ".join(["text", *sorted(adapter.modalities)])
+    return [
+        f"serving {config.model_name} on http://{config.host}:{config.port}/v1",
+        f"  model: {config.model_path} ({adapter.display_name}: {modalities})",
+        f"  KV pool: {_kv_pool(config)}",
+    ]
+
+
+def _kv_pool(config: ServeConfig) -> str:
+    from ray import serve
+    from ray.exceptions import RayError
+
+    block_size = config.engine.block_size
+    replicas = config.num_generator_replicas
+    where = "per Generator replica" + (f" (of {replicas})" if replicas > 1 else "")
+    handle = serve.get_deployment_handle("GeneratorServer", app_name=APP_NAME)
+    try:
+        num_blocks = handle.stats.remote().result(timeout_s=30)["num_blocks"]
+    except (RayError, TimeoutError):
+        return f"blocks of {block_size} tokens {where} (the replica's log has their number)"
+    return f"{num_blocks} blocks x {block_size} tokens = {num_blocks * block_size} tokens {where}"
+
+
+def _announce(line: str) -> None:
+    print(f"areno: {line}", flush=True)
+
+
+def run_server(
+    config: ServeConfig, *, block: bool = True, announce: Callable[[str], None] = _announce
+) -> None:
+    """Start (or join, via RAY_ADDRESS) Ray, deploy the app on config.host:config.port, announce
+    its banner, and serve until Ctrl-C / SIGTERM, then shut the app down."""
     import ray
     from ray import serve
 
@@ -133,15 +170,14 @@ def run_server(config: ServeConfig, *, block: bool = True) -> None:
         ray.init(include_dashboard=False)
     serve.start(http_options={"host": config.host, "port": config.port})
     serve.run(build_app(config), name=APP_NAME, route_prefix="/")
-    print(
-        f"areno: serving {config.model_name} on http://{config.host}:{config.port}/v1", flush=True
-    )
+    for line in banner(config):
+        announce(line)
     if not block:
         return
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     stop.wait()
-    print("areno: shutting down", flush=True)
+    announce("shutting down")
     serve.shutdown()
     ray.shutdown()
