@@ -32,9 +32,10 @@ class Block:
     line: int
 
     def command(self) -> str:
-        """The block as bash runs it from the repository root in the test's environment: the
-        README's `.venv/bin/` is the venv running the tests."""
-        return self.text.replace(".venv/bin/", f"{VENV_BIN}/")
+        """The block as bash runs it in the test's environment: the README's `.venv/bin/` is the
+        venv running the tests, and its console scripts import this checkout's code."""
+        path = f'export PYTHONPATH="{REPO}${{PYTHONPATH:+:$PYTHONPATH}}"\n'
+        return path + self.text.replace(".venv/bin/", f"{VENV_BIN}/")
 
 
 def blocks(path: Path = REPO / "README.md") -> list[Block]:

@@ -54,7 +54,7 @@ def served(ray_head, tiny_path):  # noqa: F811 (the fixture above)
     command = command.replace("/path/to/checkpoint", str(tiny_path("qwen3_5")))
     command = re.sub(r"--port \d+", f"--port {port}", command)
     process = subprocess.Popen(
-        ["bash", "-c", f"exec {command}"],
+        ["bash", "-c", command],
         cwd=REPO,
         env=ray_head.env,
         stdout=subprocess.PIPE,

@@ -8,11 +8,12 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
+
+from tests.readme import block
 
 REPO = Path(__file__).resolve().parents[2]
 LOG_LINE = re.compile(r"^areno demo: Ray, Serve and library logs go to (\S+) ")
@@ -39,10 +40,12 @@ def _session(sid: int) -> list[int]:
 
 @pytest.mark.slow
 def test_demo_prints_only_its_own_lines():
+    # the README's quick start (tests/readme.py), after its setup (CI's own first step)
+    command = block("demo").command().replace("bash scripts/setup.sh && ", "")
     env = {key: value for key, value in os.environ.items() if key != "RAY_ADDRESS"}
     env["RAY_AUTH_MODE"] = "disabled"
     process = subprocess.Popen(
-        [sys.executable, "-m", "areno.cli", "demo"],
+        ["bash", "-c", command],
         cwd=REPO,
         env=env,
         stdout=subprocess.PIPE,
