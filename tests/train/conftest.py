@@ -1,5 +1,6 @@
 """Training tests share the module-scoped Ray head of tests/ray_head.py; the trainer's own
-`Learner` runs in a one-rank gloo group of the test process (`process_group`)."""
+`Learner` runs in a one-rank gloo group of the test process (`process_group`), one for the
+session: DeepSpeed keeps the first group it is given for the life of the process."""
 
 import os
 import socket
@@ -9,7 +10,7 @@ import pytest
 from tests.ray_head import ray_head  # noqa: F401 (a fixture)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def process_group():
     import torch.distributed as dist
 
