@@ -51,7 +51,7 @@ def start_rollout_workers(config: GRPOConfig, model_path: str) -> list:
 
     Ray restarts a lost worker up to rollout.max_restarts times. Its calls are never retried by
     Ray (max_task_retries=0): the restarted process holds the initial weights, so the trainer
-    first sends it the current ones and then retries the whole step (trainer.Coordinator)."""
+    first sends it the current ones and then retries the whole step (coordinator.Coordinator)."""
     import ray
 
     spec = rollout_spec(config, model_path)

@@ -10,7 +10,8 @@ from areno.engine.outputs import RequestOutput, SampleDelta, merge_outputs
 from areno.processing.types import PromptInputs
 from areno.rollout.trajectory import Trajectory
 from areno.train.config import GRPOConfig
-from areno.train.trainer import _sampled_by, staleness_metrics
+from areno.train.coordinator import staleness_metrics
+from areno.train.trainer import _sampled_by
 
 
 def _traj(versions: list[int]) -> Trajectory:
