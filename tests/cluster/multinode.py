@@ -12,6 +12,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import pytest
+import ray
+from ray import cluster_utils
 
 from tests.ray_head import RAY_TEST_ENV as RAY_ENV
 from tests.ray_head import free_port
@@ -31,8 +33,6 @@ def loopback_cluster(nodes: dict[str, float], *, dashboard: bool = False) -> Ite
     """Start one node per entry of `nodes` (name -> CPUs; the first is the head), each with the
     custom resource `name` (amount 100, so any number of actors can ask for 1), connect this
     process as a driver, and stop everything at the end."""
-    ray = pytest.importorskip("ray")
-    cluster_utils = pytest.importorskip("ray.cluster_utils")
     patch = pytest.MonkeyPatch()
     for key, value in RAY_ENV.items():
         patch.setenv(key, value)

@@ -13,8 +13,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-
-autoscaler_util = pytest.importorskip("ray.autoscaler._private.util")
+from ray.autoscaler._private import util as autoscaler_util
 
 ROOT = Path(__file__).parents[2]
 YAMLS = sorted((ROOT / "cluster").glob("*.yaml"))

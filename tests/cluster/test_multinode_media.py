@@ -10,13 +10,12 @@ from __future__ import annotations
 import socket
 
 import pytest
+import ray
 
 from areno.media import MediaDecoder, MediaNotFoundError, MediaPolicy
 from areno.media.samples import write_image
 from areno.media.types import DecodedImage, MediaRef
 from tests.cluster.multinode import loopback_cluster
-
-ray = pytest.importorskip("ray")
 
 
 @pytest.fixture(scope="module")

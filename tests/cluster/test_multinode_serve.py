@@ -12,15 +12,13 @@ from __future__ import annotations
 import openai
 import pytest
 from PIL import Image
+from ray import serve
+from ray.util import state
 
 from areno.engine.config import EngineConfig
 from areno.serve.app import APP_NAME, build_app
 from areno.serve.config import ServeConfig
 from tests.cluster.multinode import free_port, loopback_cluster
-
-ray = pytest.importorskip("ray")
-serve = pytest.importorskip("ray.serve")
-state = pytest.importorskip("ray.util.state")
 
 MODEL = "tiny-qwen3_5"
 

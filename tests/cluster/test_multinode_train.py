@@ -14,11 +14,10 @@ import sys
 from pathlib import Path
 
 import pytest
+from ray.util import state
 
 from areno.train.metrics import read_metrics
 from tests.cluster.multinode import RAY_ENV, loopback_cluster
-
-state = pytest.importorskip("ray.util.state")
 
 REPO = Path(__file__).resolve().parents[2]
 STEPS = 2

@@ -14,12 +14,11 @@ import os
 import sys
 
 import pytest
+import ray
 import torch
 
 from areno.engine.config import EngineConfig
 from areno.engine.sampling import SamplingParams
-
-ray = pytest.importorskip("ray")
 
 pytestmark = [
     pytest.mark.gpu,

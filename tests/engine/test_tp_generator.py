@@ -8,6 +8,7 @@ import os
 import time
 
 import pytest
+import ray
 import torch
 
 from areno.engine import kv_pool
@@ -20,8 +21,6 @@ from areno.media.samples import write_audio, write_image
 from areno.models.tiny import build_tiny
 from areno.processing import Processor, process_messages
 from tests.engine.generating import arrive_together
-
-ray = pytest.importorskip("ray")
 
 PARAMS = SamplingParams(temperature=0, max_tokens=8, logprobs=True)
 

@@ -6,10 +6,9 @@ from pathlib import Path
 
 import pytest
 import yaml
+from ray.serve import schema as serve_schema
 
 from areno.serve.app import app_builder
-
-serve_schema = pytest.importorskip("ray.serve.schema")
 
 CONFIGS = sorted((Path(__file__).parents[2] / "deployments").glob("*.yaml"))
 

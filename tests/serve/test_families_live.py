@@ -23,6 +23,8 @@ from pathlib import Path
 
 import openai
 import pytest
+import ray
+from ray import serve
 
 from areno.engine.config import EngineConfig
 from areno.media.samples import write_audio, write_image, write_video
@@ -32,9 +34,6 @@ from areno.serve.openai_routes import forced_prompt_text
 from areno.tools import opens_reasoning
 from areno.train.sft import SFTConfig, sft
 from tests.tools.test_round_trip import render_assistant_turn
-
-ray = pytest.importorskip("ray")
-serve = pytest.importorskip("ray.serve")
 
 FAMILIES = ("qwen3_5", "minicpmv4_6", "qwen3_vl")
 VISUAL = ("image", "video")

@@ -26,15 +26,14 @@ from typing import Any
 
 import openai
 import pytest
+import ray
+from ray import serve
 
 from areno.engine.config import EngineConfig
 from areno.engine.tp_executor import FOLLOWER_NAME_PREFIX
 from areno.media.samples import write_image
 from areno.serve.app import build_app
 from areno.serve.config import ServeConfig
-
-ray = pytest.importorskip("ray")
-serve = pytest.importorskip("ray.serve")
 
 APP = "faults"
 TP_APP = "faults-tp"

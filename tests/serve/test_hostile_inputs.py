@@ -17,6 +17,7 @@ from __future__ import annotations
 import base64
 import dataclasses
 import glob
+import http.client
 import http.server
 import json
 import os
@@ -29,7 +30,10 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+import psutil
 import pytest
+import ray
+from ray import serve
 
 from areno.engine.config import EngineConfig
 from areno.serve.app import build_app
@@ -47,11 +51,6 @@ from tests.serve.hostile_requests import (
     data_url,
     media,
 )
-
-ray = pytest.importorskip("ray")
-serve = pytest.importorskip("ray.serve")
-httpx = pytest.importorskip("httpx")
-psutil = pytest.importorskip("psutil")
 
 APP = "hostile"
 MAX_PROMPT_TOKENS = 900
@@ -145,11 +144,9 @@ def ctx(tiny_path, tmp_path_factory):
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         serve.run(build_app(config), name=APP, route_prefix="/")
-        client = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=120)
         loopback_port = loopback.server_address[1]
         yield SimpleNamespace(
             port=port,
-            client=client,
             root=str(root),
             outside=str(outside),
             outside_name=outside.name,
@@ -159,7 +156,6 @@ def ctx(tiny_path, tmp_path_factory):
             public=f"http://{PUBLIC_STAND_IN}:{public.server_address[1]}",
             baseline_rss={},
         )
-        client.close()
     finally:
         serve.shutdown()
         ray.shutdown()
@@ -215,8 +211,13 @@ def send(ctx, request: Req) -> tuple[int, dict]:
     headers = {"Authorization": f"Bearer {API_KEY}"} if request.auth else {}
     headers.update(request.headers)
     content = request.body if request.json is None else json.dumps(request.json).encode()
-    response = ctx.client.request(request.method, request.path, content=content, headers=headers)
-    return response.status_code, response.json()
+    connection = http.client.HTTPConnection("127.0.0.1", ctx.port, timeout=120)
+    try:
+        connection.request(request.method, request.path, body=content, headers=headers)
+        response = connection.getresponse()
+        return response.status, json.loads(response.read())
+    finally:
+        connection.close()
 
 
 def ok_request(ctx, content: Any = "Still there?") -> dict:

@@ -16,14 +16,13 @@ from pathlib import Path
 
 import openai
 import pytest
+import ray
+from ray import serve
 
 from areno.engine.config import EngineConfig
 from areno.media.samples import write_audio, write_image, write_video
 from areno.serve.app import APP_NAME, build_app
 from areno.serve.config import ServeConfig
-
-ray = pytest.importorskip("ray")
-serve = pytest.importorskip("ray.serve")
 
 MAX_PROMPT_TOKENS = 900
 GUARDED_MAX_QUEUED = 1  # the guarded app: 2 running + 1 waiting, then 429
