@@ -270,6 +270,7 @@ def _train(args: argparse.Namespace) -> None:
 
 def _sft(args: argparse.Namespace) -> None:
     from areno.models.tiny import DEFAULT_FAMILY, tiny_checkpoint
+    from areno.train.lora import LoraConfig
     from areno.train.sft import SFTConfig, sft
 
     kwargs = {k: _parse_value(v) for k, v in (i.split("=", 1) for i in args.loader_arg or [])}
@@ -287,6 +288,9 @@ def _sft(args: argparse.Namespace) -> None:
         batch_size=args.batch_size,
         lr=args.lr,
         seed=args.seed,
+        lora=LoraConfig(
+            rank=args.lora_rank, alpha=args.lora_alpha, target_modules=args.lora_target_modules
+        ),
     )
     print(f"areno sft: wrote {sft(config)}")
 
@@ -351,6 +355,19 @@ def _add_train_parsers(sub) -> None:
     sft.add_argument("--batch-size", type=int, default=8)
     sft.add_argument("--lr", type=float, default=1e-3)
     sft.add_argument("--seed", type=int, default=0)
+    sft.add_argument(
+        "--lora-rank",
+        type=int,
+        default=0,
+        help="train LoRA adapters of this rank (0: every weight)",
+    )
+    sft.add_argument("--lora-alpha", type=float, default=16.0)
+    sft.add_argument(
+        "--lora-target-modules",
+        nargs="+",
+        metavar="NAME",
+        help="linear layers to adapt, by last name (default: every one of the language model)",
+    )
     sft.set_defaults(func=_sft)
 
     plot = sub.add_parser("plot", help="PNG curves of a training run's metrics")
