@@ -34,12 +34,8 @@ def check_config(config: ServeConfig) -> None:
 
 def build_app(config: ServeConfig):
     """The Ingress bound to its MediaDecoder, Processor and Generator deployments."""
-    from areno.serve.deployments import (
-        GeneratorServer,
-        Ingress,
-        MediaDecoderServer,
-        ProcessorServer,
-    )
+    from areno.serve.ingress import Ingress
+    from areno.serve.workers import GeneratorServer, MediaDecoderServer, ProcessorServer
 
     check_config(config)
     decoder = MediaDecoderServer.options(

@@ -345,7 +345,7 @@ def _routes(routes):
 def test_api_key_is_required_on_every_route_but_health(server):
     import httpx2
 
-    from areno.serve.deployments import api
+    from areno.serve.ingress import api
 
     base = str(guarded_client(server).base_url).rstrip("/")
     with pytest.raises(openai.AuthenticationError):
