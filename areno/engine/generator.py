@@ -407,6 +407,17 @@ class Generator:
 
         self._submit(run).result()
 
+    def add_adapters(self, adapters: Mapping[str, str | os.PathLike]) -> None:
+        """Load LoRA adapters (name -> PEFT adapter directory) before serving; blocks until
+        they are loaded. Raises LoraError naming the one that does not fit."""
+        loaded = {name: LoraWeights.from_dir(path) for name, path in adapters.items()}
+
+        def load() -> None:
+            for name, weights in loaded.items():
+                self.core.executor.worker.load_adapter(name, weights)
+
+        self._submit(load).result()
+
     def check_health(self) -> None:
         """Raise EngineDeadError if the engine can no longer step: its thread is gone, or (tensor
         parallel) a follower rank stopped. Any thread may call it; Serve's replica health check

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from areno.engine.transfer import to_device
 from areno.errors import ArenoError
 
 ADAPTER_CONFIG = "adapter_config.json"
@@ -115,7 +116,9 @@ class _Layer:
 
 class LoraLayers:
     """`max_adapters` adapter slots of rank up to `max_rank` beside every linear layer of
-    `text_stack`; the runner says which adapter each row of a forward runs with (`set_rows`)."""
+    `text_stack`; the runner says which adapter each row of a forward runs with (`set_rows`).
+    Active only inside `with` (the runner's forwards): the model's own forwards elsewhere (a
+    trainer's, a reference's) never see the adapters. `release()` removes them."""
 
     def __init__(
         self,
@@ -130,10 +133,12 @@ class LoraLayers:
         width = max_adapters * max_rank
         stack_ids = {id(m) for m in text_stack.modules()}
         self.layers: dict[str, _Layer] = {}
+        self._hooks = []
+        self._depth = 0
         for name, module in model.named_modules():
             if id(module) in stack_ids and isinstance(module, torch.nn.Linear):
                 layer = self.layers[name] = _Layer(module, width)
-                module.register_forward_hook(self._hook(layer))
+                self._hooks.append(module.register_forward_hook(self._hook(layer)))
         device = next(model.parameters()).device
         dtype = next(model.parameters()).dtype
         # Column c belongs to adapter index 1 + c // max_rank (0 is the base model).
@@ -143,6 +148,8 @@ class LoraLayers:
 
     def _hook(self, layer: _Layer):
         def add_adapters(module, args, output):
+            if not self._depth:
+                return output
             x = args[0]  # (rows, tokens, in), or (rows, in) in a decode step's own kernels
             mask = self.mask[: x.shape[0]]
             if x.dim() == 2:
@@ -150,6 +157,20 @@ class LoraLayers:
             return output + ((x @ layer.a) * mask) @ layer.b
 
         return add_adapters
+
+    def __enter__(self) -> LoraLayers:
+        self._depth += 1
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._depth -= 1
+
+    def release(self) -> None:
+        """Take the adapters off the model's layers for good."""
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
+        self.layers = {}
 
     def load(self, name: str, weights: LoraWeights) -> int:
         """Write adapter `name`'s factors into its slot (a new one, or the slot it has: an
@@ -207,7 +228,8 @@ class LoraLayers:
     def set_rows(self, indices: list[int] | torch.Tensor) -> None:
         """Row i of the next forwards runs with adapter `indices[i]`; rows past them (a padded
         graph's) with none."""
-        indices = torch.as_tensor(indices, device=self._owner.device)
+        if not isinstance(indices, torch.Tensor):
+            indices = to_device(torch.tensor(indices), self._owner.device)
         rows = len(indices)
         self.mask[:rows, 0] = (self._owner[None, :] == indices[:, None]).to(self.mask.dtype)
         self.mask[rows:].zero_()

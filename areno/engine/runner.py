@@ -188,6 +188,8 @@ class ModelRunner:
             stack.enter_context(self.linears)
         if self.fused is not None:
             stack.enter_context(self.fused)
+        if self.lora is not None:
+            stack.enter_context(self.lora)
         if self.device.type == "cuda":
             stack.enter_context(sdpa_kernel(_CUDA_ATTENTION))
         return stack

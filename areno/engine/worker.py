@@ -303,10 +303,13 @@ class Worker:
         return self.runner.device
 
     def release_cache(self) -> None:
-        """Let the KV pool and the decode graphs go (the engine is shutting down): a pool sized
-        to most of a GPU must not outlive its engine until a garbage collection finds it."""
+        """Let the KV pool, the decode graphs and the LoRA layers go (the engine is shutting
+        down): a pool sized to most of a GPU must not outlive its engine until a garbage
+        collection finds it."""
         self.release_graphs()
         self.runner.release_cache()
+        if self.runner.lora is not None:  # the model may serve another engine next
+            self.runner.lora.release()
 
     def release_graphs(self) -> None:
         """Drop captured decode graphs (before leaving a TP group; see DecodeGraphs.release)."""

@@ -11,6 +11,7 @@ SSE from that one `PreparedChat`.
 # annotations at runtime, and string annotations made `request: Request` a required query field.
 import asyncio
 import concurrent.futures
+import dataclasses
 import functools
 import hmac
 import time
@@ -135,12 +136,14 @@ class Ingress:
     async def models(self, request: Request):
         if (denied := self._check_key(request)) is not None:
             return denied
-        card = ModelCard(
-            id=self.config.model_name,
-            root=self.config.model_path,
-            max_model_len=self.config.engine.max_context_len,
-        )
-        return JSONResponse(ModelList(data=[card]).model_dump(exclude_none=True))
+        config = self.config
+        max_len = config.engine.max_context_len
+        cards = [ModelCard(id=config.model_name, root=config.model_path, max_model_len=max_len)]
+        cards += [
+            ModelCard(id=name, root=path, parent=config.model_name, max_model_len=max_len)
+            for name, path in config.lora_adapters.items()
+        ]
+        return JSONResponse(ModelList(data=cards).model_dump(exclude_none=True))
 
     @api.post("/v1/chat/completions")
     async def chat_completions(self, request: Request):
@@ -149,13 +152,10 @@ class Ingress:
         arrival = time.perf_counter()
         try:
             chat = parse_chat_request(await read_body(request))
-            if chat.model is not None and chat.model != self.config.model_name:
-                raise ModelNotFoundError(
-                    f"model {chat.model!r} is not served here; this server serves "
-                    f"{self.config.model_name!r}",
-                    param="model",
-                )
+            model = self._model(chat.model)
             params = sampling_params(chat)  # refused before the prompt is encoded
+            if model in self.config.lora_adapters:
+                params = dataclasses.replace(params, adapter=model)
             encoded = await self._encode(chat)
             prepared = prepare(chat, params, encoded, self.tool_parser, self.tokenizer)
             request_id = uuid.uuid4().hex
@@ -163,22 +163,35 @@ class Ingress:
                 merged = await self.generator_unary.generate_all.remote(
                     prepared.inputs, prepared.params, request_id
                 )
-                return self._respond(prepared, merged, arrival)
+                return self._respond(prepared, model, merged, arrival)
             stream = self.generator.generate.remote(prepared.inputs, prepared.params, request_id)
             first = await stream.__anext__()  # request-level errors surface before any byte
         except Exception as e:  # noqa: BLE001 - every failure becomes an OpenAI error response
             return self._error(e)
         first_token_at = time.perf_counter()
         self.metrics.time_to_first_token.observe(first_token_at - arrival)
-        writer = ChunkWriter(prepared, self.config.model_name, self.tokenizer)
+        writer = ChunkWriter(prepared, model, self.tokenizer)
         return StreamingResponse(
             self._sse(writer, first, stream, first_token_at), media_type="text/event-stream"
         )
 
-    def _respond(self, prepared: PreparedChat, merged, arrival: float) -> JSONResponse:
+    def _model(self, requested: str | None) -> str:
+        """The model a request runs on: the base model (named, or not named at all) or a LoRA
+        adapter served beside it (`--lora`)."""
+        if requested is None:
+            return self.config.model_name
+        if requested not in self.config.model_names:
+            served = ", ".join(repr(name) for name in self.config.model_names)
+            raise ModelNotFoundError(
+                f"model {requested!r} is not served here; this server serves {served}",
+                param="model",
+            )
+        return requested
+
+    def _respond(self, prepared: PreparedChat, model: str, merged, arrival: float) -> JSONResponse:
         """The JSON answer of a non-streaming request (its tokens/s include the prefill: the
         first token's time is not known here)."""
-        response = build_response(prepared, self.config.model_name, merged, self.tokenizer)
+        response = build_response(prepared, model, merged, self.tokenizer)
         malformed = num_malformed_tool_calls(prepared, merged)
         self.metrics.record(prepared, response.model_dump(), arrival, malformed)
         return JSONResponse(response.model_dump(exclude_none=True))

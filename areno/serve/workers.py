@@ -97,6 +97,7 @@ class GeneratorServer:
         limits = PromptLimits(config.max_prompt_tokens, config.engine.max_context_len)
         start_up_prompts = warm_up_prompts(Processor(config.model_path, limits=limits))
         self.generator = Generator.from_config(config.model_path, config.engine)
+        self.generator.add_adapters(config.lora_adapters)  # --lora
         # Each media tower's first forward, here rather than in a user's first request of it.
         self.generator.warm_up(start_up_prompts)
         self.admission = Admission(config.engine.max_running_prompts, config.queue_limit)

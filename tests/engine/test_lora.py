@@ -97,6 +97,7 @@ def test_an_update_in_place_and_the_policy_default(setups, adapters):
     prompt = setup.encode(text("Count with me: one, two,"))
     first_dir, first = adapters["first"]
     second_dir, second = adapters["second"]
+    base = setup.reference(prompt, GREEDY.max_tokens)
     gen = setup.generator(max_loras=1, max_lora_rank=8)
 
     async def main():
@@ -113,6 +114,8 @@ def test_an_update_in_place_and_the_policy_default(setups, adapters):
     assert a == _reference(first, prompt, GREEDY.max_tokens)
     assert b == _reference(second, prompt, GREEDY.max_tokens)
     assert version == 2
+    # the engine's adapters left with it: the shared model's own forward is the base again
+    assert setup.reference(prompt, GREEDY.max_tokens) == base != a
 
 
 def test_adapters_that_do_not_fit_are_refused(setups, adapters):
