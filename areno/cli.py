@@ -62,6 +62,8 @@ def _serve(args: argparse.Namespace) -> None:
         prefill_compile=args.prefill_compile,
         overlap_steps=args.overlap_steps,
         fuse_projections=args.fuse_projections,
+        max_loras=args.max_loras,
+        max_lora_rank=args.max_lora_rank,
     )
     config = ServeConfig(
         model_path=model_path,
@@ -79,8 +81,20 @@ def _serve(args: argparse.Namespace) -> None:
         allow_private_network_media=args.allow_private_network_media,
         max_queued_requests=args.max_queued_requests,
         deployment_resources=_json_flag("--deployment-resources", args.deployment_resources),
+        lora_adapters=_pairs("--lora", args.lora),
     )
     run_server(config)
+
+
+def _pairs(flag: str, items: list[str] | None) -> dict[str, str]:
+    """NAME=VALUE flags (repeated) as a mapping."""
+    pairs = {}
+    for item in items or []:
+        name, sep, value = item.partition("=")
+        if not sep or not name or not value:
+            raise ArenoError(f"{flag} takes NAME=PATH; got {item!r}")
+        pairs[name] = value
+    return pairs
 
 
 def _json_flag(flag: str, text: str | None):
@@ -183,6 +197,22 @@ def _add_serve_parser(sub) -> None:
         "with --tp-size 1)",
     )
     serve.add_argument(
+        "--lora",
+        action="append",
+        metavar="NAME=PATH",
+        help="serve a LoRA adapter (a PEFT adapter directory) beside the base model; requests "
+        "pick it with model=NAME (repeatable)",
+    )
+    serve.add_argument(
+        "--max-loras",
+        type=int,
+        default=0,
+        help="LoRA adapters the engine holds (default: as many as --lora names)",
+    )
+    serve.add_argument(
+        "--max-lora-rank", type=int, default=16, help="the largest LoRA rank the engine takes"
+    )
+    serve.add_argument(
         "--fuse-projections",
         default="auto",
         choices=["auto", "on", "off"],
@@ -212,9 +242,15 @@ def _add_serve_parser(sub) -> None:
 
 
 def _parse_value(text: str):
+    """A flag's value as YAML reads it, except that 1e-2 is a number (YAML 1.1 wants 1.0e-2)."""
+    import re
+
     import yaml
 
-    return yaml.safe_load(text)
+    value = yaml.safe_load(text)
+    if isinstance(value, str) and re.fullmatch(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+", value):
+        return float(value)
+    return value
 
 
 # `areno train` flags that override a field of the config file (flag dest -> dotted field).
@@ -270,6 +306,7 @@ def _train(args: argparse.Namespace) -> None:
 
 def _sft(args: argparse.Namespace) -> None:
     from areno.models.tiny import DEFAULT_FAMILY, tiny_checkpoint
+    from areno.train.lora import LoraConfig
     from areno.train.sft import SFTConfig, sft
 
     kwargs = {k: _parse_value(v) for k, v in (i.split("=", 1) for i in args.loader_arg or [])}
@@ -287,6 +324,9 @@ def _sft(args: argparse.Namespace) -> None:
         batch_size=args.batch_size,
         lr=args.lr,
         seed=args.seed,
+        lora=LoraConfig(
+            rank=args.lora_rank, alpha=args.lora_alpha, target_modules=args.lora_target_modules
+        ),
     )
     print(f"areno sft: wrote {sft(config)}")
 
@@ -351,6 +391,19 @@ def _add_train_parsers(sub) -> None:
     sft.add_argument("--batch-size", type=int, default=8)
     sft.add_argument("--lr", type=float, default=1e-3)
     sft.add_argument("--seed", type=int, default=0)
+    sft.add_argument(
+        "--lora-rank",
+        type=int,
+        default=0,
+        help="train LoRA adapters of this rank (0: every weight)",
+    )
+    sft.add_argument("--lora-alpha", type=float, default=16.0)
+    sft.add_argument(
+        "--lora-target-modules",
+        nargs="+",
+        metavar="NAME",
+        help="linear layers to adapt, by last name (default: every one of the language model)",
+    )
     sft.set_defaults(func=_sft)
 
     plot = sub.add_parser("plot", help="PNG curves of a training run's metrics")

@@ -18,6 +18,7 @@ VENV_BIN = Path(sys.executable).parent
 TESTED_BY = {
     "demo": "tests/serve/test_demo_output.py",
     "color_quiz": "tests/train/test_grpo_run.py::test_grpo_learns_the_color_quiz",
+    "lora": "tests/train/test_grpo_run.py::test_lora_grpo_learns_the_color_quiz",
 }
 _FENCE = re.compile(r"^```(\w*)\n(.*?)^```$", re.M | re.S)
 _MARKER = re.compile(r"<!-- check: (run|test|ci) (\w+) -->\n$")

@@ -89,6 +89,9 @@ class EngineConfig:
         on a token then decodes one wasted step; its output is the same. On an H200 it took the
         Qwen3-1.7B shape from 10.7k to 13.4k tok/s and the Qwen3.5-2B hybrid from 9.5k to 11.8k
         (docs/performance.md, "The generator engine"); on CPU, where nothing overlaps, it gains nothing.
+    max_loras: LoRA adapters the engine can hold beside its base weights (`--max-loras`);
+        0: none, and no low-rank path runs (areno/engine/lora.py). Needs tp_size 1.
+    max_lora_rank: the largest adapter rank it takes (`--max-lora-rank`).
     """
 
     tp_size: int = 1
@@ -110,12 +113,26 @@ class EngineConfig:
     cpu_packed_linear: bool = True
     overlap_steps: str = "auto"
     fuse_projections: str = "auto"
+    max_loras: int = 0
+    max_lora_rank: int = 16
 
     def __post_init__(self) -> None:
-        for name in ("tp_size", "max_running_prompts", "max_prefill_tokens_per_step", "block_size"):
+        names = ("tp_size", "max_running_prompts", "max_prefill_tokens_per_step", "block_size")
+        for name in (*names, "max_lora_rank"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"{name} must be an integer >= 1; got {value!r}", param=name)
+        loras = self.max_loras
+        if isinstance(loras, bool) or not isinstance(loras, int) or loras < 0:
+            raise ConfigError(
+                f"max_loras must be an integer >= 0; got {loras!r}", param="max_loras"
+            )
+        if loras and self.tp_size > 1:
+            raise ConfigError(
+                "LoRA adapters (max_loras > 0) need tp_size 1: the low-rank path does not shard "
+                "its factors over a tensor-parallel group yet",
+                param="max_loras",
+            )
         rows = self.prefix_state_rows
         if rows is not None and (isinstance(rows, bool) or not isinstance(rows, int) or rows < 0):
             raise ConfigError(

@@ -100,6 +100,7 @@ class EngineCore:
     def check_request(self, inputs: PromptInputs, params: SamplingParams) -> None:
         """Raise the error `add_request` would raise for a request that can never run."""
         self.scheduler.check_fits(inputs.num_prompt_tokens)
+        self.executor.worker.adapter_index(params.adapter)  # LoraError: not loaded
 
     def add_request(self, request_id: str, inputs: PromptInputs, params: SamplingParams) -> None:
         """Queue a request; its outputs come from later `step()` calls."""
@@ -189,6 +190,7 @@ class EngineCore:
                     item.restore_row,
                     item.copy_block,
                     item.save,
+                    item.seqs[0].params.adapter,
                 )
             )
             if item.is_final:

@@ -31,6 +31,7 @@ from areno.engine.config import (
 from areno.engine.core import EngineCore
 from areno.engine.executor import Executor, LocalExecutor
 from areno.engine.ipc import CudaIpcWeights
+from areno.engine.lora import POLICY_ADAPTER, LoraWeights
 from areno.engine.openmp import release_thread_pool
 from areno.engine.outputs import RequestOutput, merge_outputs
 from areno.engine.parallel import load_model_for_rank
@@ -305,10 +306,13 @@ class Generator:
         """Stop a request; its stream ends with finish_reason "abort"."""
         await self._call(lambda: self._deliver([self.core.abort(request_id)]))
 
-    async def score(self, inputs: PromptInputs) -> list[float]:
+    async def score(self, inputs: PromptInputs, adapter: str | None = None) -> list[float]:
         """Log-probabilities of tokens 1..N-1 of `inputs` (the prompt plus a continuation, with
-        the prompt's media) under the current weights: one full forward, no cache."""
-        return await self._call(lambda: self.core.executor.score(inputs))
+        the prompt's media) under the current weights (with LoRA adapter `adapter`; None: the
+        default): one full forward, no cache."""
+        if adapter is None and self.core.executor.worker.default_adapter is None:
+            return await self._call(lambda: self.core.executor.score(inputs))
+        return await self._call(lambda: self.core.executor.worker.score(inputs, adapter))
 
     async def update_weights(
         self,
@@ -318,11 +322,14 @@ class Generator:
         """Load new weights in place between two steps and set `policy_version`.
 
         `weights` maps parameter names to full tensors (or is an iterable of pairs, a Ray object
-        ref to either, or `CudaIpcWeights` shared from a process on this GPU). Requests in flight
+        ref to either, or `CudaIpcWeights` shared from a process on this GPU), or is a LoRA
+        policy's `LoraWeights` (see `load_adapter`). Requests in flight
         continue on the new weights; pause first to keep a rollout on one version. Returns the
         number of tensors loaded.
         """
         weights = _resolve(weights)
+        if isinstance(weights, LoraWeights):
+            return await self.load_adapter(POLICY_ADAPTER, weights, version=version)
         if isinstance(weights, CudaIpcWeights):
             weights = weights.open()
         pairs = list(weights.items()) if isinstance(weights, Mapping) else list(weights)
@@ -331,6 +338,27 @@ class Generator:
             count = self.core.executor.load_weights(pairs)
             self.core.scheduler.forget_cached()  # keys and states of the old weights
             self.core.policy_version = version
+            return count
+
+        return await self._call(load)
+
+    async def load_adapter(
+        self, name: str, weights: LoraWeights | str | os.PathLike, *, version: int | None = None
+    ) -> int:
+        """Load LoRA adapter `name` (its factors, or a PEFT adapter directory) between two
+        steps, or update it in place; requests pick it with `SamplingParams.adapter`. With
+        `version` (an RL weight sync of a LoRA policy) it becomes the default adapter, which
+        requests naming none run with, and the engine takes that policy version. Returns the
+        number of adapted layers."""
+        if not isinstance(weights, LoraWeights):
+            weights = LoraWeights.from_dir(weights)
+        default = version is not None
+
+        def load() -> int:
+            count = self.core.executor.worker.load_adapter(name, weights, default=default)
+            self.core.scheduler.forget_cached()  # keys and states of the adapter's old factors
+            if default:
+                self.core.policy_version = version
             return count
 
         return await self._call(load)
@@ -378,6 +406,17 @@ class Generator:
                     ) from error
 
         self._submit(run).result()
+
+    def add_adapters(self, adapters: Mapping[str, str | os.PathLike]) -> None:
+        """Load LoRA adapters (name -> PEFT adapter directory) before serving; blocks until
+        they are loaded. Raises LoraError naming the one that does not fit."""
+        loaded = {name: LoraWeights.from_dir(path) for name, path in adapters.items()}
+
+        def load() -> None:
+            for name, weights in loaded.items():
+                self.core.executor.worker.load_adapter(name, weights)
+
+        self._submit(load).result()
 
     def check_health(self) -> None:
         """Raise EngineDeadError if the engine can no longer step: its thread is gone, or (tensor

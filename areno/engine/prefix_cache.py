@@ -54,7 +54,7 @@ class PrefixCache:
                 (first - start, last - start, key)
                 for first, last, key in self.groups[seq.request_id].media_keys()
             ]
-            parent = seq.block_hashes[-1] if known else b""
+            parent = seq.block_hashes[-1] if known else _root(seq)
             tokens = seq.token_ids[start : num_blocks * size]
             seq.block_hashes += block_hashes(tokens, size, media, parent)
         return seq.block_hashes[:num_blocks]
@@ -66,7 +66,7 @@ class PrefixCache:
         media = [
             (a - first, b - first, key) for a, b, key in self.groups[seq.request_id].media_keys()
         ]
-        parent = self.hashes(seq, first // self.block_size)[-1] if first else b""
+        parent = self.hashes(seq, first // self.block_size)[-1] if first else _root(seq)
         return partial_block_hash(seq.token_ids[first:num_tokens], media, parent)
 
     def register(self, seq: Sequence, computed: int | None = None) -> None:
@@ -103,7 +103,7 @@ class PrefixCache:
             return blocks, None
         for k in range(len(blocks), -1, -1):
             best = None
-            for point in self.states.after(hashes[k - 1] if k else b""):
+            for point in self.states.after(hashes[k - 1] if k else _root(seq)):
                 end = point.num_tokens
                 if end > limit or inside_run(group, end):
                     continue
@@ -176,7 +176,7 @@ class PrefixCache:
         if end % size:
             tail = self._tail_hash(seq, end)
             self.blocks.register(seq.block_ids[end // size], tail)
-        parent = self.hashes(seq, end // size)[-1] if end >= size else b""
+        parent = self.hashes(seq, end // size)[-1] if end >= size else _root(seq)
         point = self.states.add(parent, end, tail)
         if point is not None:
             self._saves.append((seq.slot, point.row))
@@ -199,6 +199,13 @@ class PrefixCache:
         self._epoch += 1  # running sequences keep their keys but never cache them
         for seq in running:
             seq.state_save = None  # its row may go to a new point
+
+
+def _root(seq: Sequence) -> bytes:
+    """The parent of a sequence's first block hash: the keys of a LoRA adapter's requests are
+    not the base model's (nor another adapter's), so each adapter has its own hash chains."""
+    adapter = seq.params.adapter
+    return b"" if adapter is None else b"lora:" + adapter.encode()
 
 
 def _is_prefilling(seq: Sequence) -> bool:

@@ -37,6 +37,7 @@ from areno.engine.encoder_cache import EncoderCache
 from areno.engine.fused_linear import FusedLinears
 from areno.engine.kernels.decode_attention import fits_heads
 from areno.engine.linear_attention import EngineKernels
+from areno.engine.lora import LoraLayers
 from areno.engine.prompt_chunks import (
     StagedPrompt,
     bidirectional_groups,
@@ -71,6 +72,8 @@ class ModelRunner:
         fuse_projections: bool = False,
         state_rows: int = 0,
         encoder_cache_bytes: int = 0,
+        max_loras: int = 0,
+        max_lora_rank: int = 16,
     ):
         """`num_blocks` KV blocks of `block_size` tokens (None: as many as give every slot
         `max_len` tokens, the blocks a slot's default table lists: see `default_table`).
@@ -85,7 +88,9 @@ class ModelRunner:
         where the layers are packed; areno/engine/fused_linear.py). `state_rows`: spare rows of
         slot state (linear-attention states, sliding rings) that the prefix cache saves states
         in (areno/engine/state_cache.py); none where every layer keeps only keys.
-        `encoder_cache_bytes`: media tower outputs kept by content (encoder_cache.py)."""
+        `encoder_cache_bytes`: media tower outputs kept by content (encoder_cache.py).
+        `max_loras`, `max_lora_rank`: LoRA adapter slots beside the text stack's linear layers
+        (areno/engine/lora.py); a slot runs the adapter `assign_adapter` gave it."""
         if graphs not in GRAPH_MODES:
             raise ValueError(f"graphs must be one of {GRAPH_MODES}; got {graphs!r}")
         for name, mode in (("compile", compile), ("prefill_compile", prefill_compile)):
@@ -150,6 +155,16 @@ class ModelRunner:
             None if prefill_compile == "off" else prefill_compile,
             "the batched prefill",
         )
+        self.lora = None
+        if max_loras:
+            self.lora = LoraLayers(
+                model,
+                self._text_stack,
+                max_adapters=max_loras,
+                max_rank=max_lora_rank,
+                max_rows=num_slots,
+            )
+        self.adapter_of = [0] * num_slots  # each slot's adapter index (0: the base model)
         self.fused = FusedLinears.of(self._text_stack) if fuse_projections else None
         self.linears = None
         if packed_linear and can_pack(model):
@@ -173,6 +188,8 @@ class ModelRunner:
             stack.enter_context(self.linears)
         if self.fused is not None:
             stack.enter_context(self.fused)
+        if self.lora is not None:
+            stack.enter_context(self.lora)
         if self.device.type == "cuda":
             stack.enter_context(sdpa_kernel(_CUDA_ATTENTION))
         return stack
@@ -336,6 +353,7 @@ class ModelRunner:
         self.cache.bind(BatchBinding(first_slot, positions, n, tables), is_prefill=True)
         if self.uses_mrope:
             self.model.model.rope_deltas = None
+        self._adapter_rows(slots[:1])
         model_inputs = {k: to_device(v, self.device) for k, v in inputs.model_inputs().items()}
         with self._engine_context(), staging, self.encoders.around(inputs.mm_spans):
             out = self.model(
@@ -404,6 +422,7 @@ class ModelRunner:
             if key != "attention_mask"
         }
         last = last_real_positions(self._text_stack, self._prefill_stack, lengths_B - 1)
+        self._adapter_rows(first)
         with self._engine_context(), last:
             out = self.model(
                 **model_inputs, past_key_values=self.cache, use_cache=True, logits_to_keep=1
@@ -452,6 +471,7 @@ class ModelRunner:
         # The model's own positions for its forward (the stack takes the kept ones): (4, 1, L)
         # or (1, L), one row of L positions.
         position_ids = self.position_ids(pos_Q, delta.expand(len(pos_Q))).transpose(-1, -2)
+        self._adapter_rows([slot])
         with self._engine_context(), stack_inputs(self._text_stack, staged.cut(start, end)):
             out = self.model(
                 input_ids=ids,
@@ -573,6 +593,7 @@ class ModelRunner:
         (num_slots,), row i feeds `token_ids[slots[i]]`."""
         if block_tables is not None:
             self.set_tables(slots, block_tables, new=False)
+        self._adapter_rows(slots)
         with self._engine_context():
             if self.graphs is not None:
                 return self.graphs.decode(slots, positions, token_ids)
@@ -610,6 +631,17 @@ class ModelRunner:
         self.cache.commit()
         return out.logits[:, -1].float()
 
+    def assign_adapter(self, slots: list[int], index: int) -> None:
+        """The sequences in `slots` run with adapter `index` (LoraLayers'; 0: the base model)
+        from their prefill on."""
+        for slot in slots:
+            self.adapter_of[slot] = index
+
+    def _adapter_rows(self, slots: list[int]) -> None:
+        """Row i of the next forward runs with the adapter of `slots[i]`."""
+        if self.lora is not None:
+            self.lora.set_rows([self.adapter_of[slot] for slot in slots])
+
     def attention_tables(self, tables_BN: torch.Tensor, slots_B: torch.Tensor | None):
         """The block tables a forward's attention reads through: `tables_BN`, or with
         sliding-window layers a mapping by layer kind whose sliding tables are the rows' rings
@@ -639,11 +671,13 @@ class ModelRunner:
         return {"full_attention": full, "sliding_attention": full & recent}
 
     @torch.inference_mode()
-    def score(self, inputs: PromptInputs) -> torch.Tensor:
-        """Log-probabilities of tokens 1..N-1 of `inputs` under the model, from one full forward
-        without the slot cache (N-1,)."""
+    def score(self, inputs: PromptInputs, adapter: int = 0) -> torch.Tensor:
+        """Log-probabilities of tokens 1..N-1 of `inputs` under the model (with adapter index
+        `adapter`), from one full forward without the slot cache (N-1,)."""
         if self.uses_mrope:
             self.model.model.rope_deltas = None
+        if self.lora is not None:
+            self.lora.set_rows([adapter])
         model_inputs = {k: v.to(self.device) for k, v in inputs.model_inputs().items()}
         with self._engine_context():
             logits_NV = self.model(**model_inputs, use_cache=False).logits[0, :-1].float()

@@ -52,6 +52,9 @@ class SamplingParams:
     detokenize: produce text; off for token-only work (benchmarks, scoring), not with `stop`.
     skip_special_tokens: leave special tokens out of the text; off when a tool-call parser must
         see tags that are special tokens. A stop token's own text is never part of the output.
+    adapter: the LoRA adapter the request runs with, by the name it was loaded under
+        (areno/engine/lora.py); None: the engine's default (the base model, or the policy
+        adapter an RL weight sync loaded).
     """
 
     temperature: float = 1.0
@@ -70,6 +73,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     detokenize: bool = True
     skip_special_tokens: bool = True
+    adapter: str | None = None
 
     def __post_init__(self) -> None:
         # Lists are accepted for convenience; tuples keep the instance hashable and immutable.
@@ -116,6 +120,8 @@ class SamplingParams:
             raise _fail("top_logprobs", f"must be an integer in [0, {MAX_TOP_LOGPROBS}]; got {k!r}")
         if k and not self.logprobs:
             raise _fail("top_logprobs", f"= {k} requires logprobs=True")
+        if self.adapter is not None and (not isinstance(self.adapter, str) or not self.adapter):
+            raise _fail("adapter", f"must be None or an adapter's name; got {self.adapter!r}")
         if self.logprobs_mode not in LOGPROBS_MODES:
             raise _fail(
                 "logprobs_mode", f"must be one of {LOGPROBS_MODES}; got {self.logprobs_mode!r}"

@@ -17,6 +17,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from areno.engine.batched_prefill import can_batch_prefill
 from areno.engine.config import EngineConfig, KVPoolOptions, pool_options
 from areno.engine.kv_pool import KVPool, agree_across_ranks, block_bytes, fraction_budget
+from areno.engine.lora import LoraError, LoraWeights
 from areno.engine.runner import ModelRunner
 from areno.engine.sampler import SamplerOutput, SamplingTensors, generator_for, sample
 from areno.engine.sampling import SamplingParams
@@ -52,6 +53,8 @@ class PrefillItem:
     # (position, row): save slots[0]'s state in saved-state `row` when the prefill reaches
     # `position` (areno/engine/state_cache.py).
     save: tuple[int, int] | None = None
+    # The LoRA adapter its sequences run with (SamplingParams.adapter; None: the default).
+    adapter: str | None = None
 
     @property
     def is_chunk(self) -> bool:
@@ -180,6 +183,8 @@ class Worker:
         fuse_projections: str = "off",
         state_rows: int = 0,
         encoder_cache_bytes: int = 0,
+        max_loras: int = 0,
+        max_lora_rank: int = 16,
     ):
         """`pool`: how the KV block pool is sized (areno/engine/kv_pool.py); `num_blocks` sets
         its size directly (None: every slot `max_len` tokens). `packed_linear`: on CPU in
@@ -189,7 +194,8 @@ class Worker:
         not under tensor parallelism (not yet run there on a GPU). `fuse_projections` "auto"
         fuses on CUDA without tensor parallelism, whose shards cannot be concatenated.
         `state_rows`, `encoder_cache_bytes`: saved slot states and media tower outputs for the
-        prefix cache (ModelRunner's)."""
+        prefix cache (ModelRunner's). `max_loras`, `max_lora_rank`: LoRA adapter slots
+        (areno/engine/lora.py)."""
         if prefill_compile == "auto" and tensor_parallel:
             prefill_compile = "off"
         if fuse_projections == "auto":
@@ -208,7 +214,12 @@ class Worker:
             fuse_projections=fuse_projections == "on",
             state_rows=state_rows,
             encoder_cache_bytes=encoder_cache_bytes,
+            max_loras=max_loras,
+            max_lora_rank=max_lora_rank,
         )
+        # The adapter of requests that name none: an RL weight sync's policy adapter, or None
+        # (the base model).
+        self.default_adapter: str | None = None
         self.samples = sample
         self.tensor_parallel = tensor_parallel
         if pool is not None and num_blocks is None:
@@ -257,6 +268,8 @@ class Worker:
             encoder_cache_bytes=int(config.encoder_cache_gib * (1 << 30))
             if config.enable_prefix_caching
             else 0,
+            max_loras=config.max_loras,
+            max_lora_rank=config.max_lora_rank,
         )
 
     @property
@@ -290,10 +303,13 @@ class Worker:
         return self.runner.device
 
     def release_cache(self) -> None:
-        """Let the KV pool and the decode graphs go (the engine is shutting down): a pool sized
-        to most of a GPU must not outlive its engine until a garbage collection finds it."""
+        """Let the KV pool, the decode graphs and the LoRA layers go (the engine is shutting
+        down): a pool sized to most of a GPU must not outlive its engine until a garbage
+        collection finds it."""
         self.release_graphs()
         self.runner.release_cache()
+        if self.runner.lora is not None:  # the model may serve another engine next
+            self.runner.lora.release()
 
     def release_graphs(self) -> None:
         """Drop captured decode graphs (before leaving a TP group; see DecodeGraphs.release)."""
@@ -328,6 +344,7 @@ class Worker:
                 )
             )
         for item in step.prefill:  # before any prefill writes a block
+            self.runner.assign_adapter(item.slots, self.adapter_index(item.adapter))
             if item.copy_block is not None:
                 self.runner.copy_block(*item.copy_block)
             if item.restore_row is not None:
@@ -454,10 +471,37 @@ class Worker:
         """The token runs of a prompt that one prefill chunk must hold whole (ModelRunner's)."""
         return self.runner.whole_runs(inputs)
 
-    def score(self, inputs: PromptInputs) -> list[float] | None:
+    def score(self, inputs: PromptInputs, adapter: str | None = None) -> list[float] | None:
         """Log-probabilities of tokens 1..N-1 of `inputs` (None on a following rank)."""
-        logprobs = self.runner.score(inputs)
+        logprobs = self.runner.score(inputs, self.adapter_index(adapter))
         return logprobs.tolist() if self.samples else None
+
+    def adapter_index(self, name: str | None) -> int:
+        """The LoRA slot index of adapter `name` (None: the default adapter; 0: the base).
+        Raises LoraError for an adapter that is not loaded."""
+        name = name if name is not None else self.default_adapter
+        if name is None:
+            return 0
+        if self.runner.lora is None:
+            raise LoraError(
+                f"adapter {name!r} was asked for, but this engine holds no LoRA adapters "
+                "(start it with max_loras > 0)",
+                param="model",
+            )
+        return self.runner.lora.index_of(name)
+
+    def load_adapter(self, name: str, weights: LoraWeights, *, default: bool = False) -> int:
+        """Load (or update in place) LoRA adapter `name`; `default`: requests that name no
+        adapter run with it from then on. Returns the number of adapted layers."""
+        if self.runner.lora is None:
+            raise LoraError(
+                f"adapter {name!r} cannot be loaded: this engine holds no LoRA adapters "
+                "(start it with max_loras > 0)"
+            )
+        self.runner.lora.load(name, weights)
+        if default:
+            self.default_adapter = name
+        return len(weights.factors)
 
     def check_weights(self, updates: list[tuple[str, torch.Tensor]]) -> None:
         """Raise WeightUpdateError unless every (name, tensor) fits a parameter of the model."""

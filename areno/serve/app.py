@@ -8,6 +8,7 @@ from collections.abc import Callable
 from typing import Any
 
 from areno.engine.config import EngineConfig
+from areno.errors import ConfigError
 from areno.serve.config import ServeConfig
 
 APP_NAME = "areno"
@@ -30,16 +31,41 @@ def check_config(config: ServeConfig) -> None:
     adapter = adapter_for_checkpoint(config.model_path)
     resolve_max_context_len(config.engine, AutoConfig.from_pretrained(config.model_path))
     tp_plan_for(adapter, config.engine.tp_size)
+    for name, path in config.lora_adapters.items():
+        check_adapter(name, path, config.engine.max_lora_rank)
+
+
+def check_adapter(name: str, path: str, max_rank: int) -> None:
+    """A `--lora NAME=PATH` the engine can load: a PEFT LoRA directory within --max-lora-rank."""
+    import json
+    from pathlib import Path
+
+    from areno.engine.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, LoraError, adapter_scaling
+
+    directory = Path(path)
+    for file in (ADAPTER_CONFIG, ADAPTER_WEIGHTS):
+        if not (directory / file).is_file():
+            raise ConfigError(
+                f"--lora {name}={path}: not a PEFT adapter directory ({file} is missing)",
+                param="lora_adapters",
+            )
+    adapter_config = json.loads((directory / ADAPTER_CONFIG).read_text())
+    try:
+        adapter_scaling(adapter_config, f"--lora {name}={path}")
+    except LoraError as error:
+        raise ConfigError(error.message, param="lora_adapters") from None
+    if int(adapter_config["r"]) > max_rank:
+        raise ConfigError(
+            f"--lora {name}={path} has rank {adapter_config['r']}; raise --max-lora-rank "
+            f"(now {max_rank}) to serve it",
+            param="lora_adapters",
+        )
 
 
 def build_app(config: ServeConfig):
     """The Ingress bound to its MediaDecoder, Processor and Generator deployments."""
-    from areno.serve.deployments import (
-        GeneratorServer,
-        Ingress,
-        MediaDecoderServer,
-        ProcessorServer,
-    )
+    from areno.serve.ingress import Ingress
+    from areno.serve.workers import GeneratorServer, MediaDecoderServer, ProcessorServer
 
     check_config(config)
     decoder = MediaDecoderServer.options(
@@ -132,11 +158,12 @@ def banner(config: ServeConfig) -> list[str]:
 
     adapter = adapter_for_checkpoint(config.model_path)
     modalities = ", ".join(["text", *sorted(adapter.modalities)])
-    return [
+    lines = [
         f"serving {config.model_name} on http://{config.host}:{config.port}/v1",
         f"  model: {config.model_path} ({adapter.display_name}: {modalities})",
-        f"  KV pool: {_kv_pool(config)}",
     ]
+    lines += [f"  LoRA adapter: {name} ({path})" for name, path in config.lora_adapters.items()]
+    return [*lines, f"  KV pool: {_kv_pool(config)}"]
 
 
 def _kv_pool(config: ServeConfig) -> str:

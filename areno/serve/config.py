@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass, field
 
@@ -28,6 +29,9 @@ class ServeConfig:
     "decoder" / "processor" / "generator" / "ingress" (`--deployment-resources`), e.g.
     {"decoder": {"media": 1}}: its replicas run only on nodes started with that resource. A
     tensor-parallel Generator reserves them once, in rank 0's bundle (its group shares a node).
+    lora_adapters: LoRA adapters served beside the base model, name -> PEFT adapter directory
+    (`--lora NAME=PATH`); a request picks one with `model: NAME`, and each Generator replica
+    holds them all (its engine's max_loras is raised to their number where it is lower).
     """
 
     model_path: str
@@ -46,9 +50,11 @@ class ServeConfig:
     num_cpus_per_deployment: float = 0.25
     max_queued_requests: int | None = None
     deployment_resources: dict[str, dict[str, float]] = field(default_factory=dict)
+    lora_adapters: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self._check_deployment_resources()
+        self._check_lora_adapters()
         if self.world_size < self.engine.tp_size or self.world_size % self.engine.tp_size:
             raise ConfigError(
                 f"--world-size {self.world_size} must be a multiple of --tp-size "
@@ -79,6 +85,32 @@ class ServeConfig:
             for name, resources in value.items()
         }
         object.__setattr__(self, "deployment_resources", checked)
+
+    def _check_lora_adapters(self) -> None:
+        adapters = self.lora_adapters or {}
+        if not isinstance(adapters, dict) or not all(
+            isinstance(k, str) and k and isinstance(v, str | os.PathLike) and str(v)
+            for k, v in adapters.items()
+        ):
+            raise ConfigError(
+                f"--lora takes NAME=PATH (a PEFT adapter directory); got {adapters!r}",
+                param="lora_adapters",
+            )
+        if self.model_name in adapters:
+            raise ConfigError(
+                f"--lora {self.model_name}=...: an adapter cannot take the base model's name",
+                param="lora_adapters",
+            )
+        adapters = {name: str(path) for name, path in adapters.items()}
+        object.__setattr__(self, "lora_adapters", adapters)
+        if len(adapters) > self.engine.max_loras:
+            engine = dataclasses.replace(self.engine, max_loras=len(adapters))
+            object.__setattr__(self, "engine", engine)
+
+    @property
+    def model_names(self) -> list[str]:
+        """The names a request may send as `model`: the base model's, then each adapter's."""
+        return [self.model_name, *self.lora_adapters]
 
     def resources_for(self, deployment: str) -> dict[str, float]:
         """The custom resources each replica of `deployment` reserves (often none)."""

@@ -1,7 +1,7 @@
 """GRPOConfig: one typed config per part, composed; read from YAML, overridden by flags.
 
 A YAML file mirrors the sections below (`data:`, `rollout:`, `grpo:`, `optim:`, `trainer:`,
-`run:`) plus the top-level `model_path` and `reward`. Unknown keys are errors that name the key.
+`lora:`, `run:`) plus the top-level `model_path` and `reward`. Unknown keys are errors that name the key.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from typing import Any
 from areno.errors import ConfigError
 from areno.resources import check_custom_resources
 from areno.train.grpo import GRPOLossConfig
+from areno.train.lora import LoraConfig
 
 
 def _positive(section: str, name: str, value: Any, *, allow_zero: bool = False) -> None:
@@ -202,6 +203,7 @@ class GRPOConfig:
     grpo: AlgoConfig = field(default_factory=AlgoConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
     run: RunConfig = field(default_factory=RunConfig)
 
     def __post_init__(self) -> None:
@@ -292,6 +294,7 @@ _SECTIONS: dict[tuple[type, str], type] = {
     (GRPOConfig, "grpo"): AlgoConfig,
     (GRPOConfig, "optim"): OptimConfig,
     (GRPOConfig, "trainer"): TrainerConfig,
+    (GRPOConfig, "lora"): LoraConfig,
     (GRPOConfig, "run"): RunConfig,
     (AlgoConfig, "loss"): GRPOLossConfig,
 }

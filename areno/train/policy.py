@@ -11,6 +11,7 @@ from areno.models.registry import FamilyAdapter, adapter_for_checkpoint
 from areno.processing.types import PromptInputs
 from areno.train.batching import collate
 from areno.train.grpo import token_logprobs
+from areno.train.lora import PEFT_PREFIX, LoraConfig, apply_lora
 
 
 def frozen_prefixes(adapter: FamilyAdapter, *, towers: bool, projectors: bool) -> tuple[str, ...]:
@@ -28,12 +29,18 @@ def load_policy(
     dtype: torch.dtype,
     freeze_towers: bool = True,
     freeze_projectors: bool = True,
+    lora: LoraConfig | None = None,
 ) -> tuple[torch.nn.Module, FamilyAdapter, tuple[str, ...]]:
     """The model with frozen modules' `requires_grad` off; returns it, its adapter and the
-    frozen module paths."""
+    frozen module paths. With `lora` enabled, the model is a PEFT model whose adapters on the
+    language model are all that trains (the towers stay frozen, whatever the flags say)."""
     adapter = adapter_for_checkpoint(model_path)
     model = adapter.load_model(model_path, dtype=dtype)
     prefixes = frozen_prefixes(adapter, towers=freeze_towers, projectors=freeze_projectors)
+    if lora is not None and lora.enabled:
+        model = apply_lora(model, lora)
+        prefixes = frozen_prefixes(adapter, towers=True, projectors=True)
+        prefixes = tuple(PEFT_PREFIX + p for p in prefixes)
     for name, param in model.named_parameters():
         if _is_under(name, prefixes):
             param.requires_grad_(False)

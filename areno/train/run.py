@@ -31,6 +31,9 @@ def rollout_spec(config: GRPOConfig, model_path: str) -> RolloutSpec:
         dtype=r.dtype,
         device=r.device,
         num_cpus_per_rank=r.num_cpus_per_worker,
+        # a LoRA policy runs as the engine's one adapter, beside the base weights
+        max_loras=1 if config.lora.enabled else 0,
+        max_lora_rank=max(config.lora.rank, 1),
     )
     return RolloutSpec(
         model_path=model_path,

@@ -5,7 +5,8 @@ is its private metadata's `target_key`: a string, or a reply `{"content": ..., "
 [{"name": ..., "arguments": {...}}]}` written out by the checkpoint's own chat template (so a
 tool-calling warm-start learns the family's call format), followed by the end-of-turn token. Only
 the target tokens are trained on, with the media towers frozen as in GRPO. Single process: a
-warm-start is minutes on small models; the output is a checkpoint directory GRPO starts from.
+warm-start is minutes on small models; the output is a checkpoint directory GRPO starts from,
+or with `lora.rank` > 0 a PEFT adapter directory (only the adapters train; areno/train/lora.py).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from areno.processing.processor import Processor
 from areno.processing.types import PromptInputs
 from areno.rollout.agent import Agent, load_agent
 from areno.train.checkpoint import export_hf
+from areno.train.lora import LoraConfig, export_adapter
 from areno.train.policy import load_policy, sequence_logprobs, set_train_mode
 
 
@@ -42,6 +44,8 @@ class SFTConfig:
     batch_size: int = 8
     lr: float = 1e-3
     seed: int = 0
+    # rank > 0: train LoRA adapters and write a PEFT adapter directory (areno/train/lora.py)
+    lora: LoraConfig = field(default_factory=LoraConfig)
 
 
 def target_text(processor: Processor, sample, target, tools=None) -> str:
@@ -91,7 +95,7 @@ def sft(config: SFTConfig, log=print) -> Path:
             )
         target = sample.private[config.target_key]
         examples.append(_encode(processor, decoder, sample, target, agent))
-    model, _, frozen = load_policy(config.model_path, dtype=torch.float32)
+    model, _, frozen = load_policy(config.model_path, dtype=torch.float32, lora=config.lora)
     set_train_mode(model, frozen)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=config.lr)
@@ -110,5 +114,7 @@ def sft(config: SFTConfig, log=print) -> Path:
         if step % 10 == 0 or step == config.steps - 1:
             log(f"sft step {step + 1}/{config.steps} loss {total:.4f}")
     log(f"sft: {config.steps} steps in {time.perf_counter() - start:.1f} s")
+    if config.lora.enabled:
+        return export_adapter(model, config.model_path, config.out_dir)
     out = export_hf(model, config.model_path, config.out_dir, zero_stage=0, rank=0)
     return Path(os.fspath(out))

@@ -21,6 +21,7 @@ from areno.train.batching import MiniBatch, plan_step
 from areno.train.config import GRPOConfig, cpu_threads
 from areno.train.coordinator import Coordinator, PendingRollout, staleness_metrics
 from areno.train.grpo import logprob_mismatch, policy_loss
+from areno.train.lora import base_model, export_adapter, is_lora
 from areno.train.policy import batch_logprobs, count_parameters, load_policy, set_train_mode
 from areno.train.weight_sync import WeightSync, gathered, trainable_named
 
@@ -84,6 +85,7 @@ class Learner:
             dtype=dtype,
             freeze_towers=config.trainer.freeze_media_towers,
             freeze_projectors=config.trainer.freeze_projectors,
+            lora=config.lora,
         )
         self.num_trainable, self.num_total = count_parameters(model)
         params = [p for p in model.parameters() if p.requires_grad]
@@ -97,8 +99,11 @@ class Learner:
             model_parameters=params,
             config=deepspeed_config(config, world_size, dtype),
         )
+        # The KL term's reference: the initial weights, a model of their own; under LoRA the
+        # base model itself, its adapters disabled for the pass (`_reference`).
+        self.kl = config.grpo.loss.kl_coef > 0
         self.ref = None
-        if config.grpo.loss.kl_coef > 0:
+        if self.kl and not config.lora.enabled:
             self.ref = self.adapter.load_model(model_path, dtype=dtype).to(self.device).eval()
             self.ref.requires_grad_(False)
         # Frozen towers and projectors give every pass the same media features: the step's
@@ -110,7 +115,7 @@ class Learner:
         if set(adapter.media_towers + adapter.projectors) <= set(self.frozen) and (
             config.trainer.zero_stage < 3
         ):
-            self.features = EncoderCache(self.module, TRAINER_FEATURE_BYTES)
+            self.features = EncoderCache(base_model(self.module), TRAINER_FEATURE_BYTES)
 
     @property
     def module(self) -> torch.nn.Module:
@@ -180,6 +185,15 @@ class Learner:
                 stack.enter_context(self.features.around(spans, self.ref))
         return stack
 
+    @contextlib.contextmanager
+    def _reference(self):
+        """The KL term's reference model within the block."""
+        if self.ref is not None:
+            yield self.ref
+            return
+        with self.module.disable_adapter():
+            yield self.module
+
     def _learn(self, micro, mini: MiniBatch, sums: dict, fixed: dict) -> None:
         """One micro-batch's forward, its trajectories' losses and one backward, added to
         `sums`."""
@@ -190,9 +204,9 @@ class Learner:
         trajs = [traj for traj, _ in micro]
         with self._shared_features(trajs):
             rows = self._logprobs(self.module, trajs, temperature)
-            if self.ref is not None and any("ref" not in fixed.get(id(t), {}) for t in trajs):
-                with torch.no_grad():
-                    refs = self._logprobs(self.ref, trajs, temperature)
+            if self.kl and any("ref" not in fixed.get(id(t), {}) for t in trajs):
+                with torch.no_grad(), self._reference() as ref:
+                    refs = self._logprobs(ref, trajs, temperature)
                 for traj, ref in zip(trajs, refs, strict=True):
                     fixed.setdefault(id(traj), {})["ref"] = ref
         total = None
@@ -343,7 +357,12 @@ def train_loop(loop_config: dict) -> None:
         )
     _sync(learner, sync, state.step, rank)
     run_steps(config, learner, coordinator, sync, state, rank, launch_id)
-    if config.run.export_hf:
+    if is_lora(learner.module):
+        named = trainable_named(learner.module)
+        with gathered([p for _, p in named], config.trainer.zero_stage):
+            if rank == 0:
+                export_adapter(learner.module, model_path, f"{config.run.run_dir}/adapter")
+    elif config.run.export_hf:
         checkpoint.export_hf(
             learner.module,
             model_path,

@@ -8,6 +8,8 @@ takes the new policy version. Two transports:
 - "cuda_ipc": when every rollout worker shares rank 0's GPU (colocated GRPO with fractional GPUs),
   rank 0 sends CUDA IPC handles of its parameters and each worker copies device to device; no
   host copy. Needs whole parameters on rank 0 (ZeRO-0/1/2).
+A LoRA policy (areno/train/lora.py) sends only its adapters' factors, through the object store
+(a few MB even for a large model), and the workers load them beside their base weights.
 `WeightSync` also brings a restarted rollout worker (which comes back with the checkpoint it was
 built from) to the current policy.
 """
@@ -24,6 +26,7 @@ import torch
 
 from areno.engine.ipc import CudaIpcWeights, device_uuid
 from areno.errors import ConfigError
+from areno.train.lora import is_lora, policy_adapter
 from areno.train.rollouts import RolloutWorkerLostError, wait_all, wait_for_workers
 
 logger = logging.getLogger("areno.train")
@@ -54,6 +57,13 @@ def choose_transport(
     """ "object_store" or "cuda_ipc" for `requested` ("auto" picks cuda_ipc where it works)."""
     if requested == "object_store":
         return requested
+    if is_lora(module):
+        if requested == "cuda_ipc":
+            raise ConfigError(
+                "trainer.weight_sync=cuda_ipc is not offered for LoRA: the adapters' factors go "
+                "through the object store"
+            )
+        return "object_store"
     import ray
 
     param = next(module.parameters())
@@ -132,6 +142,8 @@ class WeightSync:
             return CudaIpcWeights.share(named)
         import ray
 
+        if is_lora(self.module):
+            return ray.put(policy_adapter(self.module, host_copies(named)))
         return ray.put(host_copies(named))
 
     def _current(self) -> Any:

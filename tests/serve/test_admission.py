@@ -100,7 +100,7 @@ class _Gauge:
 
 
 def _generator_server(paused: bool, max_queued_requests: int = 0):
-    from areno.serve.deployments import GeneratorServer
+    from areno.serve.workers import GeneratorServer
 
     server = GeneratorServer.func_or_class.__new__(GeneratorServer.func_or_class)
     server.generator = _StubGenerator(paused)
@@ -129,14 +129,14 @@ def test_generator_server_releases_finished_requests():
 def test_engine_and_serve_overload_errors_map_to_503():
     from ray.serve.exceptions import BackPressureError
 
-    from areno.serve.deployments import _user_error
+    from areno.serve.errors import user_error
 
-    dead = _user_error(EngineDeadError("boom"))
+    dead = user_error(EngineDeadError("boom"))
     assert (dead.status_code, dead.retry_after_s) == (503, 1)
-    backpressure = _user_error(BackPressureError(num_queued_requests=3, max_queued_requests=2))
+    backpressure = user_error(BackPressureError(num_queued_requests=3, max_queued_requests=2))
     assert backpressure.status_code == 503 and "overloaded" in backpressure.message
     full = QueueFullError("full")
-    assert _user_error(full) is full
+    assert user_error(full) is full
     assert full.to_dict() == {
         "message": "full",
         "type": "requests",

@@ -108,3 +108,31 @@ def _deployments(app) -> list:
     deployment = app._bound_deployment
     bound = [arg for arg in deployment.init_args if isinstance(arg, Application)]
     return [deployment, *(d for arg in bound for d in _deployments(arg))]
+
+
+def test_lora_flags_and_adapters_are_checked_before_deploying(tiny_path, tmp_path):
+    """`--lora NAME=PATH` (repeatable) reaches the config, raises the engine's adapter slots to
+    their number, and a directory that is no adapter, or a rank over --max-lora-rank, fails
+    before any replica starts."""
+    import json
+
+    from areno.cli import _pairs, build_parser
+    from areno.errors import ArenoError, ConfigError
+    from areno.serve.app import check_adapter
+    from areno.serve.config import ServeConfig
+
+    args = build_parser().parse_args(["serve", "--lora", "a=/x", "--lora", "b=/y"])
+    adapters = _pairs("--lora", args.lora)
+    assert adapters == {"a": "/x", "b": "/y"}
+    with pytest.raises(ArenoError, match="--lora takes NAME=PATH; got 'a'"):
+        _pairs("--lora", ["a"])
+    config = ServeConfig(model_path=str(tiny_path("gemma4")), lora_adapters=adapters)
+    assert config.engine.max_loras == 2 and config.model_names[1:] == ["a", "b"]
+    with pytest.raises(ConfigError, match="cannot take the base model's name"):
+        ServeConfig(model_path="/m/base", lora_adapters={"base": "/x"})
+    with pytest.raises(ConfigError, match="adapter_config.json is missing"):
+        check_adapter("a", str(tmp_path), 16)
+    (tmp_path / "adapter_config.json").write_text(json.dumps({"r": 32, "lora_alpha": 64}))
+    (tmp_path / "adapter_model.safetensors").write_bytes(b"")
+    with pytest.raises(ConfigError, match="rank 32; raise --max-lora-rank"):
+        check_adapter("a", str(tmp_path), 16)

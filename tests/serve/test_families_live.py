@@ -29,8 +29,8 @@ from ray import serve
 from areno.engine.config import EngineConfig
 from areno.media.samples import write_audio, write_image, write_video
 from areno.serve.app import build_app
+from areno.serve.chat import forced_prompt_text
 from areno.serve.config import ServeConfig
-from areno.serve.openai_routes import forced_prompt_text
 from areno.tools import opens_reasoning
 from areno.train.sft import SFTConfig, sft
 from tests.tools.test_round_trip import render_assistant_turn

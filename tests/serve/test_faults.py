@@ -43,7 +43,7 @@ LONG_TOKENS = 3000  # with ignore_eos: a request that is surely still decoding a
 # Generous bounds that turn a hang into a failure; they are not speed claims.
 END_LIMIT_S = 60.0
 RECOVERY_LIMIT_S = 180.0
-# What a request held by a dying replica gets: 503, retryable (areno.serve.deployments).
+# What a request held by a dying replica gets: 503, retryable (areno.serve.errors).
 LOST = (503, "replica_unavailable")
 
 

@@ -1,7 +1,8 @@
 """A live AReno server (Ray Serve, tiny Gemma 4 checkpoint) driven by the official `openai`
 client over loopback HTTP: every media source, streaming, n, logprobs, usage, queueing beyond
 --max-running-prompts, overload refused with 429 beyond --max-queued-requests, tool_choice
-enforcement, and errors answered 4xx while the server keeps serving."""
+enforcement, a LoRA adapter served beside the base model (`--lora`), and errors answered 4xx
+while the server keeps serving."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from pathlib import Path
 import openai
 import pytest
 import ray
+import torch
 from ray import serve
 
 from areno.engine.config import EngineConfig
@@ -43,7 +45,25 @@ def media_root(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def server(tiny_path, media_root):
+def lora(tiny_path, tmp_path_factory):
+    """A PEFT adapter on the tiny Gemma 4 with random factors (large enough to change its
+    greedy tokens), and the merged model: base weights plus the adapter's, as peft merges them."""
+    from areno.models.registry import adapter_for_checkpoint
+    from areno.train.lora import LoraConfig, apply_lora, export_adapter
+
+    path = tiny_path("gemma4")
+    torch.manual_seed(0)
+    model = apply_lora(adapter_for_checkpoint(path).load_model(path), LoraConfig(rank=4, alpha=8))
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if ".lora_" in name:
+                param.normal_(0, 0.3)
+    directory = export_adapter(model, path, tmp_path_factory.mktemp("lora") / "tiny-lora")
+    return directory, model.merge_and_unload().eval()
+
+
+@pytest.fixture(scope="module")
+def server(tiny_path, media_root, lora):
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     os.environ["ARENO_LOG_COMPLETIONS"] = "1"  # inherited by the Serve replicas
     port = _free_port()
@@ -55,6 +75,7 @@ def server(tiny_path, media_root):
         max_prompt_tokens=MAX_PROMPT_TOKENS,
         allow_remote_media=True,
         allow_private_network_media=True,  # the test's HTTP server is on loopback
+        lora_adapters={"tiny-lora": str(lora[0])},
     )
     ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
     try:
@@ -64,6 +85,7 @@ def server(tiny_path, media_root):
         # a one-request waiting queue.
         guarded = dataclasses.replace(
             config,
+            lora_adapters={},
             api_key=API_KEY,
             allowed_local_media_paths=(str(media_root),),
             max_queued_requests=GUARDED_MAX_QUEUED,
@@ -91,7 +113,7 @@ def media(tmp_path_factory):
 
 def ask(client, content, **kwargs):
     return client.chat.completions.create(
-        model="tiny-gemma4",
+        model=kwargs.pop("model", "tiny-gemma4"),
         messages=[{"role": "user", "content": content}],
         max_tokens=kwargs.pop("max_tokens", 8),
         temperature=kwargs.pop("temperature", 0),
@@ -99,9 +121,33 @@ def ask(client, content, **kwargs):
     )
 
 
-def test_models_lists_the_served_model(server):
+def test_models_lists_the_served_model_and_its_adapter(server, lora):
     models = server.models.list()
-    assert [m.id for m in models.data] == ["tiny-gemma4"]
+    assert [m.id for m in models.data] == ["tiny-gemma4", "tiny-lora"]
+    adapter = models.data[1].model_dump()
+    assert adapter["parent"] == "tiny-gemma4" and adapter["root"] == str(lora[0])
+
+
+def test_an_adapter_answers_as_the_merged_model_and_unlike_the_base(server, tiny_path, lora):
+    """`model: tiny-lora` runs the adapter: its greedy reply is the merged model's (transformers
+    generate on the same encoded prompt), and not the base model's; both asked at once."""
+    from areno.processing import Processor
+
+    question = "Tell me a story about a fox."
+    processor = Processor(tiny_path("gemma4"))
+    inputs = processor.encode([{"role": "user", "content": question}], [])
+    out = lora[1].generate(**inputs.model_inputs(), max_new_tokens=8, do_sample=False)
+    merged = processor.tokenizer.decode(
+        out[0, inputs.num_prompt_tokens :], skip_special_tokens=True
+    )
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        adapted, base = pool.map(
+            lambda model: ask(server, question, model=model, max_tokens=8),
+            ["tiny-lora", "tiny-gemma4"],
+        )
+    assert adapted.model == "tiny-lora" and base.model == "tiny-gemma4"
+    assert adapted.choices[0].message.content == merged
+    assert base.choices[0].message.content != adapted.choices[0].message.content
 
 
 def test_text_request_with_usage(server):
@@ -344,7 +390,7 @@ def _routes(routes):
 def test_api_key_is_required_on_every_route_but_health(server):
     import httpx2
 
-    from areno.serve.deployments import api
+    from areno.serve.ingress import api
 
     base = str(guarded_client(server).base_url).rstrip("/")
     with pytest.raises(openai.AuthenticationError):

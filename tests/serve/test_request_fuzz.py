@@ -24,7 +24,7 @@ from areno.processing import Processor
 from areno.processing.encode import PromptLimits
 from areno.protocol import parse_chat_request
 from areno.protocol.chat import RESERVED_TEMPLATE_KWARGS
-from areno.serve.openai_routes import forced_prompt_text, forced_reply_prefix, tools_in_play
+from areno.serve.chat import prepare, tools_in_play
 from areno.serve.sampling import sampling_params
 from areno.tools import get_tool_parser
 from tests.protocol.test_fuzz import json_safe, json_values, mutate
@@ -63,10 +63,9 @@ def serve_prepare(processor, decoder, parser, body: Any):
     """What the Ingress does with a body up to the Generator call; None when it is refused."""
     try:
         chat = parse_chat_request(body)
-        sampling_params(chat)
-        prefix = forced_reply_prefix(chat, parser if tools_in_play(chat) else None)
+        params = sampling_params(chat)
         media = decoder.decode_many(processor.media_refs(chat.messages))
-        inputs = processor.encode(
+        encoded = processor.encode(
             chat.messages,
             media,
             tools=chat.tools if tools_in_play(chat) else None,
@@ -76,9 +75,8 @@ def serve_prepare(processor, decoder, parser, body: Any):
     except ArenoError as exc:
         assert 400 <= exc.status_code < 500 and exc.message, exc
         return None
-    assert inputs.num_prompt_tokens > 0
-    forced_prompt_text(inputs.prompt_text, prefix)
-    return inputs
+    assert encoded.num_prompt_tokens > 0
+    return prepare(chat, params, encoded, parser, processor.tokenizer).inputs
 
 
 # --- chat-shaped documents ---------------------------------------------------------------------

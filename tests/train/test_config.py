@@ -19,10 +19,13 @@ def test_the_shipped_config_loads_and_flags_override_it() -> None:
             "train", "--config", str(REPO / "configs" / "color_quiz.yaml"),
             "--max-steps", "7", "--max-context-len", "512", "--num-trainer-workers", "2",
             "--set", "grpo.loss.kl_coef=0.05", "--set", "rollout.agent_kwargs={max_turns: 3}",
+            "--set", "optim.lr=1e-2", "--set", "lora.rank=8",
         ]
     )  # fmt: skip
     config = _train_config(args)
     assert config.run.max_steps == 7 and config.rollout.max_context_len == 512
+    assert config.optim.lr == 0.01  # a number, though YAML 1.1 reads 1e-2 as a string
+    assert config.lora.rank == 8 and config.lora.enabled
     assert config.trainer.num_workers == 2 and config.grpo.loss.kl_coef == 0.05
     assert config.rollout.agent_kwargs == {"max_turns": 3}
     assert config.grpo.group_size == 8 and config.data.shuffle is False  # from the file
@@ -46,6 +49,10 @@ def test_unknown_keys_and_bad_values_name_the_key() -> None:
         GRPOConfig.from_dict({"trainer": {"max_failures": 1.5}})
     with pytest.raises(ConfigError, match="run.eval_samples_per_prompt must be an integer >= 1"):
         GRPOConfig.from_dict({"run": {"eval_samples_per_prompt": 0}})
+    with pytest.raises(ConfigError, match="lora.rank must be an integer >= 0"):
+        GRPOConfig.from_dict({"lora": {"rank": -1}})
+    with pytest.raises(ConfigError, match="lora.target_modules must be a non-empty list"):
+        GRPOConfig.from_dict({"lora": {"rank": 4, "target_modules": "q_proj"}})
 
 
 def test_overrides_do_not_touch_the_original() -> None:

@@ -1,19 +1,24 @@
 """Chat Completions on top of the engine's deltas: responses, stream chunks, logprobs, usage.
 
-Each choice's text is read in two steps: a reasoning block the prompt opened is split off into
-`reasoning_content` (areno.tools.reasoning), then the rest is parsed for tool calls.
+`prepare` reads an encoded request once into a `PreparedChat`: the sampling parameters, the tool
+parser when tools are in play, the forced call opening of tool_choice "required" / named, and
+whether the reply starts inside a reasoning block. Everything that reads the reply takes that
+one bundle. Each choice's text is read in two steps: a reasoning block the prompt opened is split
+off into `reasoning_content` (areno.tools.reasoning), then the rest is parsed for tool calls.
 
 Pure functions of the request, the encoded prompt and the Generator's `RequestOutput`s, so the
-HTTP layer (deployments.py) stays thin and these are unit-testable without Ray.
+HTTP layer (ingress.py) stays thin and these are unit-testable without Ray.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Iterator
 from typing import Any
 
 from areno.engine.outputs import RequestOutput, SampleDelta
+from areno.engine.sampling import SamplingParams
 from areno.processing.types import PromptInputs
 from areno.protocol import ChatCompletionRequest
 from areno.protocol.chat import NamedToolChoice
@@ -70,6 +75,50 @@ def reasoning_in_play(prompt_text: str, reply_prefix: str) -> bool:
     return not reply_prefix and opens_reasoning(prompt_text)
 
 
+@dataclasses.dataclass(frozen=True)
+class PreparedChat:
+    """A request as the Generator runs it and as its reply is read: `inputs` is the encoded
+    prompt with the forced call opening's tokens appended; `parser` is None unless tools are in
+    play; `prefix` is the forced call opening ("" when none, see forced_reply_prefix); `thinking`
+    says each choice's text starts inside a reasoning block (see reasoning_in_play)."""
+
+    request: ChatCompletionRequest
+    params: SamplingParams
+    inputs: PromptInputs
+    parser: ToolParser | None = None
+    prefix: str = ""
+    thinking: bool = False
+
+
+def prepare(
+    request: ChatCompletionRequest,
+    params: SamplingParams,
+    encoded: PromptInputs,
+    tool_parser: ToolParser,
+    tokenizer: Any,
+) -> PreparedChat:
+    """The request's `PreparedChat`, from its sampling parameters, its encoded prompt and the
+    model family's tool parser (used only when the request's tools are in play)."""
+    parser = tool_parser if tools_in_play(request) else None
+    prefix = forced_reply_prefix(request, parser)
+    thinking = reasoning_in_play(encoded.prompt_text, prefix)
+    if parser is not None or thinking:
+        # Tool-call and reasoning tags may be special tokens: keep them in the text.
+        params = dataclasses.replace(params, skip_special_tokens=False)
+    inputs = _force_prefix(encoded, prefix, tokenizer)
+    return PreparedChat(request, params, inputs, parser, prefix, thinking)
+
+
+def _force_prefix(inputs: PromptInputs, prefix: str, tokenizer: Any) -> PromptInputs:
+    """The prompt followed by the forced call opening (tool_choice "required" or named):
+    the model continues a call it cannot avoid. No grammar engine needed."""
+    if not prefix:
+        return inputs
+    text = forced_prompt_text(inputs.prompt_text, prefix)
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    return inputs.with_tokens(inputs.input_ids + ids)
+
+
 def usage_for(inputs: PromptInputs, num_completion_tokens: int) -> Usage:
     """Usage with the encoded prompt length. `prompt_tokens_details` carries the media token
     counts (video frames count as image tokens) and is left out when there are none: AReno
@@ -111,42 +160,35 @@ def finish_reason_for(delta: SampleDelta) -> str | None:
     return "stop" if delta.finish_reason == "abort" else delta.finish_reason
 
 
-def parse_reply(
-    request: ChatCompletionRequest,
-    text: str,
-    parser: ToolParser | None = None,
-    prefix: str = "",
-    thinking: bool = False,
-) -> tuple[str, ParsedToolCalls]:
+def parse_reply(prepared: PreparedChat, text: str) -> tuple[str, ParsedToolCalls]:
     """One sample's whole text as (reasoning, content and tool calls): with `thinking` (see
     reasoning_in_play) the reasoning block is split off first, so neither its text nor its end
     tag reaches content or the tool-call parser; with a `parser`, calls are read from the rest
     after the forced call opening `prefix` (see forced_reply_prefix)."""
     reasoning = ""
-    if thinking:
+    if prepared.thinking:
         reasoning, text = split_reasoning(text)
-    if parser is None:
+    if prepared.parser is None:
         return reasoning, ParsedToolCalls(text)
-    return reasoning, parser.parse(prefix + text, request.tools)
+    return reasoning, prepared.parser.parse(prepared.prefix + text, prepared.request.tools)
+
+
+def num_malformed_tool_calls(prepared: PreparedChat, output: RequestOutput) -> int:
+    """How many tool-call texts of a merged output did not parse (each came back as content)."""
+    return sum(parse_reply(prepared, delta.text)[1].num_malformed for delta in output.samples)
 
 
 def build_response(
-    request: ChatCompletionRequest,
-    model: str,
-    inputs: PromptInputs,
-    output: RequestOutput,
-    tokenizer: Any,
-    parser: ToolParser | None = None,
-    prefix: str = "",
-    thinking: bool = False,
+    prepared: PreparedChat, model: str, output: RequestOutput, tokenizer: Any
 ) -> ChatCompletionResponse:
     """The non-streaming response from a request's merged output (one delta per sample), each
     sample's text read by parse_reply."""
     choices = []
     for delta in output.samples:
-        reasoning, parsed = parse_reply(request, delta.text, parser, prefix, thinking)
+        reasoning, parsed = parse_reply(prepared, delta.text)
         content: str | None = parsed.content
-        if parser is not None or thinking:  # a reply of only calls / reasoning has null content
+        if prepared.parser is not None or prepared.thinking:
+            # A reply of only calls / reasoning has null content.
             content = content or None
         message = ResponseMessage(
             content=content, reasoning_content=reasoning or None, tool_calls=parsed.tool_calls
@@ -163,9 +205,8 @@ def build_response(
             )
         )
     num_completion = sum(len(delta.token_ids) for delta in output.samples)
-    return ChatCompletionResponse(
-        model=model, choices=choices, usage=usage_for(inputs, num_completion)
-    )
+    usage = usage_for(prepared.inputs, num_completion)
+    return ChatCompletionResponse(model=model, choices=choices, usage=usage)
 
 
 class ChunkWriter:
@@ -174,18 +215,8 @@ class ChunkWriter:
     tag; with a `parser`, the rest goes through the choice's own tool-call stream parser, fed the
     forced call opening `prefix` first (so a forced call's deltas carry its name)."""
 
-    def __init__(
-        self,
-        request: ChatCompletionRequest,
-        model: str,
-        inputs: PromptInputs,
-        tokenizer: Any,
-        parser: ToolParser | None = None,
-        prefix: str = "",
-        thinking: bool = False,
-    ):
-        self.request, self.model, self.inputs, self.tokenizer = request, model, inputs, tokenizer
-        self.parser, self.prefix, self.thinking = parser, prefix, thinking
+    def __init__(self, prepared: PreparedChat, model: str, tokenizer: Any):
+        self.prepared, self.model, self.tokenizer = prepared, model, tokenizer
         self.id = ChatCompletionResponse(model=model, choices=[]).id
         self.num_completion_tokens = 0
         self._started: set[int] = set()
@@ -226,17 +257,18 @@ class ChunkWriter:
     def _split(self, delta: SampleDelta) -> tuple[str, str, list[ToolCallDelta]]:
         """(reasoning, content, tool-call deltas) decided by one choice's delta."""
         reasoning, text = "", delta.text
-        if self.thinking:
+        if self.prepared.thinking:
             thoughts = self._reasoning.setdefault(delta.index, ReasoningStream())
             reasoning, text = thoughts.feed(text)
             if delta.finish_reason is not None:
                 reasoning += thoughts.finish()
-        if self.parser is None:
+        parser = self.prepared.parser
+        if parser is None:
             return reasoning, text, []
         stream = self._streams.get(delta.index)
         if stream is None:
-            stream = self._streams[delta.index] = self.parser.stream(self.request.tools)
-            text = self.prefix + text
+            stream = self._streams[delta.index] = parser.stream(self.prepared.request.tools)
+            text = self.prepared.prefix + text
         events = stream.feed(text)
         if delta.finish_reason is not None:
             events += stream.finish()
@@ -245,8 +277,8 @@ class ChunkWriter:
 
     def end(self) -> Iterator[str]:
         """The usage chunk (when asked for) and `[DONE]`."""
-        if self.request.include_usage:
-            usage = usage_for(self.inputs, self.num_completion_tokens)
+        if self.prepared.request.include_usage:
+            usage = usage_for(self.prepared.inputs, self.num_completion_tokens)
             yield self._line(ChatCompletionChunk(id=self.id, model=self.model, usage=usage))
         yield "data: [DONE]\n\n"
 

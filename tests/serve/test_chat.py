@@ -15,15 +15,17 @@ from transformers import AutoTokenizer
 from areno.engine.outputs import RequestOutput, SampleDelta
 from areno.processing.types import MediaSpan, PromptInputs
 from areno.protocol import parse_chat_request
-from areno.serve.openai_routes import (
+from areno.serve.chat import (
     ChunkWriter,
     build_response,
     forced_prompt_text,
     forced_reply_prefix,
+    prepare,
     reasoning_in_play,
     tools_in_play,
     usage_for,
 )
+from areno.serve.sampling import sampling_params
 from areno.tools import get_tool_parser
 
 TOOLS = [
@@ -54,6 +56,12 @@ def tokenizer(tiny_path):
     return AutoTokenizer.from_pretrained(tiny_path("qwen3_5"))
 
 
+def prepared(chat, tokenizer, tool_format: str = "qwen3_xml", prompt_text: str = ""):
+    """`chat` as the Ingress prepares it, over a five-token prompt rendered as `prompt_text`."""
+    inputs = PromptInputs([1] * 5, {}, prompt_text=prompt_text)
+    return prepare(chat, sampling_params(chat), inputs, get_tool_parser(tool_format), tokenizer)
+
+
 def output(text: str, finish: str = "stop") -> RequestOutput:
     delta = SampleDelta(0, [1, 2], text=text, finish_reason=finish)
     return RequestOutput("r", [delta], num_prompt_tokens=5, finished=True)
@@ -61,10 +69,8 @@ def output(text: str, finish: str = "stop") -> RequestOutput:
 
 @pytest.mark.parametrize("tool_format", sorted(CALL_TEXT))
 def test_response_splits_tool_calls(tokenizer, tool_format):
-    parser = get_tool_parser(tool_format)
-    chat = request()
     text = "Let me check. " + CALL_TEXT[tool_format]
-    body = build_response(chat, "m", PromptInputs([1] * 5, {}), output(text), tokenizer, parser)
+    body = build_response(prepared(request(), tokenizer, tool_format), "m", output(text), tokenizer)
     parsed = ChatCompletion.model_validate(body.model_dump(exclude_none=True))
     choice = parsed.choices[0]
     assert choice.finish_reason == "tool_calls"
@@ -76,9 +82,7 @@ def test_response_splits_tool_calls(tokenizer, tool_format):
 
 @pytest.mark.parametrize("tool_format", sorted(CALL_TEXT))
 def test_stream_splits_tool_calls_across_deltas(tokenizer, tool_format):
-    parser = get_tool_parser(tool_format)
-    chat = request(stream=True)
-    writer = ChunkWriter(chat, "m", PromptInputs([1] * 5, {}), tokenizer, parser)
+    writer = ChunkWriter(prepared(request(stream=True), tokenizer, tool_format), "m", tokenizer)
     text = "Checking. " + CALL_TEXT[tool_format]
     pieces = [text[i : i + 3] for i in range(0, len(text), 3)]
     lines = []
@@ -99,10 +103,9 @@ def test_stream_splits_tool_calls_across_deltas(tokenizer, tool_format):
 
 
 def test_malformed_call_text_comes_back_as_content(tokenizer):
-    parser = get_tool_parser("hermes_json")
     text = '<tool_call>\n{"name": "get_weather", "arguments": {"city": </tool_call>'
     body = build_response(
-        request(), "m", PromptInputs([1] * 5, {}), output(text), tokenizer, parser
+        prepared(request(), tokenizer, "hermes_json"), "m", output(text), tokenizer
     )
     assert body.choices[0].message.content == text
     assert body.choices[0].message.tool_calls == []
@@ -152,11 +155,10 @@ def _forced_split(tool_format: str) -> tuple[str, str]:
 def test_forced_call_response_names_the_function(tokenizer, tool_format):
     """The engine generates only what follows the forced prefix; the response still holds the
     whole call."""
-    parser = get_tool_parser(tool_format)
     prefix, generated = _forced_split(tool_format)
-    chat = request(tool_choice=NAMED)
-    inputs = PromptInputs([1] * 5, {})
-    body = build_response(chat, "m", inputs, output(generated), tokenizer, parser, prefix)
+    chat = prepared(request(tool_choice=NAMED), tokenizer, tool_format)
+    assert chat.prefix == prefix
+    body = build_response(chat, "m", output(generated), tokenizer)
     choice = ChatCompletion.model_validate(body.model_dump(exclude_none=True)).choices[0]
     assert choice.finish_reason == "tool_calls"
     assert choice.message.content is None
@@ -169,10 +171,9 @@ def test_forced_call_response_names_the_function(tokenizer, tool_format):
 
 @pytest.mark.parametrize("tool_format", sorted(CALL_TEXT))
 def test_forced_call_streams_with_its_name(tokenizer, tool_format):
-    parser = get_tool_parser(tool_format)
-    prefix, generated = _forced_split(tool_format)
-    chat = request(tool_choice=NAMED, stream=True, n=2)
-    writer = ChunkWriter(chat, "m", PromptInputs([1] * 5, {}), tokenizer, parser, prefix)
+    _, generated = _forced_split(tool_format)
+    chat = prepared(request(tool_choice=NAMED, stream=True, n=2), tokenizer, tool_format)
+    writer = ChunkWriter(chat, "m", tokenizer)
     lines = []
     for i, char in enumerate(generated):
         last = i == len(generated) - 1
@@ -191,12 +192,9 @@ def test_forced_call_streams_with_its_name(tokenizer, tool_format):
 
 
 def test_unfinished_forced_call_is_content_with_its_prefix(tokenizer):
-    parser = get_tool_parser("gemma4")
-    prefix = parser.forced_prefix("get_weather")
-    chat = request(tool_choice=NAMED)
-    body = build_response(
-        chat, "m", PromptInputs([1] * 5, {}), output("{zq", "length"), tokenizer, parser, prefix
-    )
+    prefix = get_tool_parser("gemma4").forced_prefix("get_weather")
+    chat = prepared(request(tool_choice=NAMED), tokenizer, "gemma4")
+    body = build_response(chat, "m", output("{zq", "length"), tokenizer)
     assert body.choices[0].message.content == prefix + "{zq"
     assert not body.choices[0].message.tool_calls
     assert body.choices[0].finish_reason == "length"
@@ -212,6 +210,27 @@ def test_reasoning_is_in_play_only_inside_an_open_block_and_without_a_forced_cal
     assert not reasoning_in_play("<|im_start|>assistant\n", "")
 
 
+def test_prepare_keeps_special_tokens_only_for_tool_calls_or_reasoning(tokenizer):
+    """Their tags may be special tokens; any other request's text leaves special tokens out."""
+    plain = prepared(request(tools=None), tokenizer)
+    assert (plain.parser, plain.thinking, plain.params.skip_special_tokens) == (None, False, True)
+    declined = prepared(request(tool_choice="none"), tokenizer)
+    assert declined.parser is None and declined.params.skip_special_tokens
+    assert not prepared(request(), tokenizer).params.skip_special_tokens
+    thinking = prepared(request(tools=None), tokenizer, prompt_text=THINKING_PROMPT)
+    assert thinking.thinking and not thinking.params.skip_special_tokens
+
+
+def test_prepare_appends_the_forced_call_opening_to_the_prompt(tokenizer):
+    auto = prepared(request(), tokenizer)
+    assert auto.prefix == "" and auto.inputs.input_ids == [1] * 5
+    forced = prepared(request(tool_choice=NAMED), tokenizer, prompt_text=THINKING_PROMPT)
+    assert forced.prefix == get_tool_parser("qwen3_xml").forced_prefix("get_weather")
+    assert not forced.thinking  # the forced call closes the open block first
+    text = forced_prompt_text(THINKING_PROMPT, forced.prefix)
+    assert forced.inputs.input_ids == [1] * 5 + tokenizer.encode(text, add_special_tokens=False)
+
+
 def reasoning_of(message) -> str | None:
     """`reasoning_content` as the openai client exposes a field it does not declare."""
     extra = message.model_extra or {}
@@ -221,11 +240,10 @@ def reasoning_of(message) -> str | None:
 
 @pytest.mark.parametrize("with_tools", [False, True])
 def test_response_splits_reasoning_from_content_and_calls(tokenizer, with_tools):
-    parser = get_tool_parser("qwen3_xml") if with_tools else None
     chat = request() if with_tools else request(tools=None)
     reply = "Paris is asked.\n</think>\n\n" + ("Checking. " + CALL_TEXT["qwen3_xml"])
-    inputs = PromptInputs([1] * 5, {})
-    body = build_response(chat, "m", inputs, output(reply), tokenizer, parser, thinking=True)
+    chat = prepared(chat, tokenizer, prompt_text=THINKING_PROMPT)
+    body = build_response(chat, "m", output(reply), tokenizer)
     choice = ChatCompletion.model_validate(body.model_dump(exclude_none=True)).choices[0]
     assert reasoning_of(choice.message) == "Paris is asked."
     assert "think>" not in choice.message.content
@@ -238,14 +256,9 @@ def test_response_splits_reasoning_from_content_and_calls(tokenizer, with_tools)
 
 
 def test_a_reasoning_block_never_closed_is_all_reasoning(tokenizer):
+    chat = prepared(request(), tokenizer, prompt_text=THINKING_PROMPT)
     body = build_response(
-        request(),
-        "m",
-        PromptInputs([1] * 5, {}),
-        output("Still weighing <tool_call> or not", "length"),
-        tokenizer,
-        get_tool_parser("qwen3_xml"),
-        thinking=True,
+        chat, "m", output("Still weighing <tool_call> or not", "length"), tokenizer
     )
     choice = ChatCompletion.model_validate(body.model_dump(exclude_none=True)).choices[0]
     assert reasoning_of(choice.message) == "Still weighing <tool_call> or not"
@@ -256,9 +269,7 @@ def test_a_reasoning_block_never_closed_is_all_reasoning(tokenizer):
 def test_without_reasoning_in_play_nothing_is_reasoning(tokenizer):
     """enable_thinking=false, or a template without blocks: the text is all content."""
     text = "Plain </think> answer"
-    body = build_response(
-        request(tools=None), "m", PromptInputs([1] * 5, {}), output(text), tokenizer
-    )
+    body = build_response(prepared(request(tools=None), tokenizer), "m", output(text), tokenizer)
     dumped = body.model_dump(exclude_none=True)
     assert "reasoning_content" not in dumped["choices"][0]["message"]
     assert dumped["choices"][0]["message"]["content"] == text
@@ -278,13 +289,11 @@ def stream_reply(writer: ChunkWriter, pieces: list[str], finish: str = "stop") -
 def test_stream_sends_reasoning_deltas_until_the_end_tag_then_content_and_calls(tokenizer):
     """Token by token, with `</think>` split across deltas: reasoning deltas first, then content
     and tool-call deltas, as the non-streaming response holds them."""
-    parser = get_tool_parser("qwen3_xml")
     reply = "Paris is asked.\n</think>\n\nChecking. " + CALL_TEXT["qwen3_xml"]
     cut = reply.index("</think>") + 3
     pieces = [reply[:cut], *reply[cut:]]  # "...</th" then one character at a time
-    writer = ChunkWriter(
-        request(stream=True), "m", PromptInputs([1] * 5, {}), tokenizer, parser, thinking=True
-    )
+    chat = prepared(request(stream=True), tokenizer, prompt_text=THINKING_PROMPT)
+    writer = ChunkWriter(chat, "m", tokenizer)
     chunks = stream_reply(writer, pieces)
     deltas = [c.choices[0].delta for c in chunks]
     reasoning = "".join(reasoning_of(d) or "" for d in deltas)
@@ -298,9 +307,8 @@ def test_stream_sends_reasoning_deltas_until_the_end_tag_then_content_and_calls(
 
 
 def test_stream_of_a_block_never_closed_has_no_content(tokenizer):
-    writer = ChunkWriter(
-        request(stream=True, tools=None), "m", PromptInputs([1] * 5, {}), tokenizer, thinking=True
-    )
+    chat = prepared(request(stream=True, tools=None), tokenizer, prompt_text=THINKING_PROMPT)
+    writer = ChunkWriter(chat, "m", tokenizer)
     chunks = stream_reply(writer, list("Still thinking\n</thi"), finish="length")
     deltas = [c.choices[0].delta for c in chunks]
     assert "".join(reasoning_of(d) or "" for d in deltas) == "Still thinking\n</thi"

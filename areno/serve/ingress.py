@@ -1,0 +1,252 @@
+"""The Ingress: the OpenAI HTTP surface of an AReno app (`/v1/chat/completions`, `/v1/models`,
+`/health`) on FastAPI inside Ray Serve.
+
+A chat request's path: read and parse the body, check the model and key, encode the prompt (a
+text-only request here, one with media through the MediaDecoder and Processor deployments),
+`prepare` it (areno.serve.chat), call the Generator deployment, and write the reply as JSON or
+SSE from that one `PreparedChat`.
+"""
+
+# NOTE: no `from __future__ import annotations` here: FastAPI reads the route signatures'
+# annotations at runtime, and string annotations made `request: Request` a required query field.
+import asyncio
+import concurrent.futures
+import dataclasses
+import functools
+import hmac
+import time
+import uuid
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from ray import serve
+from ray.serve.config import BackpressureConfig
+from starlette.exceptions import HTTPException
+
+from areno.engine.outputs import merge_outputs
+from areno.models.registry import adapter_for_checkpoint
+from areno.processing import Processor
+from areno.processing.encode import PromptLimits
+from areno.protocol import parse_chat_request
+from areno.protocol.errors import ErrorInfo, ErrorResponse, check_body_size
+from areno.protocol.responses import ModelCard, ModelList
+from areno.serve.admission import RETRY_AFTER_S
+from areno.serve.chat import (
+    ChunkWriter,
+    PreparedChat,
+    build_response,
+    error_line,
+    num_malformed_tool_calls,
+    prepare,
+    tools_in_play,
+)
+from areno.serve.config import ServeConfig
+from areno.serve.errors import AuthenticationError, ModelNotFoundError, user_error
+from areno.serve.metrics import IngressMetrics
+from areno.serve.sampling import sampling_params
+from areno.tools import get_tool_parser
+
+# HTTP requests the Serve proxy queues for the Ingress once every Ingress replica has
+# INGRESS_MAX_ONGOING in flight; beyond that Serve itself answers 503 (plain text, with
+# Retry-After). The engine-side limit (--max-queued-requests, 429) normally refuses far earlier.
+INGRESS_MAX_ONGOING = 4096
+INGRESS_MAX_QUEUED = 1024
+# How long `/health` waits for the Generator replica to answer before saying it is still starting.
+ENGINE_PROBE_S = 1.0
+
+
+async def read_body(request: Request) -> bytes:
+    """The body, refused (413) as soon as its declared or received size is over the limit, so
+    an oversized or lying upload is never buffered whole."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit():
+        check_body_size(int(declared))
+    chunks, num_bytes = [], 0
+    async for chunk in request.stream():
+        num_bytes += len(chunk)
+        check_body_size(num_bytes)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+# No /docs, /redoc or /openapi.json: they would answer without the API key.
+api = FastAPI(title="AReno", docs_url=None, redoc_url=None, openapi_url=None)
+
+
+@api.exception_handler(HTTPException)
+async def _http_error(request: Request, exc: HTTPException) -> JSONResponse:
+    """FastAPI's own refusals (an unknown route, a wrong method) as OpenAI error bodies."""
+    detail = str(exc.detail)
+    error = ErrorInfo(
+        message=f"{detail}: {request.method} {request.url.path}",
+        type="invalid_request_error",
+        code=detail.lower().replace(" ", "_"),
+    )
+    body = ErrorResponse(error=error).model_dump()
+    return JSONResponse(body, status_code=exc.status_code, headers=exc.headers)
+
+
+@serve.deployment(
+    max_ongoing_requests=INGRESS_MAX_ONGOING,
+    max_queued_requests=INGRESS_MAX_QUEUED,
+    backpressure_config=BackpressureConfig(status_code=503, retry_after_s=RETRY_AFTER_S),
+)
+@serve.ingress(api)
+class Ingress:
+    """`POST /v1/chat/completions`, `GET /v1/models`, `GET /health`."""
+
+    def __init__(self, decoder, processor, generator, config: ServeConfig):
+        from transformers import AutoTokenizer
+
+        self.decoder, self.processor = decoder, processor
+        self.generator_unary = generator
+        self.generator = generator.options(stream=True)
+        self.config = config
+        self.tokenizer = AutoTokenizer.from_pretrained(config.model_path)
+        # Text-only requests are templated and tokenized here, sparing them a Serve hop; the
+        # Processor deployment takes the requests that carry media.
+        limits = PromptLimits(config.max_prompt_tokens, config.engine.max_context_len)
+        self.text_processor = Processor(config.model_path, limits=limits)
+        # One thread: a fast tokenizer must not be entered by two threads at once.
+        self.encode_thread = concurrent.futures.ThreadPoolExecutor(1, "areno-encode")
+        self.tool_parser = get_tool_parser(adapter_for_checkpoint(config.model_path).tool_format)
+        self.metrics = IngressMetrics()
+        self.engine_ready = False
+
+    @api.get("/health")
+    async def health(self):
+        """200 once the engine has started; 503 before. The Ingress answers HTTP as soon as its
+        own replica is up, while the Generator may still be loading the checkpoint and compiling
+        its decode step (minutes for a 2B model on a GPU), so readiness asks the engine itself."""
+        if not self.engine_ready:
+            probe = self.generator_unary.stats.remote()
+            try:
+                await asyncio.wait_for(asyncio.shield(probe), ENGINE_PROBE_S)
+            except TimeoutError:
+                probe.cancel()
+                detail = "the generation engine is still starting (loading, compiling, warming up)"
+                return JSONResponse({"status": "starting", "detail": detail}, status_code=503)
+            except Exception as error:  # a replica that failed to start: say why, stay up
+                detail = f"the generation engine is unavailable: {error}"
+                return JSONResponse({"status": "unavailable", "detail": detail}, status_code=503)
+            self.engine_ready = True
+        return {"status": "ok"}
+
+    @api.get("/v1/models")
+    async def models(self, request: Request):
+        if (denied := self._check_key(request)) is not None:
+            return denied
+        config = self.config
+        max_len = config.engine.max_context_len
+        cards = [ModelCard(id=config.model_name, root=config.model_path, max_model_len=max_len)]
+        cards += [
+            ModelCard(id=name, root=path, parent=config.model_name, max_model_len=max_len)
+            for name, path in config.lora_adapters.items()
+        ]
+        return JSONResponse(ModelList(data=cards).model_dump(exclude_none=True))
+
+    @api.post("/v1/chat/completions")
+    async def chat_completions(self, request: Request):
+        if (denied := self._check_key(request)) is not None:
+            return denied
+        arrival = time.perf_counter()
+        try:
+            chat = parse_chat_request(await read_body(request))
+            model = self._model(chat.model)
+            params = sampling_params(chat)  # refused before the prompt is encoded
+            if model in self.config.lora_adapters:
+                params = dataclasses.replace(params, adapter=model)
+            encoded = await self._encode(chat)
+            prepared = prepare(chat, params, encoded, self.tool_parser, self.tokenizer)
+            request_id = uuid.uuid4().hex
+            if not chat.stream:
+                merged = await self.generator_unary.generate_all.remote(
+                    prepared.inputs, prepared.params, request_id
+                )
+                return self._respond(prepared, model, merged, arrival)
+            stream = self.generator.generate.remote(prepared.inputs, prepared.params, request_id)
+            first = await stream.__anext__()  # request-level errors surface before any byte
+        except Exception as e:  # noqa: BLE001 - every failure becomes an OpenAI error response
+            return self._error(e)
+        first_token_at = time.perf_counter()
+        self.metrics.time_to_first_token.observe(first_token_at - arrival)
+        writer = ChunkWriter(prepared, model, self.tokenizer)
+        return StreamingResponse(
+            self._sse(writer, first, stream, first_token_at), media_type="text/event-stream"
+        )
+
+    def _model(self, requested: str | None) -> str:
+        """The model a request runs on: the base model (named, or not named at all) or a LoRA
+        adapter served beside it (`--lora`)."""
+        if requested is None:
+            return self.config.model_name
+        if requested not in self.config.model_names:
+            served = ", ".join(repr(name) for name in self.config.model_names)
+            raise ModelNotFoundError(
+                f"model {requested!r} is not served here; this server serves {served}",
+                param="model",
+            )
+        return requested
+
+    def _respond(self, prepared: PreparedChat, model: str, merged, arrival: float) -> JSONResponse:
+        """The JSON answer of a non-streaming request (its tokens/s include the prefill: the
+        first token's time is not known here)."""
+        response = build_response(prepared, model, merged, self.tokenizer)
+        malformed = num_malformed_tool_calls(prepared, merged)
+        self.metrics.record(prepared, response.model_dump(), arrival, malformed)
+        return JSONResponse(response.model_dump(exclude_none=True))
+
+    async def _encode(self, chat):
+        """PromptInputs of the request: text-only ones encoded here (on the encode thread, off the
+        event loop), the others through MediaDecoder then Processor."""
+        tools = chat.tools if tools_in_play(chat) else None
+        kwargs = chat.chat_template_kwargs
+        refs = self.text_processor.media_refs(chat.messages)
+        if not refs:
+            encode = functools.partial(
+                self.text_processor.encode,
+                tools=tools,
+                chat_template_kwargs=kwargs,
+                max_new_tokens=chat.max_new_tokens,
+            )
+            loop = asyncio.get_running_loop()
+            return await loop.run_in_executor(self.encode_thread, encode, chat.messages, [])
+        media = await self.decoder.decode_many.remote(refs)
+        return await self.processor.encode.remote(
+            chat.messages, media, tools, kwargs, chat.max_new_tokens
+        )
+
+    async def _sse(self, writer: ChunkWriter, first, stream, first_token_at: float):
+        try:
+            outputs = [first]
+            for line in writer.chunks(first):
+                yield line
+            async for output in stream:
+                outputs.append(output)
+                for line in writer.chunks(output):
+                    yield line
+        except Exception as e:  # noqa: BLE001 - the status line is sent; report in-stream
+            yield error_line(ErrorResponse.from_error(user_error(e)).error.model_dump())
+            return
+        for line in writer.end():
+            yield line
+        merged = merge_outputs(outputs)
+        body = build_response(writer.prepared, writer.model, merged, self.tokenizer).model_dump()
+        self.metrics.record(writer.prepared, body, first_token_at, writer.num_malformed_tool_calls)
+
+    def _check_key(self, request: Request) -> JSONResponse | None:
+        key = self.config.api_key
+        sent = request.headers.get("authorization", "").encode()
+        if key is None or hmac.compare_digest(sent, f"Bearer {key}".encode()):
+            return None
+        return self._error(
+            AuthenticationError("missing or wrong API key: send 'Authorization: Bearer <key>'")
+        )
+
+    def _error(self, exc: Exception) -> JSONResponse:
+        error = user_error(exc)
+        self.metrics.requests.inc(tags={"status": str(error.status_code)})
+        body = ErrorResponse.from_error(error).model_dump()
+        retry_after = getattr(error, "retry_after_s", None)
+        headers = {"Retry-After": str(retry_after)} if retry_after is not None else None
+        return JSONResponse(body, status_code=error.status_code, headers=headers)

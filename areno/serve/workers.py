@@ -1,0 +1,181 @@
+"""The three worker deployments: MediaDecoder, Processor and Generator as Ray Serve replicas.
+
+Each wraps the very class that training runs as a Ray actor (`MediaDecoder`, `Processor`,
+`Generator`), adding what serving needs around it: the server's media policy, Serve's health
+check, the Generator replica's admission queue (429 / 503) and Prometheus metrics.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from ray import serve
+
+from areno.engine.generator import Generator
+from areno.engine.sampling import SamplingParams
+from areno.media import MediaDecoder, MediaPolicy
+from areno.processing import Processor
+from areno.processing.encode import PromptLimits
+from areno.processing.warmup import warm_up_prompts
+from areno.serve.admission import Admission, EngineUnavailableError
+from areno.serve.config import ServeConfig
+
+# A child of "ray.serve": Serve routes it to the replica's log file and the driver's console.
+logger = logging.getLogger("ray.serve.areno")
+
+
+@serve.deployment(max_ongoing_requests=64)
+class MediaDecoderServer:
+    """Resolves and decodes media parts under the server's media policy, where it runs."""
+
+    def __init__(self, config: ServeConfig):
+        processor = Processor(config.model_path)  # for the family's decode options only
+        policy = MediaPolicy.for_server(
+            config.host,
+            config.allowed_local_media_paths,
+            allow_remote=config.allow_remote_media,
+            allow_private_network=config.allow_private_network_media,
+        )
+        self.decoder = MediaDecoder(policy, processor.decode_options())
+        from ray.serve import metrics
+
+        self.decode_seconds = metrics.Histogram(
+            "areno_media_decode_s",
+            "Seconds to resolve and decode one media item.",
+            boundaries=[0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5],
+            tag_keys=("modality",),
+        )
+
+    def decode_many(self, refs: list) -> list:
+        decoded = []
+        for ref in refs:
+            start = time.perf_counter()
+            decoded.append(self.decoder.decode(ref))
+            self.decode_seconds.observe(
+                time.perf_counter() - start, tags={"modality": ref.modality}
+            )
+        return decoded
+
+
+@serve.deployment(max_ongoing_requests=64)
+class ProcessorServer:
+    """Chat template + native processor: messages and decoded media to PromptInputs (requests
+    with media; the Ingress encodes text-only requests itself)."""
+
+    def __init__(self, config: ServeConfig):
+        limits = PromptLimits(config.max_prompt_tokens, config.engine.max_context_len)
+        self.processor = Processor(config.model_path, limits=limits)
+        warm_up_prompts(self.processor)  # the native processor's first call, per modality
+
+    def encode(
+        self,
+        messages: list,
+        media: list,
+        tools: list | None,
+        template_kwargs: Any,
+        max_new_tokens: int | None = None,
+    ):
+        return self.processor.encode(
+            messages,
+            media,
+            tools=tools,
+            chat_template_kwargs=template_kwargs,
+            max_new_tokens=max_new_tokens,
+        )
+
+
+@serve.deployment(max_ongoing_requests=4096)
+class GeneratorServer:
+    """One replica is one engine: a tensor-parallel group when tp_size > 1 (this replica is
+    rank 0, in the first bundle of its STRICT_PACK placement group)."""
+
+    def __init__(self, config: ServeConfig):
+        # Encoded before the engine starts: its thread must stay this process's only OpenMP user
+        # (areno/engine/openmp.py), and the processor runs torch ops.
+        limits = PromptLimits(config.max_prompt_tokens, config.engine.max_context_len)
+        start_up_prompts = warm_up_prompts(Processor(config.model_path, limits=limits))
+        self.generator = Generator.from_config(config.model_path, config.engine)
+        self.generator.add_adapters(config.lora_adapters)  # --lora
+        # Each media tower's first forward, here rather than in a user's first request of it.
+        self.generator.warm_up(start_up_prompts)
+        self.admission = Admission(config.engine.max_running_prompts, config.queue_limit)
+        from ray.serve import metrics
+
+        self.queue_depth = metrics.Gauge(
+            "areno_engine_waiting", "Sequences waiting for a slot and KV blocks in this engine."
+        )
+        self.running = metrics.Gauge("areno_engine_running", "Sequences decoding in this engine.")
+        self.free_blocks = metrics.Gauge(
+            "areno_engine_free_kv_blocks", "KV cache blocks free in this engine's pool."
+        )
+        # Engine counters (stats key -> Serve counter), raised by what they grew since read.
+        self.counters = {
+            "num_preemptions": metrics.Counter(
+                "areno_engine_preemptions",
+                "Sequences preempted for KV blocks (recomputed later) in this engine.",
+            ),
+            "num_prompt_tokens_admitted": metrics.Counter(
+                "areno_engine_prompt_tokens",
+                "Prompt tokens of the sequences this engine admitted (prefill requested).",
+            ),
+            "num_prompt_tokens_cached": metrics.Counter(
+                "areno_engine_prompt_tokens_cached",
+                "Of those, the tokens the prefix cache held (not prefilled again).",
+            ),
+        }
+        self._counted = dict.fromkeys(self.counters, 0)
+        logger.info("%s", self.generator.pool.describe(self.generator.max_context_len))
+
+    async def generate_all(self, inputs, params: SamplingParams, request_id: str):
+        """The whole request in one reply (non-streaming HTTP: no per-delta handle traffic)."""
+        self._admit(params, request_id)
+        try:
+            return await self.generator.generate_all(inputs, params, request_id)
+        finally:
+            self._release(request_id)
+
+    async def generate(self, inputs, params: SamplingParams, request_id: str):
+        self._admit(params, request_id)
+        try:
+            async for output in self.generator.generate(inputs, params, request_id):
+                yield output
+        finally:
+            self._release(request_id)
+
+    def _admit(self, params: SamplingParams, request_id: str) -> None:
+        """Refuse at once what would otherwise hang: 503 while the engine is paused (an RL
+        weight update), 429 when the waiting queue is full. A dead engine raises
+        EngineDeadError from `generate` itself (503 too)."""
+        if self.generator.is_paused:
+            raise EngineUnavailableError("the generation engine is paused; retry shortly")
+        self.admission.admit(request_id, params.n)
+        self._report()
+
+    def _release(self, request_id: str) -> None:
+        self.admission.release(request_id)
+        self._report()
+
+    def _report(self) -> None:
+        stats = self.generator.stats()
+        self.queue_depth.set(stats["num_waiting"])
+        self.running.set(stats["num_running"])
+        self.free_blocks.set(stats["num_free_blocks"])
+        for key, counter in self.counters.items():
+            if stats[key] > self._counted[key]:
+                counter.inc(stats[key] - self._counted[key])
+                self._counted[key] = stats[key]
+
+    def stats(self) -> dict[str, int]:
+        return self.generator.stats()
+
+    def check_health(self) -> None:
+        """Serve's periodic replica check: an engine that cannot step (a lost tensor-parallel
+        follower) fails it, and Serve replaces this replica, its placement group and followers."""
+        self.generator.check_health()
+
+    def __del__(self) -> None:
+        generator = getattr(self, "generator", None)
+        if generator is not None:
+            generator.shutdown()
