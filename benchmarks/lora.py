@@ -140,6 +140,9 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=256)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--concurrency", type=int, default=64)
+    parser.add_argument(
+        "--train-only", action="store_true", help="the trainer's step alone (no sync, no decode)"
+    )
     parser.add_argument("--out", default="benchmarks/results/lora_gpu.json")
     args = parser.parse_args()
     torch.manual_seed(SEED)
@@ -157,6 +160,10 @@ def main() -> None:
             if ".lora_B." in name:
                 param.normal_(0, 0.02)
     results["train_lora"] = train_step(adapted, args.batch, args.seq_len, args.repeats)
+    if args.train_only:
+        _print_train(args, results)
+        write_results(args.out, _meta(args, lora), results)
+        return
 
     # --- one weight sync into a running engine --------------------------------------------
     start = time.perf_counter()
@@ -201,11 +208,7 @@ def main() -> None:
     finally:
         slots.shutdown()
 
-    print(f"\n{args.model}, bf16, LoRA rank {args.rank} on every language-model linear layer")
-    print(f"{'':24} {'trained params':>15} {'peak GiB':>9} {'step s':>8}")
-    for key in ("train_full", "train_lora"):
-        r = results[key]
-        print(f"{key:24} {r['trained_params']:>15,} {r['peak_gib']:>9.2f} {r['step_s']:>8.3f}")
+    _print_train(args, results)
     print(f"\n{'':24} {'MB sent':>10} {'host copy s':>12} {'engine load s':>14}")
     for key in ("sync_full", "sync_lora"):
         r = results[key]
@@ -216,9 +219,21 @@ def main() -> None:
     for key in ("decode_base", "decode_lora_engine_base", "decode_lora_engine_adapter"):
         r = results[key]
         print(f"{key:24} {r['tok_s']:>10.0f} {str(r.get('decode_compiled')):>9}")
+    write_results(args.out, _meta(args, lora), results)
+
+
+def _meta(args, lora: LoraConfig) -> dict:
     meta = {"seed": SEED, "lora": dataclasses.asdict(lora)}
-    meta |= {k: v for k, v in vars(args).items() if k != "out"}
-    write_results(args.out, meta, results)
+    return meta | {k: v for k, v in vars(args).items() if k != "out"}
+
+
+def _print_train(args, results: dict) -> None:
+    print(f"\n{args.model}, bf16, LoRA rank {args.rank} on every language-model linear layer")
+    print(f"train step, {args.batch} x {args.seq_len} tokens")
+    print(f"{'':24} {'trained params':>15} {'peak GiB':>9} {'step s':>8}")
+    for key in ("train_full", "train_lora"):
+        r = results[key]
+        print(f"{key:24} {r['trained_params']:>15,} {r['peak_gib']:>9.2f} {r['step_s']:>8.3f}")
 
 
 if __name__ == "__main__":
