@@ -438,6 +438,7 @@ def test_health_says_starting_until_the_engine_is_up(server, tiny_path):
     )
     target = serve.RunTarget(build_app(config), name="starting", route_prefix="/starting")
     serve.run_many([target], wait_for_applications_running=False)
+
     def health():
         """The new app's /health; None while its Ingress replica is still starting (a loaded
         machine can keep the first answer longer than a read timeout)."""
