@@ -183,7 +183,7 @@ class RunConfig:
     eval_samples_per_prompt: int = 1
     seed: int = 0
     resume: bool = False
-    export_hf: bool = True
+    export_hf: bool = True  # hf/ at the end (a LoRA run writes its small adapter/ always)
     progress: bool = True
 
     def __post_init__(self) -> None:

@@ -178,6 +178,10 @@ def _assert_peft_loads_the_policy(base: Path, adapter_dir: Path, held_out: float
 
 
 def test_resume_after_kill_continues_the_step_count_and_data(ray_head, warm_start, tmp_path):
+    """A run killed after a checkpoint resumes with --resume exactly after it. The run trains
+    LoRA adapters under ZeRO-3 (every parameter partitioned over the ranks, the frozen base
+    too): their checkpoint, weight sync and export; the full-parameter checkpoint resumes in
+    tests/train/test_faults.py."""
     run_dir = tmp_path / "run"
     args = [
         "--config",
@@ -191,6 +195,7 @@ def test_resume_after_kill_continues_the_step_count_and_data(ray_head, warm_star
         "--save-every",
         "1",
         *SMALL,
+        *("--zero-stage", "3", "--set", "lora.rank=4", "--set", "lora.alpha=8"),
     ]
     process = subprocess.Popen(
         [*AREN0, "train", "--no-progress", *args],
@@ -220,6 +225,9 @@ def test_resume_after_kill_continues_the_step_count_and_data(ray_head, warm_star
     resumed = [r["step"] for r in records if "data_position" in r][-(4 - saved["step"]) :]
     assert resumed == list(range(saved["step"] + 1, 5))
     assert json.loads(state_file.read_text())["step"] == 4
+    factors = load_file(run_dir / "adapter" / "adapter_model.safetensors")
+    assert factors and all(".lora_A." in n or ".lora_B." in n for n in factors)
+    assert any(t.abs().sum() > 0 for n, t in factors.items() if ".lora_B." in n)  # trained
 
 
 def test_ray_job_submit_runs_training_and_private_data_stays_private(
