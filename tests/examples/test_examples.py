@@ -1,8 +1,9 @@
 """Every example end to end, and its parts one by one.
 
-- Smoke: generate a tiny dataset with the example's own script, run `areno train` (2 steps) in a
-  subprocess against the module's Ray head, check metrics.jsonl. Random tiny weights rarely emit
-  a well-formed tool call, so this checks the loop runs, not what the agent learns.
+- Smoke: generate a tiny dataset with the example's own script (once per module, shared by every
+  test here), run `areno train` (2 steps) in a subprocess against the module's Ray head, check
+  metrics.jsonl. Random tiny weights rarely emit a well-formed tool call, so this checks the loop
+  runs, not what the agent learns.
 - Tools: called on real generated clips / images (frames come back, audio has the right length,
   a bad range is a ToolError message for the model).
 - Rewards: hand-made trajectories.
@@ -50,16 +51,39 @@ EXAMPLES = {
     ),
     "vl_compare": (VL / "compare" / "generate_dataset.py", VL / "compare" / "grpo.yaml", "qwen3_5"),
 }
+GENERATE_FLAGS = ["--num-train", "4", "--num-validation", "2", "--no-progress"]
 
 
-def generate(script: Path, out: Path, num_train: int = 4, num_validation: int = 2) -> Path:
-    result = subprocess.run(
-        [sys.executable, str(script), "--out", str(out), "--num-train", str(num_train),
-         "--num-validation", str(num_validation), "--no-progress"],
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert result.returncode == 0, result.stderr[-3000:]
-    return out
+def generate(scripts: dict[str, Path], root: Path) -> dict[str, Path]:
+    """Run each dataset script as its README does (`python SCRIPT --out DIR`) into root / name,
+    with 4 train and 2 validation samples. The scripts run at once: each spends its seconds
+    importing torch (through areno), not writing its few samples."""
+    processes = {
+        name: subprocess.Popen(
+            [sys.executable, str(script), "--out", str(root / name), *GENERATE_FLAGS],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for name, script in scripts.items()
+    }
+    try:
+        for name, process in processes.items():
+            _, stderr = process.communicate(timeout=300)
+            assert process.returncode == 0, f"{scripts[name]}: {stderr[-3000:]}"
+    finally:
+        for process in processes.values():
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+    return {name: root / name for name in scripts}
+
+
+@pytest.fixture(scope="module")
+def datasets(tmp_path_factory) -> dict[str, Path]:
+    """Every example's tiny dataset, written once for the module by its own script."""
+    scripts = {name: script for name, (script, _, _) in EXAMPLES.items()}
+    return generate(scripts, tmp_path_factory.mktemp("datasets"))
 
 
 def trajectory(*calls: tuple[str, dict | str], final_text: str = "") -> Trajectory:
@@ -83,9 +107,9 @@ def ctx_for(sample) -> ToolContext:
 
 
 @pytest.mark.parametrize("name", list(EXAMPLES))
-def test_example_trains_two_steps(name, ray_head, tiny_path, tmp_path):
-    script, config, family = EXAMPLES[name]
-    data = generate(script, tmp_path / "data")
+def test_example_trains_two_steps(name, ray_head, tiny_path, datasets, tmp_path):
+    _, config, family = EXAMPLES[name]
+    data = datasets[name]
     run_dir = tmp_path / "run"
     flags = list(SMOKE_FLAGS)
     if name == "ave":  # held out: 2 clips x grpo.yaml's eval_samples_per_prompt (2), sampled
@@ -121,16 +145,18 @@ def test_example_trains_two_steps(name, ray_head, tiny_path, tmp_path):
 
 
 @pytest.fixture(scope="module")
-def ave_sample(tmp_path_factory):
+def ave_sample(datasets):
     from examples.multimodal.ave_event_recognition.loader import load
 
-    data = generate(AVE / "generate_dataset.py", tmp_path_factory.mktemp("ave"), 2, 1)
-    return next(iter(load(str(data), "train")))
+    return next(iter(load(str(datasets["ave"]), "train")))
 
 
-def test_ave_dataset_is_deterministic_and_keeps_answers_private(tmp_path):
-    a = generate(AVE / "generate_dataset.py", tmp_path / "a", 3, 1)
-    b = generate(AVE / "generate_dataset.py", tmp_path / "b", 3, 1)
+def test_ave_dataset_is_deterministic_and_keeps_answers_private(datasets, tmp_path):
+    from examples.multimodal.ave_event_recognition.generate_dataset import main
+
+    a = datasets["ave"]  # the script's run in a process of its own
+    b = tmp_path / "b"
+    main(["--out", str(b), *GENERATE_FLAGS])  # a second run, here
     rows_a = [json.loads(line) for line in (a / "train.jsonl").read_text().splitlines()]
     rows_b = [json.loads(line) for line in (b / "train.jsonl").read_text().splitlines()]
     assert [r["private"] for r in rows_a] == [r["private"] for r in rows_b]
@@ -239,14 +265,12 @@ def test_ave_reward_needs_the_private_answer():
 
 
 @pytest.fixture(scope="module")
-def vl_samples(tmp_path_factory):
+def vl_samples(datasets):
     from examples.vl.compare.loader import load as load_compare
     from examples.vl.counting.loader import load as load_counting
 
-    root = tmp_path_factory.mktemp("vl")
-    counting = generate(VL / "counting" / "generate_dataset.py", root / "counting", 2, 1)
-    compare = generate(VL / "compare" / "generate_dataset.py", root / "compare", 2, 1)
-    return next(iter(load_counting(str(counting)))), next(iter(load_compare(str(compare))))
+    counting = next(iter(load_counting(str(datasets["vl_counting"]))))
+    return counting, next(iter(load_compare(str(datasets["vl_compare"]))))
 
 
 def test_crop_and_zoom_returns_the_enlarged_region(vl_samples):
