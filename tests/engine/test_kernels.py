@@ -36,6 +36,11 @@ TOLERANCE = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
 needs_kernels = pytest.mark.skipif(
     not RUNS_KERNELS, reason="runs on a GPU, or in the interpreter's subprocess"
 )
+# NOTE: the interpreter runs a launch's programs one after another in Python, each op about a
+# thousand times slower than compiled: its time is programs x loop steps, hardly the tiles'
+# sizes. Under it the tests take the fewest rows, heads and tokens that still reach every path
+# of a kernel (several programs per dimension of the grid, partial blocks, grouped heads); a GPU
+# runs the realistic sizes.
 
 
 @pytest.mark.skipif(triton is None, reason="this torch build has no Triton")
@@ -74,6 +79,8 @@ def _paged(batch: int, heads: int, length: int, dim: int, dtype, page: int = 16)
 def test_decode_attention_matches_its_reference(dtype, heads, kv_heads, dim, window, page, padded):
     """`padded`: the step's key length runs 3 splits past its longest row (a graph captured for
     the whole context) and each row's key count travels: the splits past it read nothing."""
+    if INTERPRETED and kv_heads > 2:  # a program per KV head: two of them, the group kept
+        heads, kv_heads = heads // kv_heads * 2, 2
     torch.manual_seed(0)
     ends = torch.tensor([1, 100, 384, 250, 129], device=DEVICE)  # a row per split boundary
     kv_len = int(ends.max()) + (384 if padded else 0)
@@ -122,13 +129,14 @@ def test_writing_keys_and_values_matches_its_reference(dtype, heads, dim, page, 
 
 @needs_kernels
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("num_tokens", [1, 37])
+# Under the interpreter a prompt of 5 tokens: its loop, and the last token's prefetch.
+@pytest.mark.parametrize("num_tokens", [1, 5 if INTERPRETED else 37])
 @pytest.mark.parametrize("prefetch", [True, False])
 def test_gated_delta_matches_its_reference_and_updates_the_state_in_place(
     dtype, num_tokens, prefetch
 ):
     torch.manual_seed(0)
-    batch, num_k, num_v, dk, dv = 3, 2, 4, 128, 64
+    batch, num_k, num_v, dk, dv = 2 if INTERPRETED else 3, 2, 4, 128, 64
     query = F.normalize(torch.randn(batch, num_tokens, num_k, dk, device=DEVICE), dim=-1) * dk**-0.5
     key = F.normalize(torch.randn(batch, num_tokens, num_k, dk, device=DEVICE), dim=-1)
     value = torch.randn(batch, num_tokens, num_v, dv, device=DEVICE).to(dtype)
@@ -153,13 +161,25 @@ CHUNKED_CASES = [
     (64, 32, 1, 2, 32, 128),
     (5, 32, 2, 2, 64, 64),
     (100, 64, 1, 1, 16, 16),
-    (70, None, 2, 4, 128, 128),  # the engine's launch at Qwen3.5's head dims
+    # The engine's launch at Qwen3.5's head dims (whole chunks and a partial one).
+    (40 if INTERPRETED else 70, None, 2, 4, 128, 128),
+]
+# Under the interpreter half precision only at the engine's launch: its path (the loads' casts,
+# the TF32 products) is the same at every shape, which float32 covers.
+CHUNKED_KERNEL_CASES = [
+    (dtype, *case)
+    for dtype in DTYPES
+    for case in CHUNKED_CASES
+    if not (INTERPRETED and dtype != torch.float32 and case[1] is not None)
 ]
 
 
 @needs_kernels
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("num_tokens, chunk, num_k, num_v, dk, dv", CHUNKED_CASES)
+@pytest.mark.parametrize(
+    "dtype, num_tokens, chunk, num_k, num_v, dk, dv",
+    CHUNKED_KERNEL_CASES,
+    ids=lambda v: str(v).removeprefix("torch.") if isinstance(v, torch.dtype) else None,
+)
 def test_the_chunked_delta_rule_matches_the_token_by_token_reference(
     dtype, num_tokens, chunk, num_k, num_v, dk, dv
 ):
@@ -180,7 +200,9 @@ def test_the_chunked_delta_rule_in_pytorch_matches_the_token_by_token_reference(
     _check_chunked_rule(rule, torch.float32, num_tokens, num_k, num_v, dk, dv, 1e-4)
 
 
-@pytest.mark.parametrize("split", [1, 37, 64])
+# 64: whole chunks of the PyTorch form. The token kernel (on CUDA, under the interpreter) has no
+# chunks, so under the interpreter 37 takes the same path.
+@pytest.mark.parametrize("split", [1, 37] if INTERPRETED else [1, 37, 64])
 def test_a_prefill_rule_continues_a_state_as_one_rule_over_the_whole(split):
     """A prompt's later chunk: the rule over tokens split.. from the state after ..split gives
     the whole prompt's outputs and state (the Triton token kernel on CUDA and under the
@@ -209,22 +231,23 @@ def _check_chunked_rule(rule, dtype, num_tokens, num_k, num_v, dk, dv, tolerance
     value heads, and right padding: a row whose last tokens have beta 0 and log-decay 0 ends
     in the state of its last real token."""
     torch.manual_seed(0)
-    batch = 3
+    batch = 2 if INTERPRETED else 3
     query = F.normalize(torch.randn(batch, num_tokens, num_k, dk, device=DEVICE), dim=-1) * dk**-0.5
     key = F.normalize(torch.randn(batch, num_tokens, num_k, dk, device=DEVICE), dim=-1)
     value = torch.randn(batch, num_tokens, num_v, dv, device=DEVICE).to(dtype)
     beta = torch.rand(batch, num_tokens, num_v, device=DEVICE).to(dtype)
     log_decay = -torch.rand(batch, num_tokens, num_v, device=DEVICE)
     real = num_tokens - 3 if num_tokens > 3 else num_tokens
-    beta[2, real:], log_decay[2, real:] = 0, 0  # row 2 is padded after `real` tokens
+    last = batch - 1  # the last row is padded after `real` tokens
+    beta[last, real:], log_decay[last, real:] = 0, 0
     want_out, want_state = gated_delta_reference(None, query, key, value, beta, log_decay.exp())
     have_out, have_state = rule(query, key, value, beta, log_decay)
     torch.testing.assert_close(have_out, want_out, atol=tolerance, rtol=tolerance)
     torch.testing.assert_close(have_state, want_state, atol=tolerance, rtol=tolerance)
     _, real_state = gated_delta_reference(
-        None, *(t[2:, :real] for t in (query, key, value, beta, log_decay.exp()))
+        None, *(t[last:, :real] for t in (query, key, value, beta, log_decay.exp()))
     )
-    torch.testing.assert_close(have_state[2:], real_state, atol=tolerance, rtol=tolerance)
+    torch.testing.assert_close(have_state[last:], real_state, atol=tolerance, rtol=tolerance)
 
 
 @needs_kernels
@@ -310,10 +333,12 @@ def test_the_runner_decodes_the_same_tokens_with_its_kernels(tiny_path, family, 
     torch.manual_seed(0)
     # 140 tokens: that row's keys cross a split of the attention kernel.
     prompts = [torch.randint(5, 500, (n,)).tolist() for n in (9, 40, 17, 140, 3)]
+    # Under the interpreter 4 tokens a request: the last to join still decodes beside the others.
+    num_new = 4 if INTERPRETED else 8
     with references_only():
-        want = staggered_greedy(model, prompts, 8)
+        want = staggered_greedy(model, prompts, num_new)
     assert calls == {"decode_attention": 0, "gated_delta": 0, "chunked_gated_delta": 0}
-    have = staggered_greedy(model, prompts, 8)
+    have = staggered_greedy(model, prompts, num_new)
     assert have == want
     assert calls["decode_attention"] > 0  # every family has full-attention layers
     # Qwen3.5's linear attention: decode steps and short prefills token by token, the long
