@@ -70,10 +70,12 @@ class Grammars:
         return compiled
 
     def _compile(self, spec: StructuredOutput) -> xgrammar.CompiledGrammar:
-        if spec.kind == "json_object":
-            return self._compiler.compile_builtin_json_grammar()
+        # No free whitespace: a model could otherwise pad the object until max_tokens.
+        if spec.kind == "json_object":  # any object (not any JSON value), any properties
+            return self._compiler.compile_json_schema(
+                '{"type": "object"}', any_whitespace=False, strict_mode=False
+            )
         if spec.kind == "json_schema":
-            # No free whitespace: a model could otherwise pad the object until max_tokens.
             return self._compiler.compile_json_schema(spec.spec, any_whitespace=False)
         return self._compiler.compile_structural_tag(spec.spec)
 
