@@ -16,13 +16,15 @@ import logging
 import threading
 from collections import OrderedDict
 from collections.abc import Collection
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-import xgrammar
 
 from areno.engine.sampling import StructuredOutput
 from areno.errors import ConfigError
+
+if TYPE_CHECKING:
+    import xgrammar
 
 logger = logging.getLogger(__name__)
 
@@ -39,6 +41,8 @@ class Grammars:
     which may exceed the tokenizer's), ending in the engine's EOS tokens."""
 
     def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: Collection[int]):
+        import xgrammar  # here, not at import: an engine that never meets a grammar skips it
+
         info = xgrammar.TokenizerInfo.from_huggingface(
             tokenizer, vocab_size=vocab_size, stop_token_ids=sorted(stop_token_ids)
         )
@@ -81,11 +85,13 @@ class Grammars:
 
     def matcher(self, spec: StructuredOutput) -> xgrammar.GrammarMatcher:
         """A fresh matcher for one sequence of a request with `spec`."""
+        import xgrammar
+
         return xgrammar.GrammarMatcher(self.compile(spec))
 
     def bitmask(self, num_rows: int) -> torch.Tensor:
         """A (rows, ceil(vocab / 32)) int32 mask allowing every token (-1: all bits set)."""
-        return xgrammar.allocate_token_bitmask(num_rows, self.vocab_size)
+        return torch.full((num_rows, (self.vocab_size + 31) // 32), -1, dtype=torch.int32)
 
 
 def fill(matcher: xgrammar.GrammarMatcher, bitmask: torch.Tensor, row: int) -> None:

@@ -27,11 +27,12 @@ from areno.protocol.errors import RequestValidationError
 from areno.tools import ToolParser
 from areno.tools.reasoning import THINK_END
 
-# Whitespace a constrained JSON value may hold in a row: enough for indented JSON, not enough
-# for a model to pad a call until max_tokens. XML arguments get one character around each
-# value and element, the template's own layout.
+# Whitespace a constrained value may hold in a row. A JSON reply: enough for indented JSON, not
+# enough for a model to pad it until max_tokens. A call's arguments: the layout the templates
+# write (`", "`, `": "`, one newline around an XML value), no more.
 MAX_WHITESPACE = 16
-MAX_XML_WHITESPACE = 1
+MAX_ARGUMENT_WHITESPACE = {"json": 2}
+DEFAULT_ARGUMENT_WHITESPACE = 1
 ANY_OBJECT = {"type": "object"}
 
 
@@ -130,7 +131,7 @@ def _call(parser: ToolParser, name: str, schema: dict, skip: int = 0) -> dict:
 
 def _arguments(parser: ToolParser, schema: dict) -> dict:
     style = parser.argument_style
-    whitespace = MAX_XML_WHITESPACE if style.endswith("xml") else MAX_WHITESPACE
+    whitespace = MAX_ARGUMENT_WHITESPACE.get(style, DEFAULT_ARGUMENT_WHITESPACE)
     return _json(schema) | {"style": style, "max_whitespace_cnt": whitespace}
 
 

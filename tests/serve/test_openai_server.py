@@ -342,10 +342,14 @@ def completion_log(response_id: str) -> dict:
 
 
 def test_completions_are_logged_with_areno_log_completions(server):
-    response = ask(server, "Log me.")
+    """The record carries the caller's `user` and `metadata` (their only effect: AReno stores
+    no completions), so a logged completion can be traced back."""
+    response = ask(server, "Log me.", user="alice", metadata={"run": "r1"})
     record = completion_log(response.id)
     assert record["prompt_tokens"] == response.usage.prompt_tokens
     assert {"finish_reason", "tool_calls"} <= set(record["choices"][0])
+    assert record["user"] == "alice" and record["metadata"] == {"run": "r1"}
+    assert "user" not in completion_log(ask(server, "Log me too.").id)
 
 
 @pytest.fixture(scope="module")
@@ -504,10 +508,10 @@ def _tool_ask(client, tool_choice, **kwargs):
 
 @pytest.mark.parametrize("choice", ["required", "named"])
 def test_tool_choice_forces_the_call_opening(server, tokenizer, choice):
-    """The tiny model's weights are random, so it never completes a call by itself; what the
-    server guarantees is the forced opening: the prompt carries it (prompt_tokens grow by its
-    tokens), the reply is parsed after it, and the unfinished call comes back as content that
-    starts with it (naming the function for a named choice), counted as malformed."""
+    """The forced opening: the prompt carries it (prompt_tokens grow by its tokens) and the reply
+    is parsed after it; cut at 4 tokens, before the grammar lets the call end, the unfinished
+    call comes back as content that starts with it (naming the function for a named choice),
+    counted as malformed. (Whole calls: test_a_strict_tool_call_validates_against_its_schema.)"""
     from areno.tools import get_tool_parser
 
     named = {"type": "function", "function": {"name": "zoom"}}
@@ -586,7 +590,10 @@ STRICT_PAN = {
         "strict": True,
         "parameters": {
             "type": "object",
-            "properties": {"direction": {"enum": ["left", "right"]}, "steps": {"type": "integer"}},
+            "properties": {
+                "direction": {"enum": ["left", "right"]},
+                "steps": {"type": "integer", "minimum": 1, "maximum": 9},
+            },
             "required": ["direction", "steps"],
             "additionalProperties": False,
         },
