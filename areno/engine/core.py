@@ -12,12 +12,14 @@ from typing import Any
 
 from areno.engine.detokenizer import IncrementalDetokenizer
 from areno.engine.executor import Executor
+from areno.engine.grammar import Grammars, accept, fill
 from areno.engine.outputs import RequestOutput, SampleDelta
 from areno.engine.sampling import SamplingParams
 from areno.engine.scheduler import ScheduledPrefill, Scheduler, SchedulerConfig
 from areno.engine.sequence import Sequence, SequenceGroup
 from areno.engine.stopping import StopCheck, check_stop
 from areno.engine.worker import PendingStep, PrefillItem, RowSampling, StepInput, StepOutput
+from areno.errors import ConfigError
 from areno.processing.types import PromptInputs
 
 
@@ -87,6 +89,16 @@ class EngineCore:
         self._freed_seq_ids: list[int] = []
         # The launched step whose tokens the host has not read: its rows' sequences, in order.
         self._in_flight: tuple[list[Sequence], PendingStep] | None = None
+        self._grammars: Grammars | None = None  # built on the first structured request
+        self._matchers: dict[int, Any] = {}  # seq_id -> its xgrammar matcher
+
+    @property
+    def grammars(self) -> Grammars:
+        """The grammar compiler over this engine's tokenizer, vocabulary and EOS tokens."""
+        if self._grammars is None:
+            vocab_size = self.executor.worker.vocab_size
+            self._grammars = Grammars(self.tokenizer, vocab_size, self.eos_token_ids)
+        return self._grammars
 
     @property
     def has_work(self) -> bool:
@@ -100,7 +112,17 @@ class EngineCore:
     def check_request(self, inputs: PromptInputs, params: SamplingParams) -> None:
         """Raise the error `add_request` would raise for a request that can never run."""
         self.scheduler.check_fits(inputs.num_prompt_tokens)
-        self.executor.worker.adapter_index(params.adapter)  # LoraError: not loaded
+        worker = self.executor.worker
+        worker.adapter_index(params.adapter)  # LoraError: not loaded
+        too_large = [t for t, _ in params.logit_bias if t >= worker.vocab_size]
+        if too_large:
+            raise ConfigError(
+                f"logit_bias names token ids {too_large} outside the vocabulary "
+                f"(0..{worker.vocab_size - 1})",
+                param="logit_bias",
+            )
+        if params.structured is not None:
+            self.grammars.compile(params.structured)  # GrammarError; cached for add_request
 
     def add_request(self, request_id: str, inputs: PromptInputs, params: SamplingParams) -> None:
         """Queue a request; its outputs come from later `step()` calls."""
@@ -113,6 +135,9 @@ class EngineCore:
             whole_runs=self.executor.worker.whole_runs(inputs),
         )
         self.scheduler.add(group)
+        if params.structured is not None:
+            for seq in group.seqs:
+                self._matchers[seq.seq_id] = self.grammars.matcher(params.structured)
         if params.detokenize:
             for seq in group.seqs:
                 self._texts[seq.seq_id] = OutputText(self.tokenizer, seq)
@@ -136,9 +161,12 @@ class EngineCore:
         the device runs this one, whose decode rows take their input tokens from the device.
         A sequence that drew a stop token therefore decodes one step more, and that token is
         dropped; max_tokens and the context length are known ahead and cost no extra step.
+        While a grammar-bound sequence runs, steps are not overlapped: its matcher must see each
+        token before it masks the next (areno/engine/grammar.py).
         """
         early = []
-        if self._in_flight is not None and self.scheduler.would_preempt():
+        overlap = self.overlap and not self._matchers
+        if self._in_flight is not None and (not overlap or self.scheduler.would_preempt()):
             early = self.flush()  # only a sequence without a token in flight is preempted
         scheduled = self.scheduler.schedule()
         if scheduled.is_empty:
@@ -146,10 +174,10 @@ class EngineCore:
         # Decode rows in slot order: running slots are mostly a packed range, which the runner
         # reads through views instead of gathering copies.
         decode = sorted(scheduled.decode, key=lambda seq: seq.slot)
-        step = self._step_input(scheduled.prefill, decode)
+        step = self._step_input(scheduled.prefill, decode, overlap)
         step.state_saves = scheduled.state_saves
         seqs = [seq for item in scheduled.prefill if item.is_final for seq in item.seqs] + decode
-        if not self.overlap:
+        if not overlap:
             return early + self._update(seqs, self.executor.execute(step))
         pending = self.executor.launch(step)
         outputs = self.flush()
@@ -170,7 +198,9 @@ class EngineCore:
             seq.num_in_flight -= 1
         return self._update(seqs, result)
 
-    def _step_input(self, prefill: list[ScheduledPrefill], decode: list[Sequence]) -> StepInput:
+    def _step_input(
+        self, prefill: list[ScheduledPrefill], decode: list[Sequence], overlap: bool
+    ) -> StepInput:
         step = StepInput(finished_seq_ids=self._freed_seq_ids, decode_block_tables=[])
         self._freed_seq_ids = []
         for item in prefill:
@@ -194,16 +224,48 @@ class EngineCore:
                 )
             )
             if item.is_final:
-                step.rows += [RowSampling(s.seq_id, s.params, s.seed) for s in item.seqs]
+                step.rows += [self._row(seq, prefill=True) for seq in item.seqs]
         for seq in decode:
             step.decode_slots.append(seq.slot)
             step.decode_positions.append(seq.next_position)
             step.decode_token_ids.append(seq.last_token_id)
             step.decode_block_tables.append(seq.block_ids)
-            step.rows.append(RowSampling(seq.seq_id, seq.params, seq.seed))
-        if self.overlap:
+            step.rows.append(self._row(seq))
+        if overlap:
             step.decode_token_ids = None  # the worker's own, on the device (see `step`)
+        if self._matchers:
+            self._mask_grammar_rows(
+                step, [s for item in prefill if item.is_final for s in item.seqs] + decode
+            )
         return step
+
+    def _row(self, seq: Sequence, prefill: bool = False) -> RowSampling:
+        """How to sample `seq`'s next token: with its history when a penalised sequence is
+        prefilled, and without its stop tokens before min_tokens (a grammar decides its own
+        end)."""
+        params = seq.params
+        row = RowSampling(seq.seq_id, params, seq.seed)
+        if prefill and params.has_penalties:
+            row.history = (list(seq.prompt_token_ids), list(seq.output_token_ids))
+        drawn = seq.num_output_tokens + seq.num_in_flight
+        if drawn < params.min_tokens and seq.seq_id not in self._matchers:
+            stops = set(params.stop_token_ids)
+            if not params.ignore_eos:
+                stops |= self.eos_token_ids
+            row.banned = tuple(sorted(stops))
+        return row
+
+    def _mask_grammar_rows(self, step: StepInput, seqs: list[Sequence]) -> None:
+        """Each grammar row's allowed next tokens, from its matcher."""
+        rows = [
+            (i, self._matchers[s.seq_id]) for i, s in enumerate(seqs) if s.seq_id in self._matchers
+        ]
+        if not rows:
+            return
+        step.token_bitmask = self.grammars.bitmask(len(seqs))
+        for i, matcher in rows:
+            fill(matcher, step.token_bitmask, i)
+        step.grammar_rows = [i for i, _ in rows]
 
     def _update(self, seqs: list[Sequence], result: StepOutput) -> list[RequestOutput]:
         """Append each row's token to its sequence (`seqs` in row order) and check its stops.
@@ -233,6 +295,9 @@ class EngineCore:
         stop = check_stop(
             seq, token_id, self.eos_token_ids, tail, max_context_len=self.scheduler.max_context_len
         )
+        matcher = self._matchers.get(seq.seq_id)
+        if matcher is not None and (not accept(matcher, token_id) or matcher.is_terminated()):
+            stop = stop or StopCheck("stop")  # the grammar is complete (or, ignore_eos, past it)
         if stop is not None:
             seq.finish(stop.reason)
         params = seq.params
@@ -255,6 +320,7 @@ class EngineCore:
     def _forget(self, seqs: list[Sequence]) -> None:
         for seq in seqs:
             self._texts.pop(seq.seq_id, None)
+            self._matchers.pop(seq.seq_id, None)
             self._freed_seq_ids.append(seq.seq_id)
 
     def _output(self, group: SequenceGroup, deltas: list[SampleDelta]) -> RequestOutput:

@@ -1,4 +1,6 @@
-"""Token sampling on the device: temperature, top-k, top-p, min-p, per-row seeds, logprobs.
+"""Token sampling on the device: temperature, top-k, top-p, min-p, per-row seeds, logprobs,
+and what changes the logits before them: logit biases, repetition penalties, banned tokens
+(media placeholders, stop tokens before `min_tokens`) and grammar masks.
 
 Everything is batched over rows (one row per sequence of the step) and stays on the device:
 `sample` never calls `.item()` or reads a tensor on the host, so the engine copies the small
@@ -10,6 +12,8 @@ at the chosen token and for the top-K list: the model's own distribution, as Ope
 expect. A row with `logprobs_mode="tempered"` reports the logits divided by its temperature
 instead (still before the filters): the distribution its tokens were drawn from, short of the
 filters, which is what a GRPO trainer recomputes (as verl does) when rollouts sample at T != 1.
+Biases, penalties, bans and grammars apply after the logprobs are taken, so they never show in
+them either (OpenAI reports the model's own logprobs under `logit_bias` too).
 """
 
 from __future__ import annotations
@@ -19,6 +23,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from areno.engine.grammar import allowed_tokens
+from areno.engine.penalties import apply_penalties
 from areno.engine.sampling import MAX_SEED, SamplingParams
 from areno.engine.transfer import to_device
 
@@ -51,6 +57,15 @@ class SamplingTensors:
     use_top_p: bool
     use_min_p: bool
     tempered_logprobs: bool
+    # Rows with penalties (P,) and their three factors; None when no row has any.
+    penalty_rows_P: Tensor | None = None
+    presence_P: Tensor | None = None
+    frequency_P: Tensor | None = None
+    repetition_P: Tensor | None = None
+    # logit_bias as (row, token, bias) triples; None when no row has any.
+    bias_rows_N: Tensor | None = None
+    bias_ids_N: Tensor | None = None
+    bias_N: Tensor | None = None
 
     @classmethod
     def from_params(
@@ -63,6 +78,23 @@ class SamplingTensors:
         def column(values: list, dtype: torch.dtype) -> Tensor:
             return to_device(torch.tensor(values, dtype=dtype), device)
 
+        penalised = [(i, p) for i, p in enumerate(params_list) if p.has_penalties]
+        biases = [(i, t, b) for i, p in enumerate(params_list) for t, b in p.logit_bias]
+        extra = {}
+        if penalised:
+            extra.update(
+                penalty_rows_P=column([i for i, _ in penalised], torch.int64),
+                presence_P=column([p.presence_penalty for _, p in penalised], torch.float32),
+                frequency_P=column([p.frequency_penalty for _, p in penalised], torch.float32),
+                repetition_P=column([p.repetition_penalty for _, p in penalised], torch.float32),
+            )
+        if biases:
+            rows, ids, values = zip(*biases, strict=True)
+            extra.update(
+                bias_rows_N=column(list(rows), torch.int64),
+                bias_ids_N=column(list(ids), torch.int64),
+                bias_N=column(list(values), torch.float32),
+            )
         return cls(
             temperature_B=column([p.temperature or 1.0 for p in params_list], torch.float32),
             logprob_temperature_B=column(
@@ -79,6 +111,7 @@ class SamplingTensors:
             use_top_p=any(p.top_p < 1 for p in sampled),
             use_min_p=any(p.min_p > 0 for p in sampled),
             tempered_logprobs=any(_logprob_temperature(p) != 1.0 for p in params_list),
+            **extra,
         )
 
 
@@ -88,6 +121,23 @@ def _logprob_temperature(params: SamplingParams) -> float:
     if params.logprobs_mode == "tempered" and not params.is_greedy:
         return params.temperature
     return 1.0
+
+
+@dataclass
+class StepLogits:
+    """What changes one step's logits besides the rows' fixed parameters, all on the device.
+
+    seen: the penalty rows' (counts, in-prompt) from their slots' TokenHistory.
+    ban_rows_N / ban_ids_N: (row, token) pairs that cannot be drawn (stop tokens before a row's
+        min_tokens).
+    grammar_rows_G / bitmask_GW: rows under a grammar and their packed allowed-token masks.
+    """
+
+    seen: tuple[Tensor, Tensor] | None = None
+    ban_rows_N: Tensor | None = None
+    ban_ids_N: Tensor | None = None
+    grammar_rows_G: Tensor | None = None
+    bitmask_GW: Tensor | None = None
 
 
 @dataclass
@@ -131,13 +181,15 @@ def sample(
     tensors: SamplingTensors,
     generators: list[torch.Generator | None],
     banned_ids: Tensor | None = None,
+    step: StepLogits | None = None,
 ) -> SamplerOutput:
     """Choose one token per row of `logits_BV`.
 
     `generators[i]` is row i's own generator (a seeded sequence) or None (the device's default
     generator). A seeded row draws the same tokens whatever else is in the batch. `banned_ids`
     are never chosen (media placeholders: a sampled one would claim media features that do not
-    exist); like the filters, banning leaves the reported logprobs as they are.
+    exist); like the filters, banning leaves the reported logprobs as they are. `step` holds
+    the step's penalty counts, stop-token bans and grammar masks (see `adjust_logits`).
     """
     assert len(generators) == logits_BV.shape[0], "one generator (or None) per row"
     logits_BV = logits_BV.float()
@@ -146,8 +198,7 @@ def sample(
         logprobs_BV = torch.log_softmax(logits_BV / tensors.logprob_temperature_B[:, None], dim=-1)
     elif tensors.any_logprobs:
         logprobs_BV = torch.log_softmax(logits_BV, dim=-1)
-    if banned_ids is not None:
-        logits_BV = logits_BV.index_fill(-1, banned_ids, float("-inf"))
+    logits_BV = adjust_logits(logits_BV, tensors, banned_ids, step)
     greedy_B = logits_BV.argmax(dim=-1)
     if tensors.all_greedy:
         token_ids_B = greedy_B
@@ -165,6 +216,46 @@ def sample(
         top_ids_BK = token_ids_B.new_empty((len(token_ids_B), 0))
         top_logprobs_BK = logprobs_B.new_empty((len(token_ids_B), 0))
     return SamplerOutput(token_ids_B, logprobs_B, top_ids_BK, top_logprobs_BK)
+
+
+def adjust_logits(
+    logits_BV: Tensor,
+    tensors: SamplingTensors,
+    banned_ids: Tensor | None = None,
+    step: StepLogits | None = None,
+) -> Tensor:
+    """The logits tokens are drawn from: biased, penalised, with banned and (last) grammar-
+    forbidden tokens at -inf. Out of place: `logits_BV` may be the model's own (or a view
+    repeated over a prompt's n rows)."""
+    if tensors.bias_rows_N is not None:
+        logits_BV = logits_BV.index_put(
+            (tensors.bias_rows_N, tensors.bias_ids_N), tensors.bias_N, accumulate=True
+        )
+    if tensors.penalty_rows_P is not None and step is not None and step.seen is not None:
+        rows_P = tensors.penalty_rows_P
+        penalised_PV = apply_penalties(
+            logits_BV[rows_P],
+            *step.seen,
+            tensors.presence_P,
+            tensors.frequency_P,
+            tensors.repetition_P,
+        )
+        logits_BV = logits_BV.index_copy(0, rows_P, penalised_PV)
+    if banned_ids is not None:
+        logits_BV = logits_BV.index_fill(-1, banned_ids, float("-inf"))
+    if step is None:
+        return logits_BV
+    if step.ban_rows_N is not None:
+        logits_BV = logits_BV.index_put(
+            (step.ban_rows_N, step.ban_ids_N), logits_BV.new_tensor(float("-inf"))
+        )
+    if step.grammar_rows_G is not None:
+        rows_G = step.grammar_rows_G
+        allowed_GV = allowed_tokens(step.bitmask_GW, logits_BV.shape[-1])
+        logits_BV = logits_BV.index_copy(
+            0, rows_G, logits_BV[rows_G].masked_fill(~allowed_GV, float("-inf"))
+        )
+    return logits_BV
 
 
 def _filter(logits_BV: Tensor, tensors: SamplingTensors) -> Tensor:

@@ -36,7 +36,9 @@ def check_stop(
     """Whether `seq` stops after `new_token_id`, which the caller has already appended.
 
     Stop reasons win over length ones (OpenAI semantics): EOS (unless `ignore_eos`) and
-    `stop_token_ids` first, then stop strings, then `max_tokens`, then `max_context_len`.
+    `stop_token_ids` first, then stop strings, then `max_tokens`, then `max_context_len`. Stop
+    strings end only an output longer than `min_tokens` (the sampler keeps stop tokens from
+    being drawn before it).
     `detokenized_tail` is the end of the output text, including the new token's text and at
     least `max(len(s) for s in stop) - 1` characters before it, so a stop string spanning two
     tokens is found; a match earlier in the tail would have stopped an earlier step. Pass None
@@ -48,7 +50,7 @@ def check_stop(
         not params.ignore_eos and new_token_id in eos_token_ids
     ):
         return StopCheck("stop")
-    if params.stop and detokenized_tail:
+    if params.stop and detokenized_tail and seq.num_output_tokens >= params.min_tokens:
         found = _find_stop_string(params.stop, detokenized_tail)
         if found is not None:
             start, stop_str = found

@@ -18,8 +18,15 @@ from areno.engine.batched_prefill import can_batch_prefill
 from areno.engine.config import EngineConfig, KVPoolOptions, pool_options
 from areno.engine.kv_pool import KVPool, agree_across_ranks, block_bytes, fraction_budget
 from areno.engine.lora import LoraError, LoraWeights
+from areno.engine.penalties import TokenHistory
 from areno.engine.runner import ModelRunner
-from areno.engine.sampler import SamplerOutput, SamplingTensors, generator_for, sample
+from areno.engine.sampler import (
+    SamplerOutput,
+    SamplingTensors,
+    StepLogits,
+    generator_for,
+    sample,
+)
 from areno.engine.sampling import SamplingParams
 from areno.engine.transfer import to_device
 from areno.errors import ArenoError
@@ -67,11 +74,17 @@ class PrefillItem:
 
 @dataclass
 class RowSampling:
-    """How to sample one output row: its sequence (keys a seeded generator) and parameters."""
+    """How to sample one output row: its sequence (keys a seeded generator) and parameters.
+
+    history: on a penalised row's prefill, its (prompt, output so far) token ids, which reset
+    its slot's counts (areno/engine/penalties.py). banned: tokens it cannot draw this step (its
+    stop tokens, before min_tokens)."""
 
     seq_id: int
     params: SamplingParams
     seed: int | None = None
+    history: tuple[list[int], list[int]] | None = None
+    banned: tuple[int, ...] = ()
 
 
 @dataclass
@@ -92,6 +105,9 @@ class StepInput:
     finished_seq_ids: list[int] = field(default_factory=list)  # drop their generators
     # (slot, row): save ended sequences' slot states first (areno/engine/state_cache.py).
     state_saves: list[tuple[int, int]] = field(default_factory=list)
+    # Rows under a grammar and their allowed-token masks (areno/engine/grammar.py), host-side.
+    grammar_rows: list[int] = field(default_factory=list)
+    token_bitmask: torch.Tensor | None = None
 
     @property
     def num_rows(self) -> int:
@@ -231,6 +247,7 @@ class Worker:
             block_bytes(runner.model, runner.layer_types, runner.block_size),
         )
         self._generators: dict[int, torch.Generator] = {}
+        self._history = TokenHistory(num_slots, self.device)
         # The token last sampled into each slot, on the device (see `launch`).
         self._last_tokens = torch.zeros(num_slots, dtype=torch.long, device=self.device)
         # The last step's rows' parameters (held, so their identities stay theirs) and tensors.
@@ -275,6 +292,11 @@ class Worker:
     @property
     def model(self) -> torch.nn.Module:
         return self.runner.model
+
+    @property
+    def vocab_size(self) -> int:
+        """The width of the logits the sampler draws from."""
+        return self.runner.text_config.vocab_size
 
     def _size_pool(self, options: KVPoolOptions) -> None:
         """Resize the runner's pool as `options` ask: `kv_cache_gib`, else on CUDA the memory
@@ -355,7 +377,7 @@ class Worker:
         logits_BV = logits[0] if len(logits) == 1 else torch.cat(logits)
         row_slots = [s for item in step.prefill if item.is_final for s in item.slots]
         row_slots += step.decode_slots
-        return self._sample(logits_BV, step.rows, row_slots)
+        return self._sample(logits_BV, step, row_slots)
 
     def _prefill(self, items: list[PrefillItem]) -> list[torch.Tensor]:
         """Each final item's last logits, repeated for its n rows, in item order (a chunk that
@@ -414,12 +436,16 @@ class Worker:
         return last
 
     def _sample(
-        self, logits_BV: torch.Tensor, rows: list[RowSampling], row_slots: list[int]
+        self, logits_BV: torch.Tensor, step: StepInput, row_slots: list[int]
     ) -> PendingStep:
+        rows = step.rows
         params = [row.params for row in rows]
         tensors = self._sampling_tensors(params)
         generators = [self._generator(row) for row in rows]
-        out = sample(logits_BV, tensors, generators, self._banned_ids)
+        step_logits, penalised = self._step_logits(step, row_slots, logits_BV.shape[-1])
+        out = sample(logits_BV, tensors, generators, self._banned_ids, step_logits)
+        if penalised is not None:
+            self._history.record(penalised[1], out.token_ids_B[penalised[0]])
         if row_slots == list(range(len(row_slots))):
             self._last_tokens[: len(row_slots)] = out.token_ids_B
         else:
@@ -433,6 +459,35 @@ class Worker:
             copied = torch.cuda.Event()
             copied.record()
         return PendingStep(host, copied, params)
+
+    def _step_logits(
+        self, step: StepInput, row_slots: list[int], vocab: int
+    ) -> tuple[StepLogits | None, tuple[torch.Tensor, torch.Tensor] | None]:
+        """The step's penalty counts, stop-token bans and grammar masks (None: no row has
+        any), and the penalised rows with their slots."""
+        rows = step.rows
+        for row, slot in zip(rows, row_slots, strict=True):
+            if row.history is not None:
+                self._history.start(slot, *row.history, vocab)
+        penalised = [i for i, row in enumerate(rows) if row.params.has_penalties]
+        banned = [(i, t) for i, row in enumerate(rows) for t in row.banned]
+        if not (penalised or banned or step.grammar_rows):
+            return None, None
+        device = self.device
+        out = StepLogits()
+        pairs = None
+        if penalised:
+            slots = [row_slots[i] for i in penalised]
+            pairs = tuple(to_device(torch.tensor(v), device) for v in (penalised, slots))
+            out.seen = self._history.gather(pairs[1])
+        if banned:
+            ban_rows, ban_ids = zip(*banned, strict=True)
+            out.ban_rows_N = to_device(torch.tensor(ban_rows), device)
+            out.ban_ids_N = to_device(torch.tensor(ban_ids), device)
+        if step.grammar_rows:
+            out.grammar_rows_G = to_device(torch.tensor(step.grammar_rows), device)
+            out.bitmask_GW = to_device(step.token_bitmask[step.grammar_rows], device)
+        return out, pairs
 
     def _sampling_tensors(self, params: list[SamplingParams]) -> SamplingTensors:
         """The rows' parameters as device tensors, rebuilt only when the rows changed: in a

@@ -1,9 +1,11 @@
-"""The Chat Completions request: messages, tools, and sampling fields.
+"""The Chat Completions request: messages, tools, sampling fields and structured outputs.
 
-Unknown top-level fields are ignored, because the official client sends many that AReno does not
-use (`store`, `service_tier`, `response_format`, ...). Cross-field rules are field validators that
-read earlier fields, so each error carries the path of the field the user must change; the NOTE
-below marks the field order they rely on.
+Every field a request may carry is declared here and either does what OpenAI (or vLLM, for its
+extensions) says it does, or is refused with a 400 naming it: an unknown field is refused, and
+OpenAI fields AReno does not implement (UNSUPPORTED_FIELDS) are refused unless they hold the
+value that asks for nothing. Cross-field rules are field validators that read earlier fields,
+so each error carries the path of the field the user must change; the NOTE below marks the
+field order they rely on.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from pydantic import (
     Tag,
     ValidationInfo,
     field_validator,
+    model_validator,
 )
 
 from areno.protocol.content import ChatMessage, MediaPart, iter_media_parts
@@ -32,6 +35,28 @@ MAX_STOP_SEQUENCES = 16
 MAX_STOP_TOKEN_IDS = 256
 MAX_N = 16
 MAX_TOP_LOGPROBS = 20
+MAX_LOGIT_BIAS_ENTRIES = 300
+
+# OpenAI request fields AReno does not implement -> (the value that asks for nothing, why).
+# Any other value is refused with a 400 naming the field; the value itself is accepted.
+UNSUPPORTED_FIELDS: dict[str, tuple[Any, str]] = {
+    "store": (False, "AReno does not store completions"),
+    "audio": (None, "AReno answers with text only"),
+    "modalities": (["text"], "AReno answers with text only"),
+    "prediction": (None, "predicted outputs are not supported"),
+    "reasoning_effort": (
+        None,
+        'use chat_template_kwargs (e.g. {"enable_thinking": false}) to steer reasoning',
+    ),
+    "verbosity": (None, "not supported"),
+    "web_search_options": (None, "AReno has no web search"),
+    "service_tier": ("auto", "AReno has one tier"),
+    "functions": (None, "deprecated by OpenAI: send 'tools'"),
+    "function_call": (None, "deprecated by OpenAI: send 'tool_choice'"),
+    "best_of": (None, "not supported: use 'n'"),
+    "prompt_cache_key": (None, "AReno's prefix cache needs no key"),
+    "safety_identifier": (None, "not supported: use 'user'"),
+}
 
 _TOOL_NAME_PATTERN = r"^[A-Za-z0-9_.\-]{1,64}$"
 
@@ -65,6 +90,89 @@ _SCHEMA_TYPES = ("object", "array", "string", "number", "integer", "boolean", "n
 _SUBSCHEMA = ("items", "additionalProperties", "not", "if", "then", "else", "contains")
 _SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
 _SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")
+
+
+# JSON Schema keywords the grammar engine (xgrammar) would not enforce: a schema using one is
+# refused rather than followed loosely. `multipleOf` is enforced for integers only, `format`
+# for the formats in GRAMMAR_FORMATS.
+UNENFORCED_KEYWORDS = (
+    "not",
+    "if",
+    "then",
+    "else",
+    "contains",
+    "minContains",
+    "maxContains",
+    "dependentSchemas",
+    "dependencies",
+    "unevaluatedItems",
+    "$dynamicRef",
+    "$recursiveRef",
+)
+GRAMMAR_FORMATS = (
+    "date",
+    "date-time",
+    "duration",
+    "email",
+    "hostname",
+    "ipv4",
+    "ipv6",
+    "json-pointer",
+    "relative-json-pointer",
+    "time",
+    "uri",
+    "uri-reference",
+    "uri-template",
+    "uuid",
+)
+
+
+def _subschemas(node: dict, where: str) -> Iterator[tuple[Any, str]]:
+    """Each schema nested in `node`, with its path."""
+    for key in _SUBSCHEMA_MAPS:
+        children = node.get(key)
+        if isinstance(children, dict):
+            yield from ((child, f"{where}.{key}.{name}") for name, child in children.items())
+    for key in _SUBSCHEMA_LISTS:
+        children = node.get(key)
+        if isinstance(children, list):
+            yield from ((child, f"{where}.{key}[{i}]") for i, child in enumerate(children))
+    for key in _SUBSCHEMA:
+        if key in node:
+            children = node[key] if isinstance(node[key], list) else [node[key]]
+            yield from ((child, f"{where}.{key}") for child in children)
+
+
+def unenforced_schema_features(schema: Any, where: str) -> list[str]:
+    """The places in a (shape-checked) JSON Schema that a grammar cannot enforce, as
+    "PATH.KEYWORD" strings; [] when it can enforce all of it."""
+    found: list[str] = []
+    stack: list[tuple[Any, str]] = [(schema, where)]
+    while stack:
+        node, path = stack.pop()
+        if not isinstance(node, dict):
+            continue
+        found += [f"{path}.{key}" for key in UNENFORCED_KEYWORDS if key in node]
+        multiple = node.get("multipleOf")
+        if multiple is not None and not (isinstance(multiple, int) and multiple > 0):
+            found.append(f"{path}.multipleOf (only positive integers)")
+        if "format" in node and node["format"] not in GRAMMAR_FORMATS:
+            found.append(f"{path}.format {node['format']!r}")
+        stack.extend(_subschemas(node, path))
+    return sorted(found)
+
+
+def check_enforceable(schema: Any, where: str) -> Any:
+    """`schema`, or a ValueError naming what a grammar could not enforce in it."""
+    unenforced = unenforced_schema_features(schema, where)
+    if unenforced:
+        formats = f" (supported formats: {', '.join(GRAMMAR_FORMATS)})"
+        raise ValueError(
+            "uses JSON Schema features structured outputs cannot enforce: "
+            + ", ".join(unenforced)
+            + (formats if any(".format " in item for item in unenforced) else "")
+        )
+    return schema
 
 
 def schema_problem(schema: Any) -> str | None:
@@ -127,6 +235,13 @@ class FunctionDefinition(BaseModel):
             raise ValueError(f"is not a valid JSON Schema: {problem}")
         return schema
 
+    @field_validator("strict")
+    @classmethod
+    def _strict_schema_is_enforceable(cls, strict: bool | None, info: ValidationInfo) -> Any:
+        if strict and info.data.get("parameters") is not None:
+            check_enforceable(info.data["parameters"], "parameters")
+        return strict
+
 
 class ToolDefinition(BaseModel):
     """`{"type": "function", "function": {...}}`."""
@@ -146,6 +261,66 @@ class NamedToolChoice(BaseModel):
 
     type: Literal["function"] = "function"
     function: ToolChoiceFunction
+
+
+class JsonSchemaSpec(BaseModel):
+    """`response_format.json_schema`: the schema the reply must follow."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    name: str = Field(pattern=r"^[A-Za-z0-9_\-]{1,64}$")
+    description: str | None = None
+    schema_: dict[str, Any] | bool = Field(default=True, alias="schema")
+    strict: bool | None = None
+
+    @field_validator("schema_")
+    @classmethod
+    def _enforceable(cls, schema: dict[str, Any] | bool) -> Any:
+        if isinstance(schema, dict) and (problem := schema_problem(schema)):
+            raise ValueError(
+                f"is not a valid JSON Schema: {problem.replace('parameters', 'schema', 1)}"
+            )
+        return check_enforceable(schema, "schema")
+
+
+class ResponseFormat(BaseModel):
+    """`response_format`: free text (`text`), any JSON object (`json_object`), or JSON that
+    follows a schema (`json_schema`); enforced by a grammar, not asked for in the prompt."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaSpec | None = None
+
+    @field_validator("json_schema")
+    @classmethod
+    def _only_for_json_schema(cls, spec: Any, info: ValidationInfo) -> Any:
+        kind = info.data.get("type")
+        if spec is not None and kind != "json_schema":
+            raise ValueError(f"only allowed with type 'json_schema' (type is {kind!r})")
+        return spec
+
+    @model_validator(mode="after")
+    def _json_schema_needs_spec(self) -> ResponseFormat:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("type 'json_schema' needs a 'json_schema' object with the schema")
+        return self
+
+
+def _logit_bias(value: Any) -> Any:
+    """OpenAI's `{"token id": bias}` as {int: float}, refusing keys that are not token ids."""
+    if not isinstance(value, dict):
+        return value
+    if len(value) > MAX_LOGIT_BIAS_ENTRIES:
+        raise ValueError(f"{len(value)} entries exceed the limit of {MAX_LOGIT_BIAS_ENTRIES}")
+    parsed = {}
+    for key, bias in value.items():
+        if not (isinstance(key, str) and key.isdigit()) and not (
+            isinstance(key, int) and not isinstance(key, bool) and key >= 0
+        ):
+            raise ValueError(f"keys must be token ids (strings of digits); got {key!r}")
+        parsed[int(key)] = bias
+    return parsed
 
 
 class StreamOptions(BaseModel):
@@ -221,10 +396,10 @@ class ChatCompletionRequest(BaseModel):
     `model` is optional: the server answers with the model it serves.
     """
 
-    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     # NOTE: validators below read earlier fields; keep tools before tool_choice, logprobs before
-    # top_logprobs and stream before stream_options.
+    # top_logprobs, stream before stream_options and max_tokens before min_tokens.
     model: str | None = None
     messages: Annotated[list[ChatMessage], BeforeValidator(_count_parts)] = Field(min_length=1)
     tools: Annotated[list[ToolDefinition], _check_length("MAX_TOOLS", "tools")] | None = None
@@ -238,11 +413,16 @@ class ChatCompletionRequest(BaseModel):
     presence_penalty: float | None = Field(default=None, ge=-2, le=2)
     frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
     repetition_penalty: float | None = Field(default=None, gt=0)
+    logit_bias: (
+        Annotated[dict[int, Annotated[float, Field(ge=-100, le=100)]], BeforeValidator(_logit_bias)]
+        | None
+    ) = None
     seed: int | None = Field(default=None, ge=-(2**63), lt=2**64)
     n: int = Field(default=1, ge=1, le=MAX_N)
 
     max_tokens: int | None = Field(default=None, ge=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
+    min_tokens: int | None = Field(default=None, ge=0)
     stop: Stop | None = None
     stop_token_ids: (
         Annotated[
@@ -255,12 +435,36 @@ class ChatCompletionRequest(BaseModel):
 
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    response_format: ResponseFormat | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
 
     user: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     metadata: dict[str, Any] | None = None
+
+    # OpenAI fields AReno does not implement: refused unless neutral (UNSUPPORTED_FIELDS).
+    store: Any = None
+    audio: Any = None
+    modalities: Any = None
+    prediction: Any = None
+    reasoning_effort: Any = None
+    verbosity: Any = None
+    web_search_options: Any = None
+    service_tier: Any = None
+    functions: Any = None
+    function_call: Any = None
+    best_of: Any = None
+    prompt_cache_key: Any = None
+    safety_identifier: Any = None
+
+    @field_validator(*UNSUPPORTED_FIELDS, mode="before")
+    @classmethod
+    def _unsupported(cls, value: Any, info: ValidationInfo) -> Any:
+        neutral, why = UNSUPPORTED_FIELDS[info.field_name]
+        if value is not None and value != neutral:
+            raise ValueError(f"{value!r} is not supported: {why}")
+        return None
 
     @field_validator("n", "logprobs", "stream", "ignore_eos", mode="before")
     @classmethod
@@ -316,6 +520,14 @@ class ChatCompletionRequest(BaseModel):
         if top_logprobs and not info.data.get("logprobs", True):
             raise ValueError("requires 'logprobs': true")
         return top_logprobs
+
+    @field_validator("min_tokens")
+    @classmethod
+    def _min_tokens_within_max(cls, min_tokens: int | None, info: ValidationInfo) -> Any:
+        limit = info.data.get("max_completion_tokens") or info.data.get("max_tokens")
+        if min_tokens is not None and limit is not None and min_tokens > limit:
+            raise ValueError(f"= {min_tokens} is above the token limit {limit}")
+        return min_tokens
 
     @field_validator("stream_options")
     @classmethod

@@ -1,8 +1,9 @@
 """Chat Completions on top of the engine's deltas: responses, stream chunks, logprobs, usage.
 
-`prepare` reads an encoded request once into a `PreparedChat`: the sampling parameters, the tool
-parser when tools are in play, the forced call opening of tool_choice "required" / named, and
-whether the reply starts inside a reasoning block. Everything that reads the reply takes that
+`prepare` reads an encoded request once into a `PreparedChat`: the sampling parameters (with the
+grammar of a structured reply, areno/serve/structured.py), the tool parser when tools are in
+play, the forced call opening of tool_choice "required" / named, and whether the reply starts
+inside a reasoning block. Everything that reads the reply takes that
 one bundle. Each choice's text is read in two steps: a reasoning block the prompt opened is split
 off into `reasoning_content` (areno.tools.reasoning), then the rest is parsed for tool calls.
 
@@ -36,6 +37,7 @@ from areno.protocol.responses import (
     TopLogprob,
     Usage,
 )
+from areno.serve.structured import structured_output
 from areno.tools import ContentDelta, ParsedToolCalls, ToolParser
 from areno.tools.reasoning import THINK_END, ReasoningStream, opens_reasoning, split_reasoning
 
@@ -102,6 +104,9 @@ def prepare(
     parser = tool_parser if tools_in_play(request) else None
     prefix = forced_reply_prefix(request, parser)
     thinking = reasoning_in_play(encoded.prompt_text, prefix)
+    structured = structured_output(request, parser, prefix, thinking)
+    if structured is not None:
+        params = dataclasses.replace(params, structured=structured)
     if parser is not None or thinking:
         # Tool-call and reasoning tags may be special tokens: keep them in the text.
         params = dataclasses.replace(params, skip_special_tokens=False)
@@ -111,7 +116,7 @@ def prepare(
 
 def _force_prefix(inputs: PromptInputs, prefix: str, tokenizer: Any) -> PromptInputs:
     """The prompt followed by the forced call opening (tool_choice "required" or named):
-    the model continues a call it cannot avoid. No grammar engine needed."""
+    the model continues a call it cannot avoid, whose rest the grammar constrains."""
     if not prefix:
         return inputs
     text = forced_prompt_text(inputs.prompt_text, prefix)

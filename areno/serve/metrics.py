@@ -56,6 +56,9 @@ class IngressMetrics:
             self.tokens_per_s.observe((completion_tokens - 1) / elapsed)
         if completions_logged():
             line = _log_line(body, num_prompt_tokens, completion_tokens, malformed)
+            request = prepared.request
+            # The caller's own labels, so a logged completion can be traced to its user.
+            line |= {k: v for k, v in (("user", request.user), ("metadata", request.metadata)) if v}
             completion_logger.info("completion %s", json.dumps(line, ensure_ascii=False))
 
 

@@ -26,4 +26,9 @@ def sampling_params(request: ChatCompletionRequest) -> SamplingParams:
         n=request.n,
         logprobs=request.logprobs,
         top_logprobs=given(request.top_logprobs, 0),
+        presence_penalty=given(request.presence_penalty, 0.0),
+        frequency_penalty=given(request.frequency_penalty, 0.0),
+        repetition_penalty=given(request.repetition_penalty, 1.0),
+        logit_bias=tuple((request.logit_bias or {}).items()),
+        min_tokens=given(request.min_tokens, 0),
     )

@@ -148,6 +148,19 @@ class ToolParser(ABC):
     def parse_call(self, body: str, schemas: ToolSchemas) -> ParsedCall | None:
         """The call in `body` (the text between the tags), or None when it is malformed."""
 
+    # How a call writes its arguments, as an xgrammar JSON-schema style ("json", "qwen_xml",
+    # "gemma"): what a grammar constraining them to the tool's schema produces.
+    argument_style: str = "json"
+    # What follows the arguments up to and including the end tag.
+    call_closing: str
+
+    @abstractmethod
+    def call_opening(self, name: str) -> str:
+        """A call of `name` as the template writes it, from its start tag up to its arguments
+        (the grammar of a constrained call is `call_opening(name) ARGS call_closing`).
+
+        NOTE: `forced_prefix(None)` and `forced_prefix(name)` are prefixes of it."""
+
     @abstractmethod
     def forced_prefix(self, name: str | None) -> str:
         """The opening of a call as the family's template writes it, for forcing a call without

@@ -22,6 +22,9 @@ class Gemma4ToolParser(ToolParser):
     start_tag = "<|tool_call>"
     end_tag = "<tool_call|>"
     body_opening = "call:"
+    # Google's own notation, which real checkpoints write (the parser reads JSON too).
+    argument_style = "gemma"
+    call_closing = "<tool_call|>"
 
     def parse_call(self, body: str, schemas: ToolSchemas) -> ParsedCall | None:
         """The call in one `call:NAME{...}` body, or None."""
@@ -32,6 +35,10 @@ class Gemma4ToolParser(ToolParser):
         if arguments is NOT_JSON:
             arguments = _read_native(match[2])
         return ParsedCall(match[1], arguments) if isinstance(arguments, dict) else None
+
+    def call_opening(self, name: str) -> str:
+        """`<|tool_call>call:NAME`; the arguments object follows at once."""
+        return f"{self.start_tag}call:{name}"
 
     def forced_prefix(self, name: str | None) -> str:
         """`<|tool_call>call:`, then the name when there is one (its arguments follow)."""

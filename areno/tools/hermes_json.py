@@ -18,6 +18,7 @@ class HermesJsonToolParser(ToolParser):
     start_tag = "<tool_call>"
     end_tag = "</tool_call>"
     body_opening = "{"
+    call_closing = "}\n</tool_call>"
 
     def parse_call(self, body: str, schemas: ToolSchemas) -> ParsedCall | None:
         """The call in one `{"name": ..., "arguments": ...}` body, or None."""
@@ -26,6 +27,10 @@ class HermesJsonToolParser(ToolParser):
             return None
         arguments = _arguments(obj.get("arguments", {}))
         return None if arguments is None else ParsedCall(obj["name"], arguments)
+
+    def call_opening(self, name: str) -> str:
+        """`<tool_call>` and the object up to its arguments' value."""
+        return f'<tool_call>\n{{"name": {json.dumps(name)}, "arguments": '
 
     def forced_prefix(self, name: str | None) -> str:
         """`<tool_call>` and the object up to the name's opening quote, or with a name up to

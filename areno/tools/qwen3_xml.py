@@ -10,7 +10,9 @@
 
 Values are written raw: a string as its text, anything else as JSON. So a value's type comes from
 the tool's schema when it names one ("42" stays a string for a string parameter), and otherwise
-a value that reads as a JSON number, boolean, null, array or object takes that type.
+a value that reads as a JSON number, boolean, null, array or object takes that type. The value
+of a parameter whose schema lists its values (`enum`, `const`) is read without surrounding
+whitespace, as a grammar-constrained call may lay it out.
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ class Qwen3XmlToolParser(ToolParser):
     start_tag = "<tool_call>"
     end_tag = "</tool_call>"
     body_opening = "<function="
+    argument_style = "qwen_xml"
+    call_closing = "</function>\n</tool_call>"
 
     def parse_call(self, body: str, schemas: ToolSchemas) -> ParsedCall | None:
         """The call in one `<function=...>...</function>` body, or None."""
@@ -39,6 +43,10 @@ class Qwen3XmlToolParser(ToolParser):
         properties = schemas.get(name, {}).get("properties")
         arguments = _parameters(match[2], properties if isinstance(properties, dict) else {})
         return None if arguments is None else ParsedCall(name, arguments)
+
+    def call_opening(self, name: str) -> str:
+        """`<tool_call>` and the `<function=NAME>` line."""
+        return f"<tool_call>\n<function={name}>\n"
 
     def forced_prefix(self, name: str | None) -> str:
         """`<tool_call>` up to `<function=`, or with a name its whole `<function=NAME>` line."""
@@ -56,7 +64,11 @@ def _parameters(inner: str, properties: dict[str, Any]) -> dict[str, Any] | None
         key = param[1].strip()
         if inner[pos : param.start()].strip() or key in arguments:
             return None
-        arguments[key] = _value(_strip_one_newline(param[2]), _schema_types(properties.get(key)))
+        schema = properties.get(key)
+        raw = _strip_one_newline(param[2])
+        if _is_enumerated(schema):  # whitespace around a listed value is layout, not the value
+            raw = raw.strip()
+        arguments[key] = _value(raw, _schema_types(schema))
         pos = param.end()
     return None if inner[pos:].strip() else arguments
 
@@ -79,6 +91,11 @@ def _schema_types(schema: Any) -> set[str]:
         for option in schema.get(combinator) or ():
             found |= _schema_types(option)
     return found
+
+
+def _is_enumerated(schema: Any) -> bool:
+    """Whether a parameter's schema lists its values (`enum` or `const`)."""
+    return isinstance(schema, dict) and ("enum" in schema or "const" in schema)
 
 
 def _value(raw: str, types: set[str]) -> Any:

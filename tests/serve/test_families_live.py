@@ -21,6 +21,7 @@ import socket
 from dataclasses import dataclass
 from pathlib import Path
 
+import jsonschema
 import openai
 import pytest
 import ray
@@ -345,3 +346,29 @@ def test_reasoning_comes_back_apart_from_the_content(server):
         server, REASONING_PROMPT, extra_body={"chat_template_kwargs": {"enable_thinking": False}}
     )
     assert reasoning_of(closed.choices[0].message) is None
+
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "label": {"enum": ["cat", "dog"]},
+        "count": {"type": "integer", "minimum": 0, "maximum": 9},
+    },
+    "required": ["label", "count"],
+    "additionalProperties": False,
+}
+
+
+def test_a_json_schema_reply_validates_against_the_schema(server):
+    """The grammar, not the weights, makes the reply this JSON (reasoning off: a thinking
+    family would reason first, and the grammar waits for the reasoning to end)."""
+    response = ask(
+        server,
+        "Name a pet.",
+        response_format={"type": "json_schema", "json_schema": {"name": "pet", "schema": SCHEMA}},
+        extra_body={"chat_template_kwargs": {"enable_thinking": False}},
+        max_tokens=48,
+    )
+    [choice] = response.choices
+    jsonschema.validate(json.loads(choice.message.content), SCHEMA)
+    assert choice.finish_reason == "stop"

@@ -10,11 +10,13 @@ import base64
 import concurrent.futures
 import dataclasses
 import http.server
+import json
 import os
 import socket
 import threading
 from pathlib import Path
 
+import jsonschema
 import openai
 import pytest
 import ray
@@ -340,10 +342,14 @@ def completion_log(response_id: str) -> dict:
 
 
 def test_completions_are_logged_with_areno_log_completions(server):
-    response = ask(server, "Log me.")
+    """The record carries the caller's `user` and `metadata` (their only effect: AReno stores
+    no completions), so a logged completion can be traced back."""
+    response = ask(server, "Log me.", user="alice", metadata={"run": "r1"})
     record = completion_log(response.id)
     assert record["prompt_tokens"] == response.usage.prompt_tokens
     assert {"finish_reason", "tool_calls"} <= set(record["choices"][0])
+    assert record["user"] == "alice" and record["metadata"] == {"run": "r1"}
+    assert "user" not in completion_log(ask(server, "Log me too.").id)
 
 
 @pytest.fixture(scope="module")
@@ -502,10 +508,10 @@ def _tool_ask(client, tool_choice, **kwargs):
 
 @pytest.mark.parametrize("choice", ["required", "named"])
 def test_tool_choice_forces_the_call_opening(server, tokenizer, choice):
-    """The tiny model's weights are random, so it never completes a call by itself; what the
-    server guarantees is the forced opening: the prompt carries it (prompt_tokens grow by its
-    tokens), the reply is parsed after it, and the unfinished call comes back as content that
-    starts with it (naming the function for a named choice), counted as malformed."""
+    """The forced opening: the prompt carries it (prompt_tokens grow by its tokens) and the reply
+    is parsed after it; cut at 4 tokens, before the grammar lets the call end, the unfinished
+    call comes back as content that starts with it (naming the function for a named choice),
+    counted as malformed. (Whole calls: test_a_strict_tool_call_validates_against_its_schema.)"""
     from areno.tools import get_tool_parser
 
     named = {"type": "function", "function": {"name": "zoom"}}
@@ -566,3 +572,91 @@ def test_overload_is_refused_with_429_and_the_server_keeps_serving(server):
         assert error.code == "rate_limit_exceeded"
         assert int(error.response.headers["retry-after"]) >= 1
     assert ask(client, "Fresh request after the burst.").choices[0].finish_reason
+
+
+PET_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "label": {"enum": ["cat", "dog"]},
+        "count": {"type": "integer", "minimum": 0, "maximum": 9},
+    },
+    "required": ["label", "count"],
+    "additionalProperties": False,
+}
+STRICT_PAN = {
+    "type": "function",
+    "function": {
+        "name": "pan",
+        "strict": True,
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "direction": {"enum": ["left", "right"]},
+                "steps": {"type": "integer", "minimum": 1, "maximum": 9},
+            },
+            "required": ["direction", "steps"],
+            "additionalProperties": False,
+        },
+    },
+}
+
+
+def test_a_json_schema_reply_validates_against_the_schema(server):
+    """Random weights: only the grammar makes these replies parse."""
+
+    format_ = {"type": "json_schema", "json_schema": {"name": "pet", "schema": PET_SCHEMA}}
+    response = ask(server, "Name a pet.", response_format=format_, n=2, temperature=1.0, seed=2,
+                   max_tokens=48)  # fmt: skip
+    for choice in response.choices:
+        jsonschema.validate(json.loads(choice.message.content), PET_SCHEMA)
+        assert choice.finish_reason == "stop"
+
+
+def test_a_strict_tool_call_validates_against_its_schema(server):
+
+    response = ask(server, "Pan.", tools=[STRICT_PAN], tool_choice="required", max_tokens=64)
+    [choice] = response.choices
+    [call] = choice.message.tool_calls
+    assert call.function.name == "pan" and choice.finish_reason == "tool_calls"
+    jsonschema.validate(json.loads(call.function.arguments), STRICT_PAN["function"]["parameters"])
+
+
+def test_logit_bias_of_100_makes_every_token_that_token(server, tokenizer):
+    token_id = tokenizer.encode("a", add_special_tokens=False)[0]
+    response = ask(server, "Hello.", logit_bias={str(token_id): 100}, temperature=1.0, seed=1,
+                   max_tokens=6, logprobs=True)  # fmt: skip
+    tokens = [t.token for t in response.choices[0].logprobs.content]
+    assert tokens == [tokenizer.decode([token_id])] * 6
+    # Logprobs stay the model's own: the bias does not make the token certain.
+    assert all(t.logprob < 0 for t in response.choices[0].logprobs.content)
+
+
+def test_a_frequency_penalty_removes_repeats_from_a_greedy_reply(server):
+    def tokens(**kwargs):
+        """The reply's tokens as text, less the byte tokens of partial characters (each
+        decodes to U+FFFD alone, so distinct ids would compare equal)."""
+        response = ask(server, "Tell me a story.", max_tokens=40, logprobs=True,
+                       extra_body={"ignore_eos": True}, **kwargs)  # fmt: skip
+        return [t.token for t in response.choices[0].logprobs.content if t.token != "\ufffd"]
+
+    greedy = tokens()
+    penalised = tokens(frequency_penalty=2.0)
+    assert len(set(greedy)) < len(greedy), "the plain greedy reply repeats itself"
+    assert len(set(penalised)) == len(penalised)
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("store", True),
+        ("reasoning_effort", "high"),
+        ("functions", [{"name": "f"}]),
+        ("no_such_field", 1),
+        ("logit_bias", {"x": 1}),
+    ],
+)
+def test_fields_that_would_be_ignored_are_refused_by_name(server, field, value):
+    with pytest.raises(openai.BadRequestError) as caught:
+        ask(server, "Hi.", extra_body={field: value})
+    assert caught.value.body["param"] == field and field in caught.value.message
+    assert ask(server, "Hi.").choices[0].finish_reason in {"stop", "length"}

@@ -1,0 +1,147 @@
+"""The grammar a Chat Completions request's reply must follow, as the engine's StructuredOutput.
+
+- `response_format` json_object / json_schema: the reply is that JSON.
+- Tool calls in the family's own syntax (`ToolParser.call_opening`, arguments in its
+  `argument_style`, `call_closing`), arguments constrained to the tool's JSON Schema:
+  - tool_choice "required" or named: the reply is calls only. The prompt already ends with the
+    forced call opening (serve/chat.py), so the grammar starts after it.
+  - tool_choice "auto" with `strict` tools, or `parallel_tool_calls: false`: free text in which
+    every call that starts must be well formed (a strict tool's arguments follow its schema,
+    another tool's are any object), and with parallel calls off nothing follows the first call.
+- A reply that starts inside a reasoning block (serve/chat.py, `thinking`) may reason freely up
+  to the block's end tag; the grammar applies after it.
+
+Specs are xgrammar structural tags written as plain JSON, compiled by the engine
+(areno/engine/grammar.py), which caches them: the same tools give the same spec text.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from areno.engine.sampling import StructuredOutput
+from areno.protocol import ChatCompletionRequest
+from areno.protocol.chat import NamedToolChoice, check_enforceable
+from areno.protocol.errors import RequestValidationError
+from areno.tools import ToolParser
+from areno.tools.reasoning import THINK_END
+
+# Whitespace a constrained value may hold in a row. A JSON reply: enough for indented JSON, not
+# enough for a model to pad it until max_tokens. A call's arguments: the layout the templates
+# write (`", "`, `": "`, one newline around an XML value), no more.
+MAX_WHITESPACE = 16
+MAX_ARGUMENT_WHITESPACE = {"json": 2}
+DEFAULT_ARGUMENT_WHITESPACE = 1
+ANY_OBJECT = {"type": "object"}
+
+
+def structured_output(
+    request: ChatCompletionRequest, parser: ToolParser | None, prefix: str, thinking: bool
+) -> StructuredOutput | None:
+    """The grammar of the request's reply (None: free text). `parser` is None unless tools are
+    in play; `prefix` is the forced call opening the prompt ends with ("" when none)."""
+    response_format = request.response_format
+    if response_format is not None and response_format.type != "text":
+        if parser is not None:
+            raise RequestValidationError(
+                "a JSON response_format cannot be combined with tools the model may call; send "
+                "tool_choice 'none', or constrain the calls with strict tools instead",
+                param="response_format",
+            )
+        schema = ANY_OBJECT
+        if response_format.type == "json_schema":
+            schema = response_format.json_schema.schema_
+        if thinking:
+            return _structural(_json(schema), thinking, "response_format")
+        if response_format.type == "json_object":
+            return StructuredOutput("json_object", param="response_format")
+        return StructuredOutput("json_schema", json.dumps(schema), param="response_format")
+    if parser is None:
+        return None
+    calls = _tool_calls(request, parser, prefix)
+    return None if calls is None else _structural(calls, thinking, "tools")
+
+
+def _structural(body: dict, thinking: bool, param: str) -> StructuredOutput:
+    """`body` as a structural tag, after free reasoning up to its end tag with `thinking`."""
+    if thinking:
+        reasoning = {"type": "tag", "begin": "", "content": {"type": "any_text"}, "end": THINK_END}
+        body = {"type": "sequence", "elements": [reasoning, _whitespace(), body]}
+    spec = {"type": "structural_tag", "format": body}
+    return StructuredOutput("structural_tag", json.dumps(spec, sort_keys=True), param=param)
+
+
+def _tool_calls(request: ChatCompletionRequest, parser: ToolParser, prefix: str) -> dict | None:
+    tools = {tool.function.name: tool.function for tool in request.tools or ()}
+    choice = request.tool_choice
+    parallel = request.parallel_tool_calls is not False
+    if isinstance(choice, NamedToolChoice) or choice == "required":
+        # Every argument is constrained, strict or not: the call is the whole reply.
+        schemas = {name: _schema(fn.parameters, name) for name, fn in tools.items()}
+        names = [choice.function.name] if isinstance(choice, NamedToolChoice) else list(schemas)
+        first = _one_of([_call(parser, n, schemas[n], skip=len(prefix)) for n in names])
+        if isinstance(choice, NamedToolChoice) or not parallel:
+            return first
+        more = {"type": "sequence", "elements": [{"type": "const_string", "value": "\n"}]}
+        more["elements"].append(_one_of([_call(parser, n, s) for n, s in schemas.items()]))
+        return {"type": "sequence", "elements": [first, {"type": "star", "content": more}]}
+    if not parallel or any(fn.strict for fn in tools.values()):
+        tags = [
+            {
+                "type": "tag",
+                "begin": parser.call_opening(name),
+                "content": _arguments(
+                    parser, _schema(fn.parameters, name) if fn.strict else ANY_OBJECT
+                ),
+                "end": parser.call_closing,
+            }
+            for name, fn in tools.items()
+        ]
+        return {
+            "type": "triggered_tags",
+            "triggers": [parser.start_tag],
+            "tags": tags,
+            "stop_after_first": not parallel,
+        }
+    return None
+
+
+def _schema(parameters: dict[str, Any] | None, name: str) -> dict[str, Any]:
+    """A tool's parameter schema, refused (400 naming the tool) where a grammar cannot enforce
+    it; a tool without parameters takes an empty object."""
+    if parameters is None:
+        return {"type": "object", "properties": {}, "additionalProperties": False}
+    try:
+        return check_enforceable(parameters, "parameters")
+    except ValueError as error:
+        raise RequestValidationError(
+            f"tool {name!r}: its parameters {error}", param="tools"
+        ) from None
+
+
+def _call(parser: ToolParser, name: str, schema: dict, skip: int = 0) -> dict:
+    """One whole call of `name`, less its first `skip` characters (the forced prefix)."""
+    opening = parser.call_opening(name)[skip:]
+    elements = [{"type": "const_string", "value": opening}] if opening else []
+    elements.append(_arguments(parser, schema))
+    elements.append({"type": "const_string", "value": parser.call_closing})
+    return {"type": "sequence", "elements": elements}
+
+
+def _arguments(parser: ToolParser, schema: dict) -> dict:
+    style = parser.argument_style
+    whitespace = MAX_ARGUMENT_WHITESPACE.get(style, DEFAULT_ARGUMENT_WHITESPACE)
+    return _json(schema) | {"style": style, "max_whitespace_cnt": whitespace}
+
+
+def _json(schema: dict | bool) -> dict:
+    return {"type": "json_schema", "json_schema": schema, "max_whitespace_cnt": MAX_WHITESPACE}
+
+
+def _one_of(formats: list[dict]) -> dict:
+    return formats[0] if len(formats) == 1 else {"type": "or", "elements": formats}
+
+
+def _whitespace() -> dict:
+    return {"type": "regex", "pattern": r"\s{0,4}"}
