@@ -114,6 +114,9 @@ async def _timed_batch(gen: Generator, prompts: list, params: list[SamplingParam
     outputs = await asyncio.gather(*tasks)
     elapsed = time.perf_counter() - start
     assert all(len(o.samples[0].token_ids) == params[0].max_tokens for o in outputs)
+    for output, p in zip(outputs, params, strict=True):  # the mask held on this device
+        text = gen.core.tokenizer.decode(output.samples[0].token_ids)
+        assert p.structured is None or text.startswith('{"text": "'), text[:40]
     return elapsed
 
 
