@@ -166,8 +166,12 @@ def main() -> None:
     try:
         for name, overlap, kind, num_special in rows:
             if overlap not in generators:
+                # Both engines live at once: a fixed pool each, not most of the GPU.
                 config = EngineConfig(
-                    max_running_prompts=args.batch, max_context_len=max_len, overlap_steps=overlap
+                    max_running_prompts=args.batch,
+                    max_context_len=max_len,
+                    overlap_steps=overlap,
+                    kv_cache_gib=4 if device.type == "cuda" else None,
                 )
                 generators[overlap] = Generator.from_model(model, tokenizer, config)
             gen = generators[overlap]
