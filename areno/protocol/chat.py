@@ -197,6 +197,10 @@ Stop = Annotated[
     ),
 ]
 
+StopTokenIds = Annotated[
+    list[Annotated[int, Field(ge=0)]], _check_length("MAX_STOP_TOKEN_IDS", "stop token ids")
+]
+
 
 def _count_parts(messages: Any) -> Any:
     """Refuse oversized bodies before validating their parts one by one."""
@@ -213,7 +217,39 @@ def _count_parts(messages: Any) -> Any:
     return messages
 
 
-class ChatCompletionRequest(BaseModel):
+class GenerationRequest(BaseModel):
+    """What the Chat Completions and Completions requests share: the rules and readings of
+    their common sampling and streaming fields (`top_k`, `stop`, `stream`, `stream_options`),
+    which each subclass declares in its own order."""
+
+    @field_validator("top_k", check_fields=False)
+    @classmethod
+    def _top_k_range(cls, top_k: int | None) -> int | None:
+        if top_k is not None and top_k != -1 and top_k < 1:
+            raise ValueError("must be -1 (disabled) or at least 1")
+        return top_k
+
+    @field_validator("stream_options", check_fields=False)
+    @classmethod
+    def _stream_options_need_stream(cls, options: Any, info: ValidationInfo) -> Any:
+        if options is not None and not info.data.get("stream", True):
+            raise ValueError("only allowed with 'stream': true")
+        return options
+
+    @property
+    def stop_sequences(self) -> list[str]:
+        """`stop` as a list (empty when not given)."""
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+    @property
+    def include_usage(self) -> bool:
+        """Whether a stream ends with a usage chunk."""
+        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+
+class ChatCompletionRequest(GenerationRequest):
     """`POST /v1/chat/completions` body.
 
     Extensions beyond OpenAI (as vLLM names them): `top_k`, `min_p`, `repetition_penalty`,
@@ -244,13 +280,7 @@ class ChatCompletionRequest(BaseModel):
     max_tokens: int | None = Field(default=None, ge=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     stop: Stop | None = None
-    stop_token_ids: (
-        Annotated[
-            list[Annotated[int, Field(ge=0)]],
-            _check_length("MAX_STOP_TOKEN_IDS", "stop token ids"),
-        ]
-        | None
-    ) = None
+    stop_token_ids: StopTokenIds | None = None
     ignore_eos: bool = False
 
     logprobs: bool = False
@@ -303,13 +333,6 @@ class ChatCompletionRequest(BaseModel):
             )
         return kwargs
 
-    @field_validator("top_k")
-    @classmethod
-    def _top_k_range(cls, top_k: int | None) -> int | None:
-        if top_k is not None and top_k != -1 and top_k < 1:
-            raise ValueError("must be -1 (disabled) or at least 1")
-        return top_k
-
     @field_validator("top_logprobs")
     @classmethod
     def _top_logprobs_need_logprobs(cls, top_logprobs: int | None, info: ValidationInfo) -> Any:
@@ -317,31 +340,12 @@ class ChatCompletionRequest(BaseModel):
             raise ValueError("requires 'logprobs': true")
         return top_logprobs
 
-    @field_validator("stream_options")
-    @classmethod
-    def _stream_options_need_stream(cls, options: Any, info: ValidationInfo) -> Any:
-        if options is not None and not info.data.get("stream", True):
-            raise ValueError("only allowed with 'stream': true")
-        return options
-
     @property
     def max_new_tokens(self) -> int | None:
         """The generation limit: `max_completion_tokens` if given, else `max_tokens`."""
         if self.max_completion_tokens is not None:
             return self.max_completion_tokens
         return self.max_tokens
-
-    @property
-    def stop_sequences(self) -> list[str]:
-        """`stop` as a list (empty when not given)."""
-        if self.stop is None:
-            return []
-        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
-
-    @property
-    def include_usage(self) -> bool:
-        """Whether a stream ends with a usage chunk."""
-        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
     def media_parts(self) -> Iterator[tuple[int, MediaPart]]:
         """`(message_index, part)` for every media part of the request, in order."""
