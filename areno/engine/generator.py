@@ -577,10 +577,17 @@ def _put_all(batch: list[tuple[asyncio.Queue, Any]]) -> None:
 
 
 def _run_command(fn: Callable[[], Any], future: concurrent.futures.Future) -> None:
+    # NOTE: a caller cancelled while its command waited (a client gone before its request was
+    # added) cancelled the future; the command is skipped, and setting a result there would
+    # raise and end the engine thread.
+    if not future.set_running_or_notify_cancel():
+        return
     try:
-        future.set_result(fn())
+        result = fn()
     except BaseException as e:  # noqa: BLE001 - the caller receives it
         future.set_exception(e)
+    else:
+        future.set_result(result)
 
 
 def _resolve(weights: Any) -> Any:
