@@ -172,6 +172,11 @@ class CompletionRequest(GenerationRequest):
         return [self.prompt] if kind in ("text", "ids") else list(self.prompt)
 
     @property
+    def is_batch(self) -> bool:
+        """Whether `prompt` is a list of prompts (texts or token-id lists), even of one."""
+        return _prompt_kind(self.prompt) in ("texts", "id_lists")
+
+    @property
     def num_choices(self) -> int:
         return len(self.prompts) * self.n
 
