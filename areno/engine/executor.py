@@ -11,6 +11,7 @@ from typing import Protocol
 
 import torch
 
+from areno.engine.outputs import TokenScores
 from areno.engine.worker import PendingStep, StepInput, StepOutput, Worker
 from areno.processing.types import PromptInputs
 
@@ -20,7 +21,7 @@ class Executor(Protocol):
 
     def execute(self, step: StepInput) -> StepOutput: ...
 
-    def score(self, inputs: PromptInputs) -> list[float]: ...
+    def score(self, inputs: PromptInputs, num_top_logprobs: int = 0) -> TokenScores: ...
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> int: ...
 
@@ -44,8 +45,8 @@ class LocalExecutor:
         """The step queued on the device; its result is read later (overlapped steps)."""
         return self.worker.launch(step)
 
-    def score(self, inputs: PromptInputs) -> list[float]:
-        return self.worker.score(inputs)
+    def score(self, inputs: PromptInputs, num_top_logprobs: int = 0) -> TokenScores:
+        return self.worker.score(inputs, num_top_logprobs=num_top_logprobs)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
         return self.worker.load_weights(weights)

@@ -33,9 +33,9 @@ from areno.engine.executor import Executor, LocalExecutor
 from areno.engine.ipc import CudaIpcWeights
 from areno.engine.lora import POLICY_ADAPTER, LoraWeights
 from areno.engine.openmp import release_thread_pool
-from areno.engine.outputs import RequestOutput, merge_outputs
+from areno.engine.outputs import RequestOutput, TokenScores, merge_outputs
 from areno.engine.parallel import load_model_for_rank
-from areno.engine.sampling import SamplingParams
+from areno.engine.sampling import MAX_TOP_LOGPROBS, SamplingParams
 from areno.engine.scheduler import DuplicateRequestError, SchedulerConfig
 from areno.engine.worker import PrefillItem, RowSampling, StepInput, Worker
 from areno.errors import ConfigError
@@ -306,13 +306,24 @@ class Generator:
         """Stop a request; its stream ends with finish_reason "abort"."""
         await self._call(lambda: self._deliver([self.core.abort(request_id)]))
 
-    async def score(self, inputs: PromptInputs, adapter: str | None = None) -> list[float]:
+    async def score(
+        self, inputs: PromptInputs, adapter: str | None = None, *, num_top_logprobs: int = 0
+    ) -> TokenScores:
         """Log-probabilities of tokens 1..N-1 of `inputs` (the prompt plus a continuation, with
         the prompt's media) under the current weights (with LoRA adapter `adapter`; None: the
-        default): one full forward, no cache."""
-        if adapter is None and self.core.executor.worker.default_adapter is None:
-            return await self._call(lambda: self.core.executor.score(inputs))
-        return await self._call(lambda: self.core.executor.worker.score(inputs, adapter))
+        default), and at each of those positions the `num_top_logprobs` (0..20) most likely
+        tokens: one full forward, no cache."""
+        k = num_top_logprobs
+        if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= MAX_TOP_LOGPROBS:
+            raise ConfigError(
+                f"num_top_logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}]; got {k!r}",
+                param="num_top_logprobs",
+            )
+        worker = self.core.executor.worker
+        if adapter is None and worker.default_adapter is None:
+            return await self._call(lambda: self.core.executor.score(inputs, k))
+        # LoRA needs tp_size 1: the worker is the whole replica.
+        return await self._call(lambda: worker.score(inputs, adapter, k))
 
     async def update_weights(
         self,
@@ -566,10 +577,17 @@ def _put_all(batch: list[tuple[asyncio.Queue, Any]]) -> None:
 
 
 def _run_command(fn: Callable[[], Any], future: concurrent.futures.Future) -> None:
+    # NOTE: a caller cancelled while its command waited (a client gone before its request was
+    # added) cancelled the future; the command is skipped, and setting a result there would
+    # raise and end the engine thread.
+    if not future.set_running_or_notify_cancel():
+        return
     try:
-        future.set_result(fn())
+        result = fn()
     except BaseException as e:  # noqa: BLE001 - the caller receives it
         future.set_exception(e)
+    else:
+        future.set_result(result)
 
 
 def _resolve(weights: Any) -> Any:

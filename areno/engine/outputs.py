@@ -1,4 +1,4 @@
-"""What the engine streams back: per-step deltas of each request's samples."""
+"""What the engine hands back: per-step deltas of each request's samples, and scored tokens."""
 
 from __future__ import annotations
 
@@ -25,6 +25,20 @@ class SampleDelta:
     stop_reason: str | int | None = None  # the matched stop string or stop token id
     # the policy version that produced each token (set by `merge_outputs`)
     policy_versions: list[int] | None = None
+
+
+@dataclass
+class TokenScores:
+    """What `Generator.score` returns for a sequence of N tokens.
+
+    logprobs: the raw-logit log-probability of each of tokens 1..N-1 given the tokens before it
+    (N-1 entries; the first token has none). top_logprobs (when asked for): at each of those
+    positions the most likely tokens as (token_id, logprob), most likely first, as
+    `SampleDelta.top_logprobs` holds them.
+    """
+
+    logprobs: list[float]
+    top_logprobs: list[list[tuple[int, float]]] | None = None
 
 
 @dataclass

@@ -671,9 +671,13 @@ class ModelRunner:
         return {"full_attention": full, "sliding_attention": full & recent}
 
     @torch.inference_mode()
-    def score(self, inputs: PromptInputs, adapter: int = 0) -> torch.Tensor:
+    def score(
+        self, inputs: PromptInputs, adapter: int = 0, num_top_logprobs: int = 0
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Log-probabilities of tokens 1..N-1 of `inputs` under the model (with adapter index
-        `adapter`), from one full forward without the slot cache (N-1,)."""
+        `adapter`), from one full forward without the slot cache (N-1,); and at each of those
+        positions the `num_top_logprobs` most likely tokens' logprobs and ids (N-1, K), most
+        likely first (K = 0: empty)."""
         if self.uses_mrope:
             self.model.model.rope_deltas = None
         if self.lora is not None:
@@ -682,4 +686,7 @@ class ModelRunner:
         with self._engine_context():
             logits_NV = self.model(**model_inputs, use_cache=False).logits[0, :-1].float()
         targets_N = model_inputs["input_ids"][0, 1:]
-        return torch.log_softmax(logits_NV, dim=-1).gather(-1, targets_N[:, None]).squeeze(-1)
+        logprobs_NV = torch.log_softmax(logits_NV, dim=-1)
+        top_logprobs_NK, top_ids_NK = logprobs_NV.topk(num_top_logprobs, dim=-1)
+        logprobs_N = logprobs_NV.gather(-1, targets_N[:, None]).squeeze(-1)
+        return logprobs_N, top_logprobs_NK, top_ids_NK

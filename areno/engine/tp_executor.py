@@ -26,6 +26,7 @@ import torch.distributed as dist
 from areno.engine import parallel
 from areno.engine.config import EngineConfig
 from areno.engine.ipc import visible_gpu_uuids
+from areno.engine.outputs import TokenScores
 from areno.engine.worker import StepInput, StepOutput, Worker
 from areno.errors import ConfigError
 from areno.models.registry import adapter_for_checkpoint
@@ -175,10 +176,10 @@ class TPExecutor:
         _broadcast(("execute", step.for_followers()))
         return self.worker.execute(step)
 
-    def score(self, inputs: PromptInputs) -> list[float]:
+    def score(self, inputs: PromptInputs, num_top_logprobs: int = 0) -> TokenScores:
         self._check_followers()
-        _broadcast(("score", inputs))
-        return self.worker.score(inputs)
+        _broadcast(("score", inputs))  # the followers' share of the forward needs no more
+        return self.worker.score(inputs, num_top_logprobs=num_top_logprobs)
 
     def check(self) -> None:
         """Raise FollowerLostError once a follower has stopped (from any thread: a Serve

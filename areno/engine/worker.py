@@ -18,6 +18,7 @@ from areno.engine.batched_prefill import can_batch_prefill
 from areno.engine.config import EngineConfig, KVPoolOptions, pool_options
 from areno.engine.kv_pool import KVPool, agree_across_ranks, block_bytes, fraction_budget
 from areno.engine.lora import LoraError, LoraWeights
+from areno.engine.outputs import TokenScores
 from areno.engine.penalties import TokenHistory
 from areno.engine.runner import ModelRunner
 from areno.engine.sampler import (
@@ -526,10 +527,21 @@ class Worker:
         """The token runs of a prompt that one prefill chunk must hold whole (ModelRunner's)."""
         return self.runner.whole_runs(inputs)
 
-    def score(self, inputs: PromptInputs, adapter: str | None = None) -> list[float] | None:
-        """Log-probabilities of tokens 1..N-1 of `inputs` (None on a following rank)."""
-        logprobs = self.runner.score(inputs, self.adapter_index(adapter))
-        return logprobs.tolist() if self.samples else None
+    def score(
+        self, inputs: PromptInputs, adapter: str | None = None, num_top_logprobs: int = 0
+    ) -> TokenScores | None:
+        """Log-probabilities of tokens 1..N-1 of `inputs`, with the `num_top_logprobs` most
+        likely tokens at each position when asked (None on a following rank)."""
+        logprobs_N, top_logprobs_NK, top_ids_NK = self.runner.score(
+            inputs, self.adapter_index(adapter), num_top_logprobs
+        )
+        if not self.samples:
+            return None
+        top = None
+        if num_top_logprobs:
+            pairs = zip(top_ids_NK.tolist(), top_logprobs_NK.tolist(), strict=True)
+            top = [list(zip(ids, lps, strict=True)) for ids, lps in pairs]
+        return TokenScores(logprobs_N.tolist(), top)
 
     def adapter_index(self, name: str | None) -> int:
         """The LoRA slot index of adapter `name` (None: the default adapter; 0: the base).

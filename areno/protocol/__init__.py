@@ -1,12 +1,19 @@
-"""OpenAI Chat Completions wire types: requests, content parts, responses, stream chunks, errors."""
+"""OpenAI wire types (Chat Completions and Completions): requests, content parts, responses, stream
+chunks, errors."""
 
 from areno.protocol.chat import (
     ChatCompletionRequest,
     FunctionDefinition,
+    GenerationRequest,
     NamedToolChoice,
     StreamOptions,
     ToolChoiceFunction,
     ToolDefinition,
+)
+from areno.protocol.completions import (
+    REFUSED_FIELDS,
+    CompletionRequest,
+    parse_completion_request,
 )
 from areno.protocol.content import (
     CONTENT_PART_TYPES,
@@ -42,7 +49,9 @@ from areno.protocol.errors import (
     ErrorResponse,
     FieldError,
     RequestValidationError,
+    load_request_body,
     parse_chat_request,
+    validate_request,
 )
 from areno.protocol.responses import (
     ChatCompletionChunk,
@@ -50,6 +59,9 @@ from areno.protocol.responses import (
     Choice,
     ChoiceLogprobs,
     ChunkChoice,
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionResponse,
     DeltaMessage,
     FinishReason,
     FunctionCall,
@@ -64,6 +76,7 @@ from areno.protocol.responses import (
     TopLogprob,
     Usage,
     new_completion_id,
+    new_text_completion_id,
     new_tool_call_id,
 )
 
@@ -71,6 +84,7 @@ __all__ = [
     "CONTENT_PART_TYPES",
     "INPUT_AUDIO_MIME_TYPES",
     "MESSAGE_ROLES",
+    "REFUSED_FIELDS",
     "AssistantFunctionCall",
     "AssistantMessage",
     "AssistantToolCall",
@@ -84,6 +98,10 @@ __all__ = [
     "Choice",
     "ChoiceLogprobs",
     "ChunkChoice",
+    "CompletionChoice",
+    "CompletionLogprobs",
+    "CompletionRequest",
+    "CompletionResponse",
     "ContentPart",
     "DeltaMessage",
     "DeveloperMessage",
@@ -94,6 +112,7 @@ __all__ = [
     "FunctionCall",
     "FunctionCallDelta",
     "FunctionDefinition",
+    "GenerationRequest",
     "ImagePart",
     "ImageURL",
     "ImageURLPart",
@@ -123,7 +142,11 @@ __all__ = [
     "VideoURL",
     "VideoURLPart",
     "iter_media_parts",
+    "load_request_body",
     "new_completion_id",
+    "new_text_completion_id",
     "new_tool_call_id",
     "parse_chat_request",
+    "parse_completion_request",
+    "validate_request",
 ]

@@ -323,6 +323,11 @@ def _logit_bias(value: Any) -> Any:
     return parsed
 
 
+LogitBias = Annotated[
+    dict[int, Annotated[float, Field(ge=-100, le=100)]], BeforeValidator(_logit_bias)
+]
+
+
 class StreamOptions(BaseModel):
     """`stream_options`; only valid with `stream: true`."""
 
@@ -372,6 +377,10 @@ Stop = Annotated[
     ),
 ]
 
+StopTokenIds = Annotated[
+    list[Annotated[int, Field(ge=0)]], _check_length("MAX_STOP_TOKEN_IDS", "stop token ids")
+]
+
 
 def _count_parts(messages: Any) -> Any:
     """Refuse oversized bodies before validating their parts one by one."""
@@ -388,7 +397,47 @@ def _count_parts(messages: Any) -> Any:
     return messages
 
 
-class ChatCompletionRequest(BaseModel):
+class GenerationRequest(BaseModel):
+    """What the Chat Completions and Completions requests share: the rules and readings of
+    their common sampling and streaming fields (`top_k`, `min_tokens`, `stop`, `stream`,
+    `stream_options`), which each subclass declares in its own order."""
+
+    @field_validator("top_k", check_fields=False)
+    @classmethod
+    def _top_k_range(cls, top_k: int | None) -> int | None:
+        if top_k is not None and top_k != -1 and top_k < 1:
+            raise ValueError("must be -1 (disabled) or at least 1")
+        return top_k
+
+    @field_validator("min_tokens", check_fields=False)
+    @classmethod
+    def _min_tokens_within_max(cls, min_tokens: int | None, info: ValidationInfo) -> Any:
+        limit = info.data.get("max_completion_tokens") or info.data.get("max_tokens")
+        if min_tokens is not None and limit is not None and min_tokens > limit:
+            raise ValueError(f"= {min_tokens} is above the token limit {limit}")
+        return min_tokens
+
+    @field_validator("stream_options", check_fields=False)
+    @classmethod
+    def _stream_options_need_stream(cls, options: Any, info: ValidationInfo) -> Any:
+        if options is not None and not info.data.get("stream", True):
+            raise ValueError("only allowed with 'stream': true")
+        return options
+
+    @property
+    def stop_sequences(self) -> list[str]:
+        """`stop` as a list (empty when not given)."""
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+    @property
+    def include_usage(self) -> bool:
+        """Whether a stream ends with a usage chunk."""
+        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+
+class ChatCompletionRequest(GenerationRequest):
     """`POST /v1/chat/completions` body.
 
     Extensions beyond OpenAI (as vLLM names them): `top_k`, `min_p`, `repetition_penalty`,
@@ -413,10 +462,7 @@ class ChatCompletionRequest(BaseModel):
     presence_penalty: float | None = Field(default=None, ge=-2, le=2)
     frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
     repetition_penalty: float | None = Field(default=None, gt=0)
-    logit_bias: (
-        Annotated[dict[int, Annotated[float, Field(ge=-100, le=100)]], BeforeValidator(_logit_bias)]
-        | None
-    ) = None
+    logit_bias: LogitBias | None = None
     seed: int | None = Field(default=None, ge=-(2**63), lt=2**64)
     n: int = Field(default=1, ge=1, le=MAX_N)
 
@@ -424,13 +470,7 @@ class ChatCompletionRequest(BaseModel):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     min_tokens: int | None = Field(default=None, ge=0)
     stop: Stop | None = None
-    stop_token_ids: (
-        Annotated[
-            list[Annotated[int, Field(ge=0)]],
-            _check_length("MAX_STOP_TOKEN_IDS", "stop token ids"),
-        ]
-        | None
-    ) = None
+    stop_token_ids: StopTokenIds | None = None
     ignore_eos: bool = False
 
     logprobs: bool = False
@@ -507,13 +547,6 @@ class ChatCompletionRequest(BaseModel):
             )
         return kwargs
 
-    @field_validator("top_k")
-    @classmethod
-    def _top_k_range(cls, top_k: int | None) -> int | None:
-        if top_k is not None and top_k != -1 and top_k < 1:
-            raise ValueError("must be -1 (disabled) or at least 1")
-        return top_k
-
     @field_validator("top_logprobs")
     @classmethod
     def _top_logprobs_need_logprobs(cls, top_logprobs: int | None, info: ValidationInfo) -> Any:
@@ -521,39 +554,12 @@ class ChatCompletionRequest(BaseModel):
             raise ValueError("requires 'logprobs': true")
         return top_logprobs
 
-    @field_validator("min_tokens")
-    @classmethod
-    def _min_tokens_within_max(cls, min_tokens: int | None, info: ValidationInfo) -> Any:
-        limit = info.data.get("max_completion_tokens") or info.data.get("max_tokens")
-        if min_tokens is not None and limit is not None and min_tokens > limit:
-            raise ValueError(f"= {min_tokens} is above the token limit {limit}")
-        return min_tokens
-
-    @field_validator("stream_options")
-    @classmethod
-    def _stream_options_need_stream(cls, options: Any, info: ValidationInfo) -> Any:
-        if options is not None and not info.data.get("stream", True):
-            raise ValueError("only allowed with 'stream': true")
-        return options
-
     @property
     def max_new_tokens(self) -> int | None:
         """The generation limit: `max_completion_tokens` if given, else `max_tokens`."""
         if self.max_completion_tokens is not None:
             return self.max_completion_tokens
         return self.max_tokens
-
-    @property
-    def stop_sequences(self) -> list[str]:
-        """`stop` as a list (empty when not given)."""
-        if self.stop is None:
-            return []
-        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
-
-    @property
-    def include_usage(self) -> bool:
-        """Whether a stream ends with a usage chunk."""
-        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
     def media_parts(self) -> Iterator[tuple[int, MediaPart]]:
         """`(message_index, part)` for every media part of the request, in order."""

@@ -11,7 +11,7 @@ import json
 import math
 import re
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
 
@@ -26,6 +26,8 @@ MAX_JSON_DEPTH = 64
 # what a body of MAX_REQUEST_BYTES can hold: 60 MB of `[],` parses into 20 M lists (~5 GB).
 MAX_JSON_VALUES = 1_000_000
 MAX_ERRORS_IN_MESSAGE = 10
+
+RequestT = TypeVar("RequestT", bound=BaseModel)
 
 # Location entries pydantic adds for tagged unions, which the user's JSON does not have.
 _UNION_TAGS = frozenset(
@@ -78,7 +80,7 @@ class FieldError:
 
 
 class RequestValidationError(ArenoError):
-    """The request body is not a valid Chat Completions request (HTTP 400).
+    """The request body is not a valid request of its endpoint (HTTP 400).
 
     `errors` lists every problem; `param` is the path of the first. Built from a list of
     `FieldError`, or like any `ArenoError` from a message and an optional `param` path.
@@ -130,14 +132,25 @@ def check_body_size(num_bytes: int) -> None:
 
 def parse_chat_request(data: bytes | bytearray | str | dict[str, Any]) -> ChatCompletionRequest:
     """Parse an untrusted body; every problem with it raises `RequestValidationError`."""
+    return validate_request(load_request_body(data), ChatCompletionRequest)
+
+
+def load_request_body(data: bytes | bytearray | str | dict[str, Any]) -> dict[str, Any]:
+    """An untrusted body as a JSON object, held to the limits and rules above (a dict too);
+    every problem with it raises `RequestValidationError`."""
     body = _load_json(data) if isinstance(data, (bytes, bytearray, str)) else data
     if not isinstance(body, dict):
         raise RequestValidationError.from_message(
             f"the request body must be a JSON object, got {_json_kind(body)}"
         )
     _check_body(body)
+    return body
+
+
+def validate_request(body: dict[str, Any], request_type: type[RequestT]) -> RequestT:
+    """`body` (from load_request_body) as a `request_type`, its problems named by JSON path."""
     try:
-        return ChatCompletionRequest.model_validate(body)
+        return request_type.model_validate(body)
     except ValidationError as exc:
         raise RequestValidationError.from_pydantic(exc, body) from None
 

@@ -1,4 +1,5 @@
-"""What the server sends back: completions, stream chunks, usage, logprobs, and the model list.
+"""What the server sends back: chat completions and text completions, their stream chunks, usage,
+logprobs, and the model list.
 
 Every type validates with the official `openai` client's types when dumped with `model_dump()`
 (or `model_dump(exclude_none=True)` for compact SSE chunks). The one exception is the extension
@@ -20,6 +21,11 @@ FinishReason = Literal["stop", "length", "tool_calls", "abort"]
 def new_completion_id() -> str:
     """A fresh `chatcmpl-...` id."""
     return f"chatcmpl-{uuid.uuid4().hex}"
+
+
+def new_text_completion_id() -> str:
+    """A fresh `cmpl-...` id (the Completions API's)."""
+    return f"cmpl-{uuid.uuid4().hex}"
 
 
 def new_tool_call_id() -> str:
@@ -170,6 +176,39 @@ class ChatCompletionChunk(BaseModel):
     created: int = Field(default_factory=_now)
     model: str
     choices: list[ChunkChoice] = Field(default_factory=list)
+    usage: Usage | None = None
+
+
+class CompletionLogprobs(BaseModel):
+    """`choices[i].logprobs` of the Completions API: per token of the choice's text, its string,
+    logprob, `{token: logprob}` of the most likely alternatives, and where its text starts in the
+    choice's text. An echoed prompt's first token has no logprob and no alternatives (None)."""
+
+    tokens: list[str] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+    text_offset: list[int] = Field(default_factory=list)
+
+
+class CompletionChoice(BaseModel):
+    """One choice of a text completion, or its part of a stream chunk (`finish_reason` None
+    until its last chunk)."""
+
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: FinishReason | None = None
+
+
+class CompletionResponse(BaseModel):
+    """The body of a non-streaming `POST /v1/completions` answer, and (with `usage` None, or
+    with no choices and the usage) each `data:` event of a streamed one."""
+
+    id: str = Field(default_factory=new_text_completion_id)
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=_now)
+    model: str
+    choices: list[CompletionChoice] = Field(default_factory=list)
     usage: Usage | None = None
 
 

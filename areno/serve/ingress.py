@@ -1,16 +1,19 @@
-"""The Ingress: the OpenAI HTTP surface of an AReno app (`/v1/chat/completions`, `/v1/models`,
-`/health`) on FastAPI inside Ray Serve.
+"""The Ingress: the OpenAI HTTP surface of an AReno app (`/v1/chat/completions`,
+`/v1/completions`, `/v1/models`, `/health`) on FastAPI inside Ray Serve.
 
 A chat request's path: read and parse the body, check the model and key, encode the prompt (a
 text-only request here, one with media through the MediaDecoder and Processor deployments),
 `prepare` it (areno.serve.chat), call the Generator deployment, and write the reply as JSON or
-SSE from that one `PreparedChat`.
+SSE from that one `PreparedChat`. A completions request (areno.serve.completions) is a batch of
+raw prompts, tokenized here, each run as its own Generator request side by side
+(areno.serve.fanout), its prompts scored first when `echo` asks for their logprobs.
 """
 
 # NOTE: no `from __future__ import annotations` here: FastAPI reads the route signatures'
 # annotations at runtime, and string annotations made `request: Request` a required query field.
 import asyncio
 import concurrent.futures
+import contextlib
 import dataclasses
 import functools
 import hmac
@@ -27,7 +30,7 @@ from areno.engine.outputs import merge_outputs
 from areno.models.registry import adapter_for_checkpoint
 from areno.processing import Processor
 from areno.processing.encode import PromptLimits
-from areno.protocol import parse_chat_request
+from areno.protocol import parse_chat_request, parse_completion_request
 from areno.protocol.errors import ErrorInfo, ErrorResponse, check_body_size
 from areno.protocol.responses import ModelCard, ModelList
 from areno.serve.admission import RETRY_AFTER_S
@@ -40,10 +43,17 @@ from areno.serve.chat import (
     prepare,
     tools_in_play,
 )
+from areno.serve.completions import (
+    CompletionChunkWriter,
+    PreparedCompletion,
+    build_completion_response,
+    encode_prompts,
+)
 from areno.serve.config import ServeConfig
 from areno.serve.errors import AuthenticationError, ModelNotFoundError, user_error
+from areno.serve.fanout import PromptBatch
 from areno.serve.metrics import IngressMetrics
-from areno.serve.sampling import sampling_params
+from areno.serve.sampling import completion_sampling_params, sampling_params
 from areno.tools import get_tool_parser
 
 # HTTP requests the Serve proxy queues for the Ingress once every Ingress replica has
@@ -93,7 +103,7 @@ async def _http_error(request: Request, exc: HTTPException) -> JSONResponse:
 )
 @serve.ingress(api)
 class Ingress:
-    """`POST /v1/chat/completions`, `GET /v1/models`, `GET /health`."""
+    """`POST /v1/chat/completions`, `POST /v1/completions`, `GET /v1/models`, `GET /health`."""
 
     def __init__(self, decoder, processor, generator, config: ServeConfig):
         from transformers import AutoTokenizer
@@ -174,6 +184,66 @@ class Ingress:
         return StreamingResponse(
             self._sse(writer, first, stream, first_token_at), media_type="text/event-stream"
         )
+
+    @api.post("/v1/completions")
+    async def completions(self, request: Request):
+        if (denied := self._check_key(request)) is not None:
+            return denied
+        arrival = time.perf_counter()
+        try:
+            prepared, model = await self._prepare_completion(await read_body(request))
+            batch = PromptBatch(self.generator_unary, self.generator, prepared, uuid.uuid4().hex)
+            scores = await batch.scores()
+            if not prepared.request.stream:
+                outputs = await batch.outputs()
+                response = build_completion_response(
+                    prepared, model, scores, outputs, self.tokenizer
+                )
+                body = response.model_dump()
+                self.metrics.record_text_completion(body, arrival)
+                return JSONResponse(body)
+            firsts = await batch.open_streams()
+        except Exception as e:  # noqa: BLE001 - every failure becomes an OpenAI error response
+            return self._error(e)
+        first_token_at = time.perf_counter()
+        self.metrics.time_to_first_token.observe(first_token_at - arrival)
+        writer = CompletionChunkWriter(prepared, model, scores, self.tokenizer)
+        return StreamingResponse(
+            self._completion_sse(writer, batch, firsts, first_token_at),
+            media_type="text/event-stream",
+        )
+
+    async def _prepare_completion(self, data: bytes) -> tuple[PreparedCompletion, str]:
+        """The request read, its model and sampling parameters checked, its prompts encoded."""
+        body = parse_completion_request(data)
+        model = self._model(body.model)
+        adapter = model if model in self.config.lora_adapters else None
+        params = completion_sampling_params(body)  # refused before the prompts are encoded
+        if params is not None and adapter is not None:
+            params = dataclasses.replace(params, adapter=adapter)
+        processor = self.text_processor  # its tokenizer belongs to the encode thread
+        encode = functools.partial(encode_prompts, body, processor.tokenizer, processor.limits)
+        prompts = await asyncio.get_running_loop().run_in_executor(self.encode_thread, encode)
+        return PreparedCompletion(body, params, prompts, adapter), model
+
+    async def _completion_sse(self, writer, batch: PromptBatch, firsts, first_token_at: float):
+        try:
+            for line in writer.start():
+                yield line
+            for i, first in enumerate(firsts):
+                for line in writer.chunks(i, first):
+                    yield line
+            # Closed with this generator (a client gone): that cancels the prompts' requests.
+            async with contextlib.aclosing(batch.rest()) as rest:
+                async for i, output in rest:
+                    for line in writer.chunks(i, output):
+                        yield line
+        except Exception as e:  # noqa: BLE001 - the status line is sent; report in-stream
+            yield error_line(ErrorResponse.from_error(user_error(e)).error.model_dump())
+            return
+        for line in writer.end():
+            yield line
+        self.metrics.record_text_completion(writer.summary(), first_token_at)
 
     def _model(self, requested: str | None) -> str:
         """The model a request runs on: the base model (named, or not named at all) or a LoRA

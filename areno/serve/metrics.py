@@ -1,5 +1,6 @@
-"""What the Ingress reports of each chat request: Prometheus metrics, exported by Ray next to
-Serve's own, and with ARENO_LOG_COMPLETIONS=1 one log line per finished completion."""
+"""What the Ingress reports of each chat or text completion request: Prometheus metrics,
+exported by Ray next to Serve's own, and with ARENO_LOG_COMPLETIONS=1 one log line per finished
+completion."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ class IngressMetrics:
         from ray.serve import metrics
 
         self.requests = metrics.Counter(
-            "areno_requests", "Chat completion requests by HTTP status.", tag_keys=("status",)
+            "areno_requests", "Completion requests by HTTP status.", tag_keys=("status",)
         )
         self.prompt_tokens = metrics.Counter("areno_prompt_tokens", "Encoded prompt tokens.")
         self.completion_tokens = metrics.Counter("areno_completion_tokens", "Generated tokens.")
@@ -42,24 +43,43 @@ class IngressMetrics:
     def record(
         self, prepared: PreparedChat, body: dict, first_token_at: float, malformed: int
     ) -> None:
-        """Metrics of a finished request, and its log line with ARENO_LOG_COMPLETIONS=1."""
+        """Metrics of a finished chat request, and its log line with ARENO_LOG_COMPLETIONS=1."""
         num_prompt_tokens = prepared.inputs.num_prompt_tokens
-        usage = body.get("usage") or {}
-        completion_tokens = usage.get("completion_tokens", 0)
-        elapsed = time.perf_counter() - first_token_at
-        self.requests.inc(tags={"status": "200"})
-        self.prompt_tokens.inc(num_prompt_tokens)
-        self.completion_tokens.inc(completion_tokens)
+        completion_tokens = (body.get("usage") or {}).get("completion_tokens", 0)
+        self._count(num_prompt_tokens, completion_tokens, first_token_at)
         if malformed:
             self.malformed_tool_calls.inc(malformed)
-        if completion_tokens > 1 and elapsed > 0:
-            self.tokens_per_s.observe((completion_tokens - 1) / elapsed)
         if completions_logged():
             line = _log_line(body, num_prompt_tokens, completion_tokens, malformed)
             request = prepared.request
             # The caller's own labels, so a logged completion can be traced to its user.
             line |= {k: v for k, v in (("user", request.user), ("metadata", request.metadata)) if v}
             completion_logger.info("completion %s", json.dumps(line, ensure_ascii=False))
+
+    def record_text_completion(self, body: dict, first_token_at: float) -> None:
+        """The same for a text completion (`/v1/completions`): its body, or the summary of
+        what was streamed ({id, choices [{index, text, finish_reason}], usage})."""
+        usage = body["usage"]
+        self._count(usage["prompt_tokens"], usage["completion_tokens"], first_token_at)
+        if completions_logged():
+            choices = [
+                {key: c[key] for key in ("index", "text", "finish_reason")} for c in body["choices"]
+            ]
+            line = {
+                "id": body["id"],
+                **{k: usage[k] for k in ("prompt_tokens", "completion_tokens")},
+            }
+            line["choices"] = choices
+            completion_logger.info("completion %s", json.dumps(line, ensure_ascii=False))
+
+    def _count(self, num_prompt_tokens: int, completion_tokens: int, first_token_at: float) -> None:
+        elapsed = time.perf_counter() - first_token_at
+        self.requests.inc(tags={"status": "200"})
+        self.prompt_tokens.inc(num_prompt_tokens)
+        if completion_tokens:  # a Ray counter refuses 0 (a prompt only scored generates none)
+            self.completion_tokens.inc(completion_tokens)
+        if completion_tokens > 1 and elapsed > 0:
+            self.tokens_per_s.observe((completion_tokens - 1) / elapsed)
 
 
 def _log_line(body: dict, num_prompt_tokens: int, completion_tokens: int, malformed: int) -> dict:

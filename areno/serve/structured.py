@@ -22,7 +22,7 @@ from typing import Any
 
 from areno.engine.sampling import StructuredOutput
 from areno.protocol import ChatCompletionRequest
-from areno.protocol.chat import NamedToolChoice, check_enforceable
+from areno.protocol.chat import NamedToolChoice, ResponseFormat, check_enforceable
 from areno.protocol.errors import RequestValidationError
 from areno.tools import ToolParser
 from areno.tools.reasoning import THINK_END
@@ -49,18 +49,28 @@ def structured_output(
                 "tool_choice 'none', or constrain the calls with strict tools instead",
                 param="response_format",
             )
-        schema = ANY_OBJECT
-        if response_format.type == "json_schema":
-            schema = response_format.json_schema.schema_
-        if thinking:
-            return _structural(_json(schema), thinking, "response_format")
-        if response_format.type == "json_object":
-            return StructuredOutput("json_object", param="response_format")
-        return StructuredOutput("json_schema", json.dumps(schema), param="response_format")
+        return json_output(response_format, thinking)
     if parser is None:
         return None
     calls = _tool_calls(request, parser, prefix)
     return None if calls is None else _structural(calls, thinking, "tools")
+
+
+def json_output(
+    response_format: ResponseFormat | None, thinking: bool = False
+) -> StructuredOutput | None:
+    """The grammar of a JSON `response_format` (None for text or none), after free reasoning
+    with `thinking`."""
+    if response_format is None or response_format.type == "text":
+        return None
+    schema = ANY_OBJECT
+    if response_format.type == "json_schema":
+        schema = response_format.json_schema.schema_
+    if thinking:
+        return _structural(_json(schema), thinking, "response_format")
+    if response_format.type == "json_object":
+        return StructuredOutput("json_object", param="response_format")
+    return StructuredOutput("json_schema", json.dumps(schema), param="response_format")
 
 
 def _structural(body: dict, thinking: bool, param: str) -> StructuredOutput:

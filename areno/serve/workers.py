@@ -144,6 +144,13 @@ class GeneratorServer:
         finally:
             self._release(request_id)
 
+    async def score(self, inputs, adapter: str | None, num_top_logprobs: int):
+        """`Generator.score`: one forward, outside the batch and its slots (no admission), so
+        only a paused engine refuses it."""
+        if self.generator.is_paused:
+            raise EngineUnavailableError("the generation engine is paused; retry shortly")
+        return await self.generator.score(inputs, adapter, num_top_logprobs=num_top_logprobs)
+
     def _admit(self, params: SamplingParams, request_id: str) -> None:
         """Refuse at once what would otherwise hang: 503 while the engine is paused (an RL
         weight update), 429 when the waiting queue is full. A dead engine raises

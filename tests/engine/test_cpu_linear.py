@@ -63,7 +63,7 @@ def test_worker_repacks_the_weights_it_loads(tiny_path, family, fuse):
     assert worker.runner.linears is not None
     assert (worker.runner.fused is not None) == (fuse == "on")
     prompt = PromptInputs(torch.randint(5, 500, (9,)).tolist(), {})
-    before = torch.tensor(worker.score(prompt))
+    before = torch.tensor(worker.score(prompt).logprobs)
 
     params = dict(model.named_parameters())
     mlp = next(n for n in params if n.endswith("mlp.down_proj.weight"))
@@ -71,12 +71,12 @@ def test_worker_repacks_the_weights_it_loads(tiny_path, family, fuse):
     embed = next(n for n, p in params.items() if p is model.get_input_embeddings().weight)
     torch.manual_seed(1)
     worker.load_weights([(n, torch.randn_like(params[n])) for n in (mlp, gate, embed)])
-    after = torch.tensor(worker.score(prompt))
+    after = torch.tensor(worker.score(prompt).logprobs)
 
     # The reference: the same weights through transformers' own layers (no packed copy at all).
     reference = Worker(model, num_slots=2, max_len=64, sample=True, packed_linear=False)
     assert reference.runner.linears is None
-    expected = torch.tensor(reference.score(prompt))
+    expected = torch.tensor(reference.score(prompt).logprobs)
     assert not torch.allclose(after, before, atol=1e-3)
     torch.testing.assert_close(after, expected, atol=1e-4, rtol=1e-4)
 

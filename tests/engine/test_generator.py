@@ -95,15 +95,21 @@ def test_logprobs_match_a_full_forward_and_score(setups, overlap, media):
         output = run(gen.generate_all(x, params))
         sample = output.samples[0]
         full = x.with_tokens(x.input_ids + sample.token_ids)
-        scored = run(gen.score(full))
+        scored = run(gen.score(full, num_top_logprobs=3))
     finally:
         gen.shutdown()
     with torch.no_grad():
         logits = setup.model(**full.model_inputs()).logits[0].float()
-    ref_all = torch.log_softmax(logits, -1)[x.num_prompt_tokens - 1 : -1]
+    every_NV = torch.log_softmax(logits, -1)[:-1]
+    ref_all = every_NV[x.num_prompt_tokens - 1 :]
     ref = ref_all.gather(-1, torch.tensor(sample.token_ids)[:, None]).squeeze(-1)
     assert torch.allclose(torch.tensor(sample.logprobs), ref, atol=1e-4)
-    assert torch.allclose(torch.tensor(scored[x.num_prompt_tokens - 1 :]), ref, atol=1e-4)
+    assert torch.allclose(torch.tensor(scored.logprobs[x.num_prompt_tokens - 1 :]), ref, atol=1e-4)
+    # score's alternatives: at every position, prompt tokens included
+    want_lps, want_ids = every_NV.topk(3)
+    assert [[t for t, _ in top] for top in scored.top_logprobs] == want_ids.tolist()
+    got_lps = torch.tensor([[lp for _, lp in top] for top in scored.top_logprobs])
+    assert torch.allclose(got_lps, want_lps, atol=1e-4)
     for step, top in enumerate(sample.top_logprobs):
         ids, lps = zip(*top, strict=True)
         want_lps, want_ids = ref_all[step].topk(3)

@@ -109,6 +109,51 @@ def test_leaving_a_stream_cancels_it_and_frees_its_slots(setups, overlap):
     assert {d.finish_reason for d in deltas if d.finish_reason} == {"abort"}
 
 
+def test_a_request_cancelled_before_the_engine_adds_it_leaves_the_engine_serving(setups):
+    """A caller cancelled while its add command waits for the engine thread (a client gone, or
+    a batch's sibling request refused) is skipped; the engine thread lives on."""
+    import threading
+
+    setup = setups("qwen3_5")
+    x = setup.encode(text("Hello."))
+    gen = setup.generator()
+    entered, busy = threading.Event(), threading.Event()
+
+    def hold() -> None:  # the engine thread is busy here: the next commands wait
+        entered.set()
+        busy.wait()
+
+    async def main():
+        held = gen._submit(hold)
+        while not entered.is_set():
+            await asyncio.sleep(0.001)
+        task = asyncio.create_task(gen.generate_all(x, GREEDY, request_id="gone"))
+        while not gen._commands:
+            await asyncio.sleep(0.001)
+        [(_, add)] = gen._commands
+        task.cancel()
+        for _ in range(1000):  # until the cancellation reaches the command's future
+            if add.cancelled():
+                break
+            await asyncio.sleep(0.001)
+        assert add.cancelled()
+        busy.set()
+        held.result(timeout=10)
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        # A dead engine thread would leave this waiting forever.
+        return await asyncio.wait_for(gen.generate_all(x, GREEDY), timeout=60)
+
+    try:
+        output = run(main())
+        gen.check_health()
+    finally:
+        busy.set()
+        gen.shutdown()
+    assert output.finished and output.samples[0].token_ids
+    assert gen.core.scheduler.find("gone") is None
+
+
 def test_a_whole_request_is_handed_over_once_and_equals_its_stream(setups, overlap):
     """generate_all's deltas wait in the engine thread until the request ends: its caller's loop
     gets one hand-over, not one per step. Cancelling it frees the slots and what was kept."""

@@ -134,7 +134,10 @@ sampling = st.fixed_dictionaries(
         "stop_token_ids": st.lists(st.integers(0, 10**6), max_size=3),
         "chat_template_kwargs": st.dictionaries(st.text(max_size=4), scalars, max_size=2),
         "presence_penalty": st.floats(-2, 2),
-        "unknown_field": json_safe,
+        "logit_bias": st.dictionaries(
+            st.integers(0, 10**5).map(str), st.floats(-100, 100), max_size=3
+        ),
+        "store": st.just(False),
     },
 )
 valid_requests = st.builds(

@@ -354,12 +354,14 @@ def test_logprobs_and_nulls():
     assert (request.logprobs, request.n, request.stream) == (False, 1, False)
 
 
-def test_unknown_top_level_fields_are_ignored():
+def test_neutral_values_of_unimplemented_fields_pass_and_unknown_fields_are_refused():
     request = parse_chat_request(
         body(user(), store=False, response_format={"type": "text"}, service_tier="auto")
     )
-    assert "store" not in request.model_dump()
-    assert request.stop_sequences == []
+    assert request.store is None and request.stop_sequences == []
+    with pytest.raises(RequestValidationError) as caught:
+        parse_chat_request(body(user(), frobnicate=1))
+    assert caught.value.param == "frobnicate"
 
 
 # --- errors name the user's JSON path ---------------------------------------------------------

@@ -1,8 +1,9 @@
 """A live AReno server (Ray Serve, tiny Gemma 4 checkpoint) driven by the official `openai`
 client over loopback HTTP: every media source, streaming, n, logprobs, usage, queueing beyond
 --max-running-prompts, overload refused with 429 beyond --max-queued-requests, tool_choice
-enforcement, a LoRA adapter served beside the base model (`--lora`), and errors answered 4xx
-while the server keeps serving."""
+enforcement, a LoRA adapter served beside the base model (`--lora`), errors answered 4xx
+while the server keeps serving, and `/v1/completions` (text, token-id and batched prompts,
+streaming, echo with prompt logprobs as an evaluation harness scores them)."""
 
 from __future__ import annotations
 
@@ -407,9 +408,8 @@ def test_api_key_is_required_on_every_route_but_health(server):
     # without "Bearer" or in another scheme.
     app_base = base.removesuffix("/v1")
     routes = [(m, r.path) for r in _routes(api.routes) for m in r.methods if m != "HEAD"]
-    assert {("GET", "/health"), ("GET", "/v1/models"), ("POST", "/v1/chat/completions")} <= set(
-        routes
-    )
+    expected = {("GET", "/health"), ("GET", "/v1/models"), ("POST", "/v1/chat/completions")}
+    assert expected | {("POST", "/v1/completions")} <= set(routes)
     for method, path in routes:
         for auth in (None, "Bearer wrong", API_KEY, f"Basic {API_KEY}", f"Bearer {API_KEY}x"):
             headers = {"Authorization": auth} if auth else {}
@@ -660,3 +660,208 @@ def test_fields_that_would_be_ignored_are_refused_by_name(server, field, value):
         ask(server, "Hi.", extra_body={field: value})
     assert caught.value.body["param"] == field and field in caught.value.message
     assert ask(server, "Hi.").choices[0].finish_reason in {"stop", "length"}
+
+
+# ---- /v1/completions ----------------------------------------------------------------------
+
+
+def complete(client, prompt, **kwargs):
+    return client.completions.create(
+        model=kwargs.pop("model", "tiny-gemma4"),
+        prompt=prompt,
+        max_tokens=kwargs.pop("max_tokens", 6),
+        temperature=kwargs.pop("temperature", 0),
+        **kwargs,
+    )
+
+
+def test_completions_of_a_text_prompt_and_of_its_token_ids_agree(server, tokenizer):
+    text = "Once upon a time"
+    by_text = complete(server, text)
+    ids = tokenizer(text)["input_ids"]
+    by_ids = complete(server, ids)
+    for response in (by_text, by_ids):
+        assert response.object == "text_completion" and response.id.startswith("cmpl-")
+        [choice] = response.choices
+        assert choice.index == 0 and choice.finish_reason in {"stop", "length"}
+        assert response.usage.prompt_tokens == len(ids)  # no chat template around it
+        assert 0 < response.usage.completion_tokens <= 6
+    assert by_text.choices[0].text == by_ids.choices[0].text
+    record = completion_log(by_text.id)
+    assert record["choices"][0]["text"] == by_text.choices[0].text
+    assert record["prompt_tokens"] == len(ids)
+
+
+def test_completions_index_a_batch_of_prompts_times_n(server):
+    prompts = ["Red", "Green", "Blue"]
+    response = complete(server, prompts, n=2, temperature=1.0, seed=3, max_tokens=3, echo=True)
+    assert [c.index for c in response.choices] == list(range(6))
+    for choice in response.choices:  # choice i * n + j is sample j of prompt i
+        assert choice.text.startswith(prompts[choice.index // 2])
+    assert response.usage.completion_tokens > 0
+
+
+def test_completions_stream_with_usage_matches_the_full_response(server):
+    prompt = ["The quick brown fox", "jumps over"]
+    full = complete(server, prompt, max_tokens=8)
+    stream = complete(
+        server, prompt, max_tokens=8, stream=True, stream_options={"include_usage": True}
+    )
+    texts, finish, usage = {}, {}, None
+    for chunk in stream:
+        assert chunk.object == "text_completion"
+        usage = chunk.usage or usage
+        for choice in chunk.choices:
+            texts[choice.index] = texts.get(choice.index, "") + choice.text
+            finish[choice.index] = choice.finish_reason or finish.get(choice.index)
+    assert texts == {c.index: c.text for c in full.choices}
+    assert finish == {c.index: c.finish_reason for c in full.choices}
+    assert usage.completion_tokens == full.usage.completion_tokens
+    assert usage.prompt_tokens == full.usage.prompt_tokens
+
+
+@pytest.fixture(scope="module")
+def base_model(tiny_path):
+    from areno.models.registry import adapter_for_checkpoint
+
+    path = tiny_path("gemma4")
+    return adapter_for_checkpoint(path).load_model(path).eval()
+
+
+def test_echo_scores_the_prompt_as_the_model_does(server, tokenizer, base_model):
+    """lm-eval's `local-completions` loglikelihood request: token-id prompts, echo, top-2
+    alternatives, nothing generated. Each prompt token's logprob (the first has none) and
+    alternatives are those of a transformers forward over the same tokens."""
+    prompts = [tokenizer(t)["input_ids"] for t in ("The cat sat on the mat.", "Hello")]
+    response = complete(server, prompts, echo=True, logprobs=2, max_tokens=0)
+    assert response.usage.completion_tokens == 0
+    for ids, choice in zip(prompts, response.choices, strict=True):
+        assert choice.text == tokenizer.decode(ids) and choice.finish_reason == "length"
+        logprobs = choice.logprobs
+        assert logprobs.tokens == [tokenizer.decode([t]) for t in ids]
+        assert logprobs.token_logprobs[0] is None and logprobs.top_logprobs[0] is None
+        with torch.no_grad():
+            logits = base_model(input_ids=torch.tensor([ids])).logits[0, :-1].float()
+        expected_NV = torch.log_softmax(logits, -1)
+        expected = expected_NV.gather(-1, torch.tensor(ids[1:])[:, None]).squeeze(-1)
+        torch.testing.assert_close(
+            torch.tensor(logprobs.token_logprobs[1:]), expected, atol=1e-3, rtol=1e-3
+        )
+        top_lps, top_ids = expected_NV.topk(2)
+        for top, want_ids, want_lps in zip(
+            logprobs.top_logprobs[1:], top_ids, top_lps, strict=True
+        ):
+            assert list(top) == [tokenizer.decode([t]) for t in want_ids.tolist()]
+            torch.testing.assert_close(
+                torch.tensor(list(top.values())), want_lps, atol=1e-3, rtol=1e-3
+            )
+
+
+def test_echo_with_a_generated_token_and_an_adapter(server, tokenizer):
+    """The other loglikelihood form (max_tokens 1): the prompt's logprobs, then the sampled
+    token's; a LoRA adapter named in `model` scores and generates as that adapter."""
+    ids = tokenizer("A small test")["input_ids"]
+    base, adapted = (
+        complete(server, [ids], echo=True, logprobs=1, max_tokens=1, model=model)
+        for model in ("tiny-gemma4", "tiny-lora")
+    )
+    for response in (base, adapted):
+        logprobs = response.choices[0].logprobs
+        assert len(logprobs.token_logprobs) == len(ids) + 1
+        assert response.choices[0].text.startswith(tokenizer.decode(ids))
+        assert all(len(top) == 1 for top in logprobs.top_logprobs[1:])
+    assert adapted.model == "tiny-lora"
+    assert adapted.choices[0].logprobs.token_logprobs != base.choices[0].logprobs.token_logprobs
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "param"),
+    [
+        ({"suffix": "!"}, "suffix"),
+        ({"presence_penalty": 3}, "presence_penalty"),
+        ({"logit_bias": {"x": 1}}, "logit_bias"),
+        ({"best_of": 2}, "best_of"),
+        ({"extra_body": {"min_tokens": 9}}, "min_tokens"),  # over max_tokens
+        ({"extra_body": {"response_format": {"type": "json_schema"}}}, "response_format"),
+        ({"extra_body": {"max_new_tokens": 2}}, "max_new_tokens"),  # unknown
+        ({"max_tokens": 0}, "max_tokens"),  # 0 only with echo
+        ({"logprobs": 21}, "logprobs"),
+    ],
+)
+def test_completions_refuse_what_they_do_not_do_by_name(server, kwargs, param):
+    with pytest.raises(openai.BadRequestError) as caught:
+        complete(server, "Hi", **kwargs)
+    assert caught.value.param == param and param in caught.value.message
+
+
+def test_completions_honour_logit_bias_and_response_format(server, tokenizer):
+    token_id = tokenizer.encode("a", add_special_tokens=False)[0]
+    biased = complete(server, "Hi", logit_bias={str(token_id): 100}, temperature=1.0, seed=3)
+    assert biased.choices[0].text == tokenizer.decode([token_id]) * 6
+    format_ = {"type": "json_schema", "json_schema": {"name": "pet", "schema": PET_SCHEMA}}
+    shaped = complete(server, "A pet:", max_tokens=48, extra_body={"response_format": format_})
+    jsonschema.validate(json.loads(shaped.choices[0].text), PET_SCHEMA)
+
+
+def test_completions_refuse_bad_prompts_and_keep_serving(server):
+    cases = [
+        ("word " * (MAX_PROMPT_TOKENS * 2), "prompt", "--max-prompt-tokens"),
+        ([[1, 2], [3, 10**7]], "prompt[1][1]", "not in the vocabulary"),
+        ([], "prompt", "must not be empty"),
+    ]
+    for prompt, param, needle in cases:
+        with pytest.raises(openai.BadRequestError) as caught:
+            complete(server, prompt)
+        assert caught.value.param == param and needle in caught.value.message
+    with pytest.raises(openai.NotFoundError):
+        complete(server, "Hi", model="other-model")
+    assert complete(server, "Still there?").choices[0].text is not None
+
+
+def _time_per_100_tokens(client) -> float:
+    """Seconds the guarded app takes for 100 tokens of its 2 running rows, overheads included."""
+    import time
+
+    started = time.monotonic()
+    complete(client, ["Two", "rows"], max_tokens=100, extra_body={"ignore_eos": True})
+    return time.monotonic() - started
+
+
+def _wait_until_idle(app: str, timeout_s: float) -> dict:
+    """The app's engine stats once nothing runs or waits there, or at the timeout."""
+    import time
+
+    generator = serve.get_deployment_handle("GeneratorServer", app)
+    deadline = time.monotonic() + timeout_s
+    while (stats := generator.stats.remote().result())["num_running"] + stats["num_waiting"]:
+        if time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    return stats
+
+
+LONG = {"max_tokens": 1500, "extra_body": {"ignore_eos": True}}
+
+
+def test_a_refused_prompt_of_a_batch_fails_it_and_stops_the_others(server):
+    """The guarded app runs 2 sequences and lets 1 wait: of 5 prompts, the fourth is refused
+    (429), and the request's other prompts, each its own engine request, are aborted rather
+    than left generating 1500 tokens each (15 times the time allowed here)."""
+    client = guarded_client(server)
+    time_per_100 = _time_per_100_tokens(client)
+    with pytest.raises(openai.RateLimitError) as caught:
+        complete(client, ["Long"] * 5, **LONG)
+    assert "--max-queued-requests" in caught.value.message
+    stats = _wait_until_idle("guarded", 3 * time_per_100)
+    assert stats["num_running"] == stats["num_waiting"] == 0
+    assert complete(client, ["Fresh", "batch"], max_tokens=3).usage.completion_tokens > 0
+
+
+def test_a_streamed_batch_stops_when_its_client_leaves(server):
+    client = guarded_client(server)
+    time_per_100 = _time_per_100_tokens(client)
+    stream = complete(client, ["Long", "longer"], stream=True, **LONG)
+    assert next(iter(stream)).object == "text_completion"
+    stream.close()
+    stats = _wait_until_idle("guarded", 3 * time_per_100)
+    assert stats["num_running"] == stats["num_waiting"] == 0
