@@ -4,8 +4,8 @@ Rows (one run, fixed seed, every request arrives at once; random prompt ids of -
 - free:              64 free rows (the engine's default overlap of steps).
 - free, no overlap:  64 free rows, steps not overlapped (what any grammar row costs the batch:
                      a matcher must see each token before it masks the next).
-- grammar 16:        48 free rows + 16 rows under a JSON schema (an object with one string, which
-                     a random model keeps writing, so the rows stay grammar-bound to the end).
+- grammar 16:        48 free rows + 16 rows under a JSON schema (an object with one string of at
+                     least 100k characters, so the rows stay grammar-bound to the end).
 - penalties 16:      48 free rows + 16 with frequency, presence and repetition penalties.
 - logit_bias 16:     48 free rows + 16 with a 50-token logit_bias.
 
@@ -40,7 +40,12 @@ from areno.engine.sampling import SamplingParams, StructuredOutput
 
 SEED = 0
 VOCAB_SIZE = 151936
-SCHEMA = {"type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"]}
+# A string too long to end within the run: the rows stay grammar-bound to max_tokens.
+SCHEMA = {
+    "type": "object",
+    "properties": {"text": {"type": "string", "minLength": 100000}},
+    "required": ["text"],
+}
 
 
 def synthetic_tokenizer(num_tokens: int = 151643):
@@ -107,7 +112,7 @@ async def _timed_batch(gen: Generator, prompts: list, params: list[SamplingParam
     tasks = [
         asyncio.create_task(gen.generate_all(x, p)) for x, p in zip(prompts, params, strict=True)
     ]
-    while gen.stats()["num_waiting"] < len(prompts):
+    while gen.stats()["num_waiting"] < len(prompts) and not any(t.done() for t in tasks):
         await asyncio.sleep(0.001)
     start = time.perf_counter()
     await gen.resume()

@@ -43,8 +43,17 @@ class Grammars:
     def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: Collection[int]):
         import xgrammar  # here, not at import: an engine that never meets a grammar skips it
 
+        stops = set(stop_token_ids)
+        if getattr(tokenizer, "eos_token_id", None) is not None:
+            stops.add(tokenizer.eos_token_id)
+        if not stops:
+            raise GrammarError(
+                "structured outputs need an end-of-sequence token, and neither the model's "
+                "generation config nor its tokenizer names one",
+                param="structured",
+            )
         info = xgrammar.TokenizerInfo.from_huggingface(
-            tokenizer, vocab_size=vocab_size, stop_token_ids=sorted(stop_token_ids)
+            tokenizer, vocab_size=vocab_size, stop_token_ids=sorted(stops)
         )
         self.vocab_size = vocab_size
         self._compiler = xgrammar.GrammarCompiler(info, cache_enabled=False)
