@@ -11,7 +11,7 @@ Rows (one run, fixed seed, every request arrives at once; random prompt ids of -
 
 Decode step time is measured as the difference of two runs, --short and --long new tokens per
 request (EOS ignored; grammar rows end only at max_tokens), divided by the extra steps, so the
-prefill and start-up cancel out.
+prefill and start-up cancel out; the median of --repeats such pairs.
 
 The vocabulary: no real tokenizer can be downloaded here, so the model and the grammar run over a
 synthetic byte-level vocabulary of 151,936 entries (Qwen3's size: every byte, 60k byte pairs, the
@@ -125,7 +125,11 @@ async def _timed_batch(gen: Generator, prompts: list, params: list[SamplingParam
     return elapsed
 
 
-def measure(gen, device, prompts, kind: str, num_special: int, short: int, long: int) -> dict:
+def measure(
+    gen, device, prompts, kind: str, num_special: int, short: int, long: int, repeats: int
+) -> dict:
+    """The median over `repeats` of the decode step time from a long and a short run."""
+
     def run(max_tokens: int) -> float:
         params = [special_params("free", max_tokens)] * (len(prompts) - num_special)
         params += [special_params(kind, max_tokens)] * num_special
@@ -133,9 +137,13 @@ def measure(gen, device, prompts, kind: str, num_special: int, short: int, long:
         return asyncio.run(_timed_batch(gen, prompts, params))
 
     run(short)  # warm-up: compiles this row's grammar, allocates penalty counts
-    short_s, long_s = run(short), run(long)
-    step_ms = 1e3 * (long_s - short_s) / (long - short)
-    return {"step_ms": step_ms, "decode_tok_s": len(prompts) / step_ms * 1e3}
+    steps_ms = sorted(1e3 * (run(long) - run(short)) / (long - short) for _ in range(repeats))
+    step_ms = steps_ms[len(steps_ms) // 2]
+    return {
+        "step_ms": step_ms,
+        "step_ms_runs": steps_ms,
+        "decode_tok_s": len(prompts) / step_ms * 1e3,
+    }
 
 
 def main() -> None:
@@ -146,6 +154,7 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--short", type=int, default=8)
     parser.add_argument("--long", type=int, default=None, help="default: 136 cuda, 40 cpu")
+    parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     device = torch.device(args.device)
@@ -180,7 +189,9 @@ def main() -> None:
                 )
                 generators[overlap] = Generator.from_model(model, tokenizer, config)
             gen = generators[overlap]
-            results[name] = measure(gen, device, prompts, kind, num_special, args.short, long)
+            results[name] = measure(
+                gen, device, prompts, kind, num_special, args.short, long, args.repeats
+            )
             print(f"{name:20} {results[name]['step_ms']:8.2f} ms/step", flush=True)
     finally:
         for gen in generators.values():
