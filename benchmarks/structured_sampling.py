@@ -119,9 +119,10 @@ async def _timed_batch(gen: Generator, prompts: list, params: list[SamplingParam
     outputs = await asyncio.gather(*tasks)
     elapsed = time.perf_counter() - start
     assert all(len(o.samples[0].token_ids) == params[0].max_tokens for o in outputs)
-    for output, p in zip(outputs, params, strict=True):  # the mask held on this device
+    # The mask held on this device (what follows may be partial UTF-8 of random byte tokens).
+    for output, p in zip(outputs, params, strict=True):
         text = gen.core.tokenizer.decode(output.samples[0].token_ids)
-        assert p.structured is None or text.startswith('{"text": "'), text[:40]
+        assert p.structured is None or text.startswith('{"text":'), text[:40]
     return elapsed
 
 
