@@ -214,8 +214,8 @@ CASES: list[Case] = [
          Req(method="GET", path="/v1/models", auth=False), 401, "invalid_api_key", ("API key",)),
     Case("openapi_without_key", "access", "`GET /openapi.json` without a key",
          Req(method="GET", path="/openapi.json", auth=False), 404, "not_found", ("Not Found",)),
-    Case("unknown_route", "access", "`POST /v1/completions`",
-         Req(json={"prompt": "hi"}, path="/v1/completions"), 404, "not_found", ("Not Found",)),
+    Case("unknown_route", "access", "`POST /v1/embeddings`",
+         Req(json={"input": "hi"}, path="/v1/embeddings"), 404, "not_found", ("Not Found",)),
     Case("wrong_method", "access", "`GET /v1/chat/completions`", Req(method="GET"), 405,
          "method_not_allowed", ("Method Not Allowed",)),
     # --- images ---
