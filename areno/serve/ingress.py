@@ -226,7 +226,10 @@ class Ingress:
                 for line in writer.chunks(output):
                     yield line
         except Exception as e:  # noqa: BLE001 - the status line is sent; report in-stream
-            yield error_line(ErrorResponse.from_error(user_error(e)).error.model_dump())
+            # An error event and no [DONE]: the openai client raises APIError on it.
+            error = user_error(e)
+            self.metrics.requests.inc(tags={"status": str(error.status_code)})
+            yield error_line(ErrorResponse.from_error(error).error.model_dump())
             return
         for line in writer.end():
             yield line

@@ -21,6 +21,7 @@ from areno.processing.encode import PromptLimits
 from areno.processing.warmup import warm_up_prompts
 from areno.serve.admission import Admission, EngineUnavailableError
 from areno.serve.config import ServeConfig
+from areno.serve.errors import aborted_error
 
 # A child of "ray.serve": Serve routes it to the replica's log file and the driver's console.
 logger = logging.getLogger("ray.serve.areno")
@@ -129,20 +130,36 @@ class GeneratorServer:
         logger.info("%s", self.generator.pool.describe(self.generator.max_context_len))
 
     async def generate_all(self, inputs, params: SamplingParams, request_id: str):
-        """The whole request in one reply (non-streaming HTTP: no per-delta handle traffic)."""
+        """The whole request in one reply (non-streaming HTTP: no per-delta handle traffic).
+        Raises RequestAbortedError (503) for a request the engine cut off."""
         self._admit(params, request_id)
         try:
-            return await self.generator.generate_all(inputs, params, request_id)
+            output = await self.generator.generate_all(inputs, params, request_id)
         finally:
             self._release(request_id)
+        if (error := aborted_error(output)) is not None:
+            raise error
+        return output
 
     async def generate(self, inputs, params: SamplingParams, request_id: str):
+        """The request's deltas; a request the engine cuts off ends with RequestAbortedError
+        (the Ingress's error event) in place of its aborted delta."""
         self._admit(params, request_id)
         try:
             async for output in self.generator.generate(inputs, params, request_id):
+                if (error := aborted_error(output)) is not None:
+                    raise error
                 yield output
         finally:
             self._release(request_id)
+
+    async def pause(self, mode: str = "drain") -> None:
+        """Pause the engine (`Generator.pause`: keep / drain / abort); requests arriving
+        meanwhile get 503. For an operator or a weight update."""
+        await self.generator.pause(mode)
+
+    async def resume(self) -> None:
+        await self.generator.resume()
 
     def _admit(self, params: SamplingParams, request_id: str) -> None:
         """Refuse at once what would otherwise hang: 503 while the engine is paused (an RL
