@@ -7,6 +7,7 @@ check, the Generator replica's admission queue (429 / 503) and Prometheus metric
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from typing import Any
@@ -25,6 +26,9 @@ from areno.serve.errors import aborted_error
 
 # A child of "ray.serve": Serve routes it to the replica's log file and the driver's console.
 logger = logging.getLogger("ray.serve.areno")
+# How often a Generator replica reports its engine's gauges and counters (off the requests' path:
+# each report is several Ray metric calls).
+REPORT_PERIOD_S = 0.5
 
 
 @serve.deployment(max_ongoing_requests=64)
@@ -127,6 +131,7 @@ class GeneratorServer:
             ),
         }
         self._counted = dict.fromkeys(self.counters, 0)
+        self._reporter: asyncio.Task | None = None
         logger.info("%s", self.generator.pool.describe(self.generator.max_context_len))
 
     async def generate_all(self, inputs, params: SamplingParams, request_id: str):
@@ -168,11 +173,16 @@ class GeneratorServer:
         if self.generator.is_paused:
             raise EngineUnavailableError("the generation engine is paused; retry shortly")
         self.admission.admit(request_id, params.n)
-        self._report()
+        if self._reporter is None:  # started on the replica's event loop, with its first request
+            self._reporter = asyncio.get_running_loop().create_task(self._report_forever())
 
     def _release(self, request_id: str) -> None:
         self.admission.release(request_id)
-        self._report()
+
+    async def _report_forever(self) -> None:
+        while True:
+            self._report()
+            await asyncio.sleep(REPORT_PERIOD_S)
 
     def _report(self) -> None:
         stats = self.generator.stats()

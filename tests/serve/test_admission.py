@@ -118,6 +118,7 @@ def _generator_server(paused: bool, max_queued_requests: int = 0, output=DONE):
     server.queue_depth = server.running = server.free_blocks = _Gauge()
     server.counters = dict.fromkeys(server.generator.stats(), _Gauge())
     server._counted = dict.fromkeys(server.counters, 0)
+    server._reporter = None
     return server
 
 
