@@ -13,7 +13,7 @@ from typing import Any
 from areno.engine.detokenizer import IncrementalDetokenizer
 from areno.engine.executor import Executor
 from areno.engine.grammar import Grammars, accept, fill
-from areno.engine.outputs import RequestOutput, SampleDelta
+from areno.engine.outputs import AbortCause, RequestOutput, SampleDelta
 from areno.engine.sampling import SamplingParams
 from areno.engine.scheduler import ScheduledPrefill, Scheduler, SchedulerConfig
 from areno.engine.sequence import Sequence, SequenceGroup
@@ -142,15 +142,19 @@ class EngineCore:
             for seq in group.seqs:
                 self._texts[seq.seq_id] = OutputText(self.tokenizer, seq)
 
-    def abort(self, request_id: str) -> RequestOutput | None:
-        """Stop a request now; returns its final output (None if unknown or already done)."""
+    def abort(self, request_id: str, cause: AbortCause = AbortCause.CALLER) -> RequestOutput | None:
+        """Stop a request now; returns its final output, whose unfinished samples end with
+        finish_reason "abort" and `cause` (None if unknown or already done)."""
         group = self.scheduler.find(request_id)
         if group is None:
             return None
         unfinished = group.unfinished_seqs()
         self.scheduler.cancel(request_id)
         self._forget(group.seqs)
-        deltas = [SampleDelta(seq.sample_index, [], finish_reason="abort") for seq in unfinished]
+        deltas = [
+            SampleDelta(seq.sample_index, [], finish_reason="abort", abort_cause=cause)
+            for seq in unfinished
+        ]
         return self._output(group, deltas)
 
     def step(self) -> list[RequestOutput]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import gc
 import logging
 import os
@@ -33,7 +34,7 @@ from areno.engine.executor import Executor, LocalExecutor
 from areno.engine.ipc import CudaIpcWeights
 from areno.engine.lora import POLICY_ADAPTER, LoraWeights
 from areno.engine.openmp import release_thread_pool
-from areno.engine.outputs import RequestOutput, TokenScores, merge_outputs
+from areno.engine.outputs import AbortCause, RequestOutput, TokenScores, merge_outputs
 from areno.engine.parallel import load_model_for_rank
 from areno.engine.sampling import MAX_TOP_LOGPROBS, SamplingParams
 from areno.engine.scheduler import DuplicateRequestError, SchedulerConfig
@@ -43,6 +44,8 @@ from areno.models.registry import adapter_for_checkpoint
 from areno.processing.types import PromptInputs
 
 PAUSE_MODES = ("keep", "drain", "abort")
+# How long `shutdown` waits for the engine thread to end the requests in flight.
+SHUTDOWN_ABORT_S = 10.0
 
 log = logging.getLogger(__name__)
 
@@ -263,7 +266,9 @@ class Generator:
 
         Raises at once for a request that can never run (prompt too long for max_context_len,
         n over the slot count, duplicate id). Leaving the iteration early (client gone, task
-        cancelled) aborts the request and frees its cache slots.
+        cancelled) aborts the request and frees its cache slots. A request the engine cuts off
+        (`pause(mode="abort")`, `shutdown`) ends with finish_reason "abort" and the delta's
+        `abort_cause` saying why.
         """
         async for output in self._outputs(inputs, params, request_id, final_only=False):
             yield output
@@ -303,7 +308,7 @@ class Generator:
         return merge_outputs([out async for out in outputs])
 
     async def abort(self, request_id: str) -> None:
-        """Stop a request; its stream ends with finish_reason "abort"."""
+        """Stop a request; its stream ends with finish_reason "abort" (cause CALLER)."""
         await self._call(lambda: self._deliver([self.core.abort(request_id)]))
 
     async def score(
@@ -377,11 +382,12 @@ class Generator:
     async def pause(self, mode: str = "drain") -> None:
         """Stop stepping. "drain": admit nothing new and return once the running requests have
         finished; "keep": stop at once, in-flight requests stay in their slots and continue on
-        `resume()`; "abort": abort every request, then stop. New requests queue meanwhile."""
+        `resume()`; "abort": abort every request (cause PAUSE), then stop. New requests queue
+        meanwhile."""
         if mode not in PAUSE_MODES:
             raise ConfigError(f"pause mode must be one of {PAUSE_MODES}; got {mode!r}")
         if mode == "abort":
-            await self._call(self._abort_all)
+            await self._call(lambda: self._abort_all(AbortCause.PAUSE))
         elif mode == "drain":
             await self._call(lambda: setattr(self.core.scheduler, "hold_admission", True))
             await asyncio.wrap_future(self._when_idle())
@@ -468,7 +474,14 @@ class Generator:
         }
 
     def shutdown(self) -> None:
-        """Stop the engine thread; streams in flight end with EngineDeadError."""
+        """Stop the engine thread. Requests in flight end with finish_reason "abort" (cause
+        SHUTDOWN), or with EngineDeadError where the engine thread cannot end them (it stopped,
+        or is still in a step after SHUTDOWN_ABORT_S)."""
+        if not self._stopped and self._thread.is_alive():
+            ended = self._submit(lambda: self._abort_all(AbortCause.SHUTDOWN))
+            # Not ended in time (or the thread stopped meanwhile): _fail_all below ends them.
+            with contextlib.suppress(TimeoutError, EngineDeadError):
+                ended.result(timeout=SHUTDOWN_ABORT_S)
         with self._wake:
             self._stopped = True
             self._wake.notify()
@@ -533,7 +546,7 @@ class Generator:
             outputs = self.core.flush() if flush_only or self._paused else self.core.step()
         except Exception as e:  # noqa: BLE001 - fail the requests, keep the engine alive
             self._fail_all(EngineDeadError(f"engine step failed: {type(e).__name__}: {e}"), e)
-            self._abort_all()
+            self._abort_all(AbortCause.ENGINE_ERROR)
             return
         self._deliver(outputs)
 
@@ -559,9 +572,9 @@ class Generator:
         for loop, batch in batches.items():
             loop.call_soon_threadsafe(_put_all, batch)
 
-    def _abort_all(self) -> None:
+    def _abort_all(self, cause: AbortCause) -> None:
         for request_id in self.core.scheduler.request_ids():
-            self._deliver([self.core.abort(request_id)])
+            self._deliver([self.core.abort(request_id, cause)])
 
     def _fail_all(self, error: Exception, cause: Exception | None = None) -> None:
         if cause is not None:

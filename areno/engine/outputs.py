@@ -2,7 +2,18 @@
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
+
+
+class AbortCause(enum.StrEnum):
+    """Why a request ended with finish_reason "abort": who cut it off. Callers tell their own
+    aborts (nothing to report) from the engine's (the request was cut off: report it)."""
+
+    CALLER = "caller"  # its caller called `Generator.abort(request_id)` or left its stream
+    PAUSE = "pause"  # `Generator.pause(mode="abort")` (e.g. before a weight update)
+    SHUTDOWN = "shutdown"  # `Generator.shutdown()`
+    ENGINE_ERROR = "engine_error"  # a step failed (its callers got EngineDeadError first)
 
 
 @dataclass
@@ -22,6 +33,7 @@ class SampleDelta:
     logprobs: list[float] | None = None
     top_logprobs: list[list[tuple[int, float]]] | None = None
     finish_reason: str | None = None  # "stop", "length" or "abort" once finished
+    abort_cause: AbortCause | None = None  # with finish_reason "abort": why
     stop_reason: str | int | None = None  # the matched stop string or stop token id
     # the policy version that produced each token (set by `merge_outputs`)
     policy_versions: list[int] | None = None
@@ -69,6 +81,7 @@ def merge_outputs(outputs: list[RequestOutput]) -> RequestOutput:
             if delta.top_logprobs is not None:
                 total.top_logprobs = (total.top_logprobs or []) + delta.top_logprobs
             total.finish_reason = delta.finish_reason or total.finish_reason
+            total.abort_cause = delta.abort_cause or total.abort_cause
             total.stop_reason = delta.stop_reason or total.stop_reason
     last = outputs[-1]
     return RequestOutput(

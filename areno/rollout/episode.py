@@ -96,6 +96,13 @@ async def run_episode(
         traj.loss_mask += [1] * len(generated)
         traj.rollout_logprobs += list(sample.logprobs or [0.0] * len(generated))
         traj.turn_texts.append(sample.text)
+        if sample.finish_reason == "abort":
+            # Cut off by the engine (pause "abort", shutdown): the tokens stay as sampled, but
+            # the turn is no answer and its calls are not run.
+            inputs = inputs.with_tokens(inputs.input_ids + generated)
+            traj.finish = "aborted"
+            _log_turn(ctx, turn, output, None, traj)
+            break
         reply = reply_text(env.processor.tokenizer, inputs.input_ids, sample.text)
         parsed = env.parser.parse(reply, agent.tool_schemas or None)
         traj.num_malformed_tool_calls += parsed.num_malformed
@@ -187,8 +194,9 @@ def _log_turn(ctx: ToolContext, turn: int, output: Any, parsed: Any, traj: Traje
         "policy_version": output.policy_version,
         "completion_tokens": len(sample.token_ids),
         "finish_reason": sample.finish_reason,
+        "abort_cause": sample.abort_cause,
         "text": sample.text,
-        "malformed_tool_calls": parsed.num_malformed,
+        "malformed_tool_calls": parsed.num_malformed if parsed is not None else 0,
         "tool_calls": [
             {
                 "name": r.name,

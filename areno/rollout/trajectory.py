@@ -38,7 +38,9 @@ class Trajectory:
     final_text: str = ""  # the last assistant turn's content (tool-call markup removed)
     tool_calls: list[ToolCallRecord] = field(default_factory=list)
     turn_texts: list[str] = field(default_factory=list)  # every assistant turn's raw text
-    finish: str = "answer"  # answer | final_tool | max_turns | length | context
+    # answer | final_tool | max_turns | length | context | aborted (the engine cut a turn off:
+    # `Generator.pause(mode="abort")` or its shutdown; that turn is no answer)
+    finish: str = "answer"
     num_malformed_tool_calls: int = 0
     reward: float | None = None
     reward_components: dict[str, float] = field(default_factory=dict)

@@ -160,11 +160,6 @@ def _token(tokenizer: Any, token_id: int, logprob: float) -> dict:
     return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
 
 
-def finish_reason_for(delta: SampleDelta) -> str | None:
-    # "abort" is internal (client gone or server stopping); OpenAI clients know "stop".
-    return "stop" if delta.finish_reason == "abort" else delta.finish_reason
-
-
 def parse_reply(prepared: PreparedChat, text: str) -> tuple[str, ParsedToolCalls]:
     """One sample's whole text as (reasoning, content and tool calls): with `thinking` (see
     reasoning_in_play) the reasoning block is split off first, so neither its text nor its end
@@ -198,7 +193,9 @@ def build_response(
         message = ResponseMessage(
             content=content, reasoning_content=reasoning or None, tool_calls=parsed.tool_calls
         )
-        finish_reason = finish_reason_for(delta) or "stop"
+        # NOTE: "abort" is never rewritten to "stop" (an aborted reply must not look complete);
+        # the Generator replica answers an aborted request with RequestAbortedError instead.
+        finish_reason = delta.finish_reason or "stop"
         if parsed.tool_calls and finish_reason == "stop":
             finish_reason = "tool_calls"
         choices.append(
@@ -237,7 +234,7 @@ class ChunkWriter:
                 self._started.add(delta.index)
                 role = "assistant"
             reasoning, content, calls = self._split(delta)
-            finish = finish_reason_for(delta)
+            finish = delta.finish_reason
             if finish == "stop" and self._streams.get(delta.index) is not None:
                 finish = "tool_calls" if self._streams[delta.index].num_calls else finish
             if not (role or reasoning or content or calls or finish or delta.logprobs):

@@ -1,6 +1,7 @@
-"""What a client is told when serving fails: the serving layer's own errors, and `user_error`,
-which turns any exception (a replica's ArenoError wrapped by Ray, a dead engine, Serve's
-backpressure, a lost replica, a bug) into the typed ArenoError the OpenAI error body is made of."""
+"""What a client is told when serving fails: the serving layer's own errors, `aborted_error`
+(a request the engine cut off), and `user_error`, which turns any exception (a replica's
+ArenoError wrapped by Ray, a dead engine, Serve's backpressure, a lost replica, a bug) into the
+typed ArenoError the OpenAI error body is made of."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from ray.exceptions import RayActorError
 from ray.serve.exceptions import BackPressureError
 
 from areno.engine.generator import EngineDeadError
+from areno.engine.outputs import AbortCause, RequestOutput
 from areno.errors import ArenoError
 from areno.serve.admission import RETRY_AFTER_S, EngineUnavailableError
 
@@ -38,6 +40,37 @@ class ReplicaLostError(ArenoError):
     retry_after_s = RETRY_AFTER_S
 
 
+class RequestAbortedError(ArenoError):
+    """The engine cut the request off before it finished (paused for a weight update, shutting
+    down): 503 with Retry-After, never a reply that looks complete. A stream already started
+    ends with this as its error event."""
+
+    status_code = 503
+    error_type = "server_error"
+    code = "request_aborted"
+    retry_after_s = RETRY_AFTER_S
+
+
+# Why, as the client reads it, by the engine's abort cause.
+_ABORT_REASONS = {
+    AbortCause.PAUSE: "the server paused generation (for a weight update or maintenance)",
+    AbortCause.SHUTDOWN: "the generation engine is shutting down",
+    AbortCause.ENGINE_ERROR: "the generation engine failed a step",
+    AbortCause.CALLER: "the server aborted it",
+}
+
+
+def aborted_error(output: RequestOutput) -> RequestAbortedError | None:
+    """The error to answer for an engine output in which a sample was aborted, or None."""
+    for delta in output.samples:
+        if delta.finish_reason == "abort":
+            reason = _ABORT_REASONS.get(delta.abort_cause, _ABORT_REASONS[AbortCause.CALLER])
+            return RequestAbortedError(
+                f"the request was cut off before it finished: {reason}; retry shortly"
+            )
+    return None
+
+
 def user_error(error: Exception) -> ArenoError:
     """The ArenoError behind `error` (Ray wraps a replica's exception in RayTaskError), or a
     generic server error for anything else (logged, never shown to the client)."""
@@ -53,8 +86,8 @@ def user_error(error: Exception) -> ArenoError:
     if isinstance(cause, RayActorError) or isinstance(error, RayActorError):
         logger.warning("a replica died while serving a request: %s", error)
         return ReplicaLostError(
-            "a server replica stopped while handling this request; its replacement is "
-            "starting, retry shortly"
+            "the request was cut off: the server replica handling it stopped; its "
+            "replacement is starting, retry shortly"
         )
     logger.exception("internal error", exc_info=error)
     internal = ArenoError("internal server error; see the server log")

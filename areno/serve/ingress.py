@@ -17,6 +17,7 @@ import contextlib
 import dataclasses
 import functools
 import hmac
+import threading
 import time
 import uuid
 
@@ -63,6 +64,10 @@ INGRESS_MAX_ONGOING = 4096
 INGRESS_MAX_QUEUED = 1024
 # How long `/health` waits for the Generator replica to answer before saying it is still starting.
 ENGINE_PROBE_S = 1.0
+# A text-only request whose body is at most this many bytes is encoded on the event loop: its
+# template and tokenizer call take well under a millisecond, less than the two thread hand-offs
+# of the encode thread cost on a busy machine. Larger prompts go to the encode thread.
+INLINE_ENCODE_MAX_BYTES = 4096
 
 
 async def read_body(request: Request) -> bytes:
@@ -117,8 +122,10 @@ class Ingress:
         # Processor deployment takes the requests that carry media.
         limits = PromptLimits(config.max_prompt_tokens, config.engine.max_context_len)
         self.text_processor = Processor(config.model_path, limits=limits)
-        # One thread: a fast tokenizer must not be entered by two threads at once.
+        # One thread: a fast tokenizer must not be entered by two threads at once. The lock
+        # keeps the event loop's inline encodes (small prompts) off it while that thread runs.
         self.encode_thread = concurrent.futures.ThreadPoolExecutor(1, "areno-encode")
+        self.encode_lock = threading.Lock()
         self.tool_parser = get_tool_parser(adapter_for_checkpoint(config.model_path).tool_format)
         self.metrics = IngressMetrics()
         self.engine_ready = False
@@ -161,12 +168,13 @@ class Ingress:
             return denied
         arrival = time.perf_counter()
         try:
-            chat = parse_chat_request(await read_body(request))
+            body = await read_body(request)
+            chat = parse_chat_request(body)
             model = self._model(chat.model)
             params = sampling_params(chat)  # refused before the prompt is encoded
             if model in self.config.lora_adapters:
                 params = dataclasses.replace(params, adapter=model)
-            encoded = await self._encode(chat)
+            encoded = await self._encode(chat, len(body))
             prepared = prepare(chat, params, encoded, self.tool_parser, self.tokenizer)
             request_id = uuid.uuid4().hex
             if not chat.stream:
@@ -260,31 +268,43 @@ class Ingress:
 
     def _respond(self, prepared: PreparedChat, model: str, merged, arrival: float) -> JSONResponse:
         """The JSON answer of a non-streaming request (its tokens/s include the prefill: the
-        first token's time is not known here)."""
+        first token's time is not known here). The metrics read the same dump as the reply."""
         response = build_response(prepared, model, merged, self.tokenizer)
         malformed = num_malformed_tool_calls(prepared, merged)
-        self.metrics.record(prepared, response.model_dump(), arrival, malformed)
-        return JSONResponse(response.model_dump(exclude_none=True))
+        body = response.model_dump(exclude_none=True)
+        self.metrics.record(prepared, body, arrival, malformed)
+        return JSONResponse(body)
 
-    async def _encode(self, chat):
-        """PromptInputs of the request: text-only ones encoded here (on the encode thread, off the
-        event loop), the others through MediaDecoder then Processor."""
+    async def _encode(self, chat, body_size: int | None = None):
+        """PromptInputs of the request: text-only ones encoded here (a small one on the event
+        loop when the tokenizer is free, see INLINE_ENCODE_MAX_BYTES, the others on the encode
+        thread), the requests with media through MediaDecoder then Processor."""
         tools = chat.tools if tools_in_play(chat) else None
         kwargs = chat.chat_template_kwargs
         refs = self.text_processor.media_refs(chat.messages)
         if not refs:
-            encode = functools.partial(
-                self.text_processor.encode,
-                tools=tools,
-                chat_template_kwargs=kwargs,
-                max_new_tokens=chat.max_new_tokens,
-            )
-            loop = asyncio.get_running_loop()
-            return await loop.run_in_executor(self.encode_thread, encode, chat.messages, [])
+            options = {
+                "tools": tools,
+                "chat_template_kwargs": kwargs,
+                "max_new_tokens": chat.max_new_tokens,
+            }
+            small = body_size is not None and body_size <= INLINE_ENCODE_MAX_BYTES
+            if small and self.encode_lock.acquire(blocking=False):
+                try:
+                    return self.text_processor.encode(chat.messages, [], **options)
+                finally:
+                    self.encode_lock.release()
+            encode = functools.partial(self._encode_text, chat.messages, **options)
+            return await asyncio.get_running_loop().run_in_executor(self.encode_thread, encode)
         media = await self.decoder.decode_many.remote(refs)
         return await self.processor.encode.remote(
             chat.messages, media, tools, kwargs, chat.max_new_tokens
         )
+
+    def _encode_text(self, messages, **kwargs):
+        """The encode thread's call: it holds the lock the event loop's inline encodes take."""
+        with self.encode_lock:
+            return self.text_processor.encode(messages, [], **kwargs)
 
     async def _sse(self, writer: ChunkWriter, first, stream, first_token_at: float):
         try:
@@ -296,7 +316,10 @@ class Ingress:
                 for line in writer.chunks(output):
                     yield line
         except Exception as e:  # noqa: BLE001 - the status line is sent; report in-stream
-            yield error_line(ErrorResponse.from_error(user_error(e)).error.model_dump())
+            # An error event and no [DONE]: the openai client raises APIError on it.
+            error = user_error(e)
+            self.metrics.requests.inc(tags={"status": str(error.status_code)})
+            yield error_line(ErrorResponse.from_error(error).error.model_dump())
             return
         for line in writer.end():
             yield line

@@ -7,6 +7,7 @@ check, the Generator replica's admission queue (429 / 503) and Prometheus metric
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from typing import Any
@@ -21,9 +22,13 @@ from areno.processing.encode import PromptLimits
 from areno.processing.warmup import warm_up_prompts
 from areno.serve.admission import Admission, EngineUnavailableError
 from areno.serve.config import ServeConfig
+from areno.serve.errors import aborted_error
 
 # A child of "ray.serve": Serve routes it to the replica's log file and the driver's console.
 logger = logging.getLogger("ray.serve.areno")
+# How often a Generator replica reports its engine's gauges and counters (off the requests' path:
+# each report is several Ray metric calls).
+REPORT_PERIOD_S = 0.5
 
 
 @serve.deployment(max_ongoing_requests=64)
@@ -126,20 +131,29 @@ class GeneratorServer:
             ),
         }
         self._counted = dict.fromkeys(self.counters, 0)
+        self._reporter: asyncio.Task | None = None
         logger.info("%s", self.generator.pool.describe(self.generator.max_context_len))
 
     async def generate_all(self, inputs, params: SamplingParams, request_id: str):
-        """The whole request in one reply (non-streaming HTTP: no per-delta handle traffic)."""
+        """The whole request in one reply (non-streaming HTTP: no per-delta handle traffic).
+        Raises RequestAbortedError (503) for a request the engine cut off."""
         self._admit(params, request_id)
         try:
-            return await self.generator.generate_all(inputs, params, request_id)
+            output = await self.generator.generate_all(inputs, params, request_id)
         finally:
             self._release(request_id)
+        if (error := aborted_error(output)) is not None:
+            raise error
+        return output
 
     async def generate(self, inputs, params: SamplingParams, request_id: str):
+        """The request's deltas; a request the engine cuts off ends with RequestAbortedError
+        (the Ingress's error event) in place of its aborted delta."""
         self._admit(params, request_id)
         try:
             async for output in self.generator.generate(inputs, params, request_id):
+                if (error := aborted_error(output)) is not None:
+                    raise error
                 yield output
         finally:
             self._release(request_id)
@@ -151,6 +165,14 @@ class GeneratorServer:
             raise EngineUnavailableError("the generation engine is paused; retry shortly")
         return await self.generator.score(inputs, adapter, num_top_logprobs=num_top_logprobs)
 
+    async def pause(self, mode: str = "drain") -> None:
+        """Pause the engine (`Generator.pause`: keep / drain / abort); requests arriving
+        meanwhile get 503. For an operator or a weight update."""
+        await self.generator.pause(mode)
+
+    async def resume(self) -> None:
+        await self.generator.resume()
+
     def _admit(self, params: SamplingParams, request_id: str) -> None:
         """Refuse at once what would otherwise hang: 503 while the engine is paused (an RL
         weight update), 429 when the waiting queue is full. A dead engine raises
@@ -158,11 +180,16 @@ class GeneratorServer:
         if self.generator.is_paused:
             raise EngineUnavailableError("the generation engine is paused; retry shortly")
         self.admission.admit(request_id, params.n)
-        self._report()
+        if self._reporter is None:  # started on the replica's event loop, with its first request
+            self._reporter = asyncio.get_running_loop().create_task(self._report_forever())
 
     def _release(self, request_id: str) -> None:
         self.admission.release(request_id)
-        self._report()
+
+    async def _report_forever(self) -> None:
+        while True:
+            self._report()
+            await asyncio.sleep(REPORT_PERIOD_S)
 
     def _report(self) -> None:
         stats = self.generator.stats()

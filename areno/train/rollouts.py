@@ -215,6 +215,7 @@ def rollout_metrics(trajectories: Sequence[Trajectory], prefix: str = "") -> dic
         "turns_mean": sum(t.num_turns for t in trajectories) / n,
         "tool_calls_per_episode": sum(len(t.tool_calls) for t in trajectories) / n,
         "malformed_tool_calls": float(sum(t.num_malformed_tool_calls for t in trajectories)),
+        "aborted_episodes": float(sum(t.finish == "aborted" for t in trajectories)),
     }
     names = sorted({k for t in trajectories for k in t.reward_components})
     for name in names:

@@ -13,7 +13,7 @@ import torch
 from areno.engine import generator as generator_module
 from areno.engine.config import EngineConfig, resolve_overlap
 from areno.engine.generator import Generator
-from areno.engine.outputs import merge_outputs
+from areno.engine.outputs import AbortCause, merge_outputs
 from areno.engine.sampling import SamplingParams
 from areno.engine.scheduler import SequenceTooLongError
 from areno.engine.worker import WeightUpdateError
@@ -107,6 +107,7 @@ def test_leaving_a_stream_cancels_it_and_frees_its_slots(setups, overlap):
         gen.shutdown()
     assert stats["num_free_slots"] == 2 and stats["num_running"] == 0
     assert {d.finish_reason for d in deltas if d.finish_reason} == {"abort"}
+    assert {d.abort_cause for d in deltas if d.finish_reason} == {AbortCause.CALLER}
 
 
 def test_a_request_cancelled_before_the_engine_adds_it_leaves_the_engine_serving(setups):
@@ -288,6 +289,52 @@ def test_pause_drain_waits_for_running_requests(setups, overlap):
     finally:
         gen.shutdown()
     assert done_at_pause and len(output.samples[0].token_ids) == 20
+
+
+def test_pause_abort_cuts_requests_off_with_their_cause_and_resume_serves_again(setups, overlap):
+    """pause("abort") ends a stream and a whole request in flight with finish_reason "abort"
+    and cause PAUSE (the tokens sampled so far kept); after resume a request runs to the end.
+    A shutdown ends what is left with cause SHUTDOWN."""
+    setup = setups("qwen3_5")
+    x = setup.encode(text("Cut me off."))
+    gen = setup.generator(overlap_steps=overlap)
+    long = SamplingParams(max_tokens=900, ignore_eos=True, seed=3)
+
+    async def main():
+        deltas = []
+
+        async def read() -> None:
+            async for output in gen.generate(x, long):
+                deltas.extend(output.samples)
+
+        whole = asyncio.create_task(gen.generate_all(x, long))
+        stream = asyncio.create_task(read())
+        while len(deltas) < 2:  # both requests decode (they were admitted together)
+            await asyncio.sleep(0.005)
+        await gen.pause("abort")
+        await stream
+        cut = (None, None, deltas), await whole
+        stats = gen.stats()
+        await gen.resume()
+        after = await gen.generate_all(x, SamplingParams(max_tokens=5, ignore_eos=True))
+        left = asyncio.create_task(collect(gen.generate(x, long)))
+        while gen.stats()["num_running"] == 0:
+            await asyncio.sleep(0.005)
+        await asyncio.to_thread(gen.shutdown)
+        return cut, stats, after, await left
+
+    try:
+        ((_, _, deltas), whole), stats, after, (_, _, left) = run(main())
+    finally:
+        gen.shutdown()
+    assert (deltas[-1].finish_reason, deltas[-1].abort_cause) == ("abort", AbortCause.PAUSE)
+    assert all(d.finish_reason is None for d in deltas[:-1])
+    (sample,) = whole.samples
+    assert (sample.finish_reason, sample.abort_cause) == ("abort", AbortCause.PAUSE)
+    assert 0 < len(sample.token_ids) < 900 and whole.finished
+    assert stats["num_running"] == stats["num_waiting"] == 0
+    assert len(after.samples[0].token_ids) == 5 and after.samples[0].finish_reason == "length"
+    assert (left[-1].finish_reason, left[-1].abort_cause) == ("abort", AbortCause.SHUTDOWN)
 
 
 @pytest.mark.parametrize("fuse", ["off", "on"])

@@ -9,7 +9,7 @@ clip, which run_episode encodes and appends between turns; the parser is scripte
   episode (fp32, before any update) gives them back, with each tool result's media acting on the
   turns after it and on none before;
 - an episode that ends on a truncated turn, a malformed call, bad call arguments, the context
-  limit or the turn limit ends as `Trajectory.finish` documents.
+  limit, the turn limit or a turn the engine cut off ends as `Trajectory.finish` documents.
 """
 
 from __future__ import annotations
@@ -195,6 +195,43 @@ def test_the_turn_limit_ends_after_the_last_turn(setup):
     traj, sampled = run_scripted(setup, [LOOK, LOOK, LOOK], seed=13)[0]
     assert traj.finish == "max_turns" and traj.num_turns == 3
     assert traj.loss_mask == expected_mask(traj, sampled)
+
+
+def sampled_any(scheduler) -> bool:
+    """Whether a request in the engine has sampled a token (read from the test's thread: a
+    snapshot)."""
+    groups = [scheduler.find(request_id) for request_id in scheduler.request_ids()]
+    return any(seq.num_output_tokens for group in groups if group for seq in group.seqs)
+
+
+def test_a_turn_the_engine_cuts_off_ends_the_episode_as_aborted(setup):
+    """pause("abort") mid-turn: the episode ends with finish="aborted" (not an answer), the
+    turn's tokens kept as sampled and its call not run; after resume episodes run again."""
+    env_base = RolloutEnv(setup.decoder, setup.processor, setup.generator, None)
+    prompt = encode_prompt_for(env_base, setup.agent, setup.messages)
+    scripted = ScriptedTurns(setup.generator, [LOOK])
+    env = RolloutEnv(setup.decoder, setup.processor, scripted, scripted)
+    sampling = SamplingParams(temperature=1.0, seed=17, ignore_eos=True)
+    limits = EpisodeLimits(4096, max_tokens_per_turn=3000)
+
+    async def main():
+        ctx = ToolContext("scene", setup.messages, 0)
+        episode = asyncio.create_task(run_episode(env, setup.agent, ctx, prompt, sampling, limits))
+        while not sampled_any(setup.generator.core.scheduler):
+            await asyncio.sleep(0.005)
+        await setup.generator.pause("abort")
+        traj = await episode
+        await setup.generator.resume()
+        return traj
+
+    traj = asyncio.run(main())
+    (turn,) = scripted.sampled
+    assert turn.finish_reason == "abort" and 0 < len(turn.token_ids) < 3000
+    assert traj.finish == "aborted" and traj.tool_calls == [] and traj.num_turns == 1
+    n = traj.num_prompt_tokens
+    assert traj.token_ids[n:] == turn.token_ids
+    assert traj.loss_mask == [0] * n + [1] * len(turn.token_ids)
+    assert run_scripted(setup, [SUBMIT], seed=3)[0][0].finish == "final_tool"
 
 
 def test_log_completions_shows_each_turn_with_its_calls_and_results(setup, monkeypatch, caplog):

@@ -1,5 +1,6 @@
 """Admission control of a Generator replica without Ray: the bounded waiting queue (429), the
-paused engine (503), the errors' wire form and the config that sets the bound."""
+paused engine (503), a request the engine cut off (503), the errors' wire form and the config
+that sets the bound."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import pytest
 
 from areno.engine.config import EngineConfig
 from areno.engine.generator import EngineDeadError
+from areno.engine.outputs import AbortCause, RequestOutput, SampleDelta
 from areno.engine.sampling import SamplingParams
 from areno.errors import ConfigError
 from areno.serve.admission import Admission, EngineUnavailableError, QueueFullError
@@ -74,18 +76,26 @@ def test_config_bounds_the_queue():
             ServeConfig(model_path="m", max_queued_requests=bad)
 
 
-class _StubGenerator:
-    """What GeneratorServer reads of a Generator, with a scripted pause state."""
+DONE = RequestOutput("r", [SampleDelta(0, [7], "x", finish_reason="stop")], finished=True)
 
-    def __init__(self, paused: bool):
+
+class _StubGenerator:
+    """What GeneratorServer reads of a Generator, with a scripted pause state and output."""
+
+    def __init__(self, paused: bool, output: RequestOutput = DONE):
         self.is_paused = paused
+        self.output = output
 
     def stats(self) -> dict[str, int]:
         counts = ("num_preemptions", "num_prompt_tokens_admitted", "num_prompt_tokens_cached")
         return {"num_waiting": 0, "num_running": 0, "num_free_blocks": 8} | dict.fromkeys(counts, 0)
 
     async def generate_all(self, inputs, params, request_id):
-        return "done"
+        return self.output
+
+    async def generate(self, inputs, params, request_id):
+        yield RequestOutput(request_id, [SampleDelta(0, [7], "x")])
+        yield self.output
 
     def shutdown(self) -> None:
         pass
@@ -99,15 +109,16 @@ class _Gauge:
         pass
 
 
-def _generator_server(paused: bool, max_queued_requests: int = 0):
+def _generator_server(paused: bool, max_queued_requests: int = 0, output=DONE):
     from areno.serve.workers import GeneratorServer
 
     server = GeneratorServer.func_or_class.__new__(GeneratorServer.func_or_class)
-    server.generator = _StubGenerator(paused)
+    server.generator = _StubGenerator(paused, output)
     server.admission = Admission(1, max_queued_requests)
     server.queue_depth = server.running = server.free_blocks = _Gauge()
     server.counters = dict.fromkeys(server.generator.stats(), _Gauge())
     server._counted = dict.fromkeys(server.counters, 0)
+    server._reporter = None
     return server
 
 
@@ -121,8 +132,44 @@ def test_generator_server_answers_503_while_paused_and_holds_nothing():
 
 def test_generator_server_releases_finished_requests():
     server = _generator_server(paused=False)
-    assert asyncio.run(server.generate_all(None, SamplingParams(), "r")) == "done"
-    assert asyncio.run(server.generate_all(None, SamplingParams(), "r2")) == "done"
+    assert asyncio.run(server.generate_all(None, SamplingParams(), "r")) is DONE
+    assert asyncio.run(server.generate_all(None, SamplingParams(), "r2")) is DONE
+    assert server.admission.num_held == 0
+
+
+@pytest.mark.parametrize(
+    ("cause", "why"),
+    [(AbortCause.PAUSE, "paused"), (AbortCause.SHUTDOWN, "shutting down")],
+)
+def test_a_request_the_engine_cut_off_is_503_never_a_finished_reply(cause, why):
+    """An engine output whose sample ended "abort" (one sample finished, one cut off) is
+    RequestAbortedError, unary or streamed (after the deltas before it), and is released."""
+    from areno.serve.errors import RequestAbortedError, user_error
+
+    aborted = RequestOutput(
+        "r",
+        [
+            SampleDelta(0, [], finish_reason="stop"),
+            SampleDelta(1, [], finish_reason="abort", abort_cause=cause),
+        ],
+        finished=True,
+    )
+    server = _generator_server(paused=False, output=aborted)
+    with pytest.raises(RequestAbortedError) as caught:
+        asyncio.run(server.generate_all(None, SamplingParams(), "r"))
+    error = caught.value
+    assert user_error(error) is error
+    assert (error.status_code, error.code, error.retry_after_s) == (503, "request_aborted", 1)
+    assert "cut off" in error.message and why in error.message
+
+    async def stream() -> list:
+        outputs = []
+        with pytest.raises(RequestAbortedError, match=why):
+            async for output in server.generate(None, SamplingParams(), "r2"):
+                outputs.append(output)
+        return outputs
+
+    assert len(asyncio.run(stream())) == 1  # the delta before the abort reached the client
     assert server.admission.num_held == 0
 
 

@@ -1,8 +1,9 @@
 """Replica crashes under load on a live `areno serve` app: a Generator or MediaDecoder replica
-killed (`ray.kill`) while requests are in flight. Every in-flight request must end with a clean
-OpenAI error (an error status with a JSON body, or an error event that ends a started stream) —
-never a dropped connection or a hang — Ray Serve must start a replacement replica, and a new
-request must succeed within a bounded time. The recovery time is measured and printed (the
+killed (`ray.kill`) while requests are in flight, or the engine paused with mode "abort". Every
+in-flight request must end with a clean OpenAI error (an error status with a JSON body, or an
+error event that ends a started stream) — never a dropped connection, a hang or a reply that
+looks complete — Ray Serve must start a replacement replica, and a new request must succeed
+within a bounded time. The recovery time is measured and printed (the
 figures go to docs/faults-and-load.md); the only timed assertion is a generous bound that turns
 a hang into a failure.
 
@@ -84,6 +85,7 @@ class Outcome:
     status: int | None = None
     code: str | None = None
     detail: str = ""
+    retry_after: str | None = None  # the Retry-After header of an error status
 
 
 @pytest.fixture(scope="module")
@@ -203,7 +205,8 @@ def _status_outcome(error: openai.APIStatusError) -> Outcome:
     body = error.body if isinstance(error.body, dict) else {}
     clean_status = error.status_code < 500 or error.status_code == 503
     if clean_status and body.get("message") and body.get("type"):
-        return Outcome("status", error.status_code, body.get("code"), body["message"])
+        retry_after = error.response.headers.get("retry-after")
+        return Outcome("status", error.status_code, body.get("code"), body["message"], retry_after)
     return Outcome("dirty", error.status_code, detail=repr(error))
 
 
@@ -266,6 +269,43 @@ def _report(what: str, outcomes: list[Outcome], recovery: Recovery) -> None:
 
 
 # --- tests -------------------------------------------------------------------------------------
+
+
+def test_a_pause_that_aborts_cuts_requests_off_visibly(app):
+    """The Generator deployment paused with mode "abort" (through a Serve handle) while a
+    stream is mid-decode and a non-streaming request runs: the stream raises in the openai
+    client (an error event, not a quiet end), the other gets 503 with Retry-After, both saying
+    the request was cut off by a pause; a request while paused is refused with 503, and after
+    resume the server answers as before."""
+
+    async def scenario() -> tuple[list[Outcome], Outcome, Outcome]:
+        client = _client(app)
+        long = {"max_tokens": LONG_TOKENS, "extra_body": {"ignore_eos": True}}
+        handle = serve.get_deployment_handle("GeneratorServer", APP)
+        started = asyncio.Event()
+        tasks = [asyncio.create_task(_ask_stream(client, "Stream on.", started, **long))]
+        await asyncio.wait_for(started.wait(), END_LIMIT_S)
+        tasks.append(asyncio.create_task(_ask(client, "Whole answer.", **long)))
+        deadline = time.monotonic() + END_LIMIT_S
+        while (await handle.stats.remote())["num_running"] < 2:
+            assert time.monotonic() < deadline, "the requests never reached the engine"
+            await asyncio.sleep(0.05)
+        await handle.pause.remote("abort")
+        outcomes = await _ended(tasks)
+        paused = await _ask(client, "Paused?", max_tokens=4)
+        await handle.resume.remote()
+        after = await _ask_stream(client, "Back again?", max_tokens=4)
+        await client.close()
+        return outcomes, paused, after
+
+    (stream, whole), paused, after = asyncio.run(scenario())
+    assert (stream.kind, stream.code) == ("stream_error", "request_aborted"), stream
+    assert (whole.kind, whole.status, whole.code) == ("status", 503, "request_aborted"), whole
+    assert whole.retry_after == "1"
+    for outcome in (stream, whole):
+        assert "cut off" in outcome.detail and "paused" in outcome.detail, outcome
+    assert (paused.status, paused.code, paused.retry_after) == (503, "engine_unavailable", "1")
+    assert after.kind == "ok"
 
 
 def test_generator_replica_killed_mid_request(app):
