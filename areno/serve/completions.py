@@ -27,7 +27,6 @@ from areno.protocol.responses import (
     CompletionResponse,
     Usage,
 )
-from areno.serve.chat import finish_reason_for
 
 
 @dataclasses.dataclass(frozen=True)
@@ -176,7 +175,7 @@ def build_completion_response(
                     index=prepared.choice_index(i, delta.index),
                     text=echo_text + delta.text,
                     logprobs=logprobs,
-                    finish_reason=finish_reason_for(delta) or "stop",
+                    finish_reason=delta.finish_reason or "stop",
                 )
             )
     usage = usage_for(prepared, num_completion)
@@ -248,7 +247,7 @@ class CompletionChunkWriter:
         choices = []
         for delta in output.samples:
             self.num_completion_tokens += len(delta.token_ids)
-            finish = finish_reason_for(delta)
+            finish = delta.finish_reason  # an aborted request is an error, never here
             if not (delta.text or delta.token_ids or finish):
                 continue
             index = self.prepared.choice_index(prompt_index, delta.index)
