@@ -63,7 +63,7 @@ def build_floor_app():
 
 def time_echo(url: str, num_requests: int) -> list[float]:
     """Milliseconds of `num_requests` sequential echo requests (after a warm-up)."""
-    import httpx
+    import httpx2 as httpx
 
     latencies = []
     with httpx.Client(timeout=30) as client:

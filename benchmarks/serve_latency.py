@@ -2,17 +2,25 @@
 
 Workload (fixed seed): the tiny Gemma 4 checkpoint; one-token greedy answers so generation is a
 small, fixed part of each request.
-- in-process: MediaDecoder + Processor + Generator called directly in this process (the floor).
+- in-process: MediaDecoder + Processor + Generator called directly in this process (the floor),
+              with as many torch threads as the Generator replica has (Ray sets a replica's
+              OpenMP threads to its CPUs, 1 by default): one thread does this tiny model's step
+              faster on 2 cores, and far faster when other work loads them.
 - served:     the same request through `areno serve` (Ingress -> [MediaDecoder] -> Processor ->
-              Generator) with the official `openai` client over loopback HTTP.
+              Generator) over loopback HTTP: text requests timed with one keep-alive httpx
+              client as the echo app is (so the difference is the server's), and again with the
+              official `openai` client, which adds its own request building and reply parsing.
 - serve floor: beside it, through the same proxy, the echo app of `benchmarks/serve_floor.py` (the
               same HTTP -> Ingress -> one handle call topology, no work; httpx client): what
               Serve's hops cost before AReno does anything.
-Text requests run one at a time (latency p50 / p99, and what Serve adds to the floor); image and
-video requests run `--concurrency` at a time (requests/s). Prints a table and writes JSON (default
-benchmarks/results/serve_latency.json).
+Text requests run one at a time (latency p50 / p99), in `--rounds` rounds that alternate with
+the echo app's, so that a machine whose load drifts during the run shifts both alike; image and
+video requests run `--concurrency` at a time (requests/s). AReno's own share of a text request is
+served p50 - echo p50 - in-process p50: what serving adds beyond Serve's own hops and the work
+itself (the Ingress's parse, encode hand-off and reply, the handle call's payload, the replica's
+bookkeeping). Prints a table and writes JSON (default benchmarks/results/serve_latency.json).
 
-    python benchmarks/serve_latency.py [--requests 50] [--concurrency 8]
+    python benchmarks/serve_latency.py [--requests 50] [--rounds 5] [--concurrency 8]
 """
 
 from __future__ import annotations
@@ -56,6 +64,9 @@ def messages(kind: str, media: dict[str, str], i: int) -> list[dict]:
 
 
 def in_process_latencies(path: str, media: dict, num: int) -> list[float]:
+    import torch
+
+    torch.set_num_threads(max(1, int(EngineConfig().num_cpus_per_rank)))  # the replica's CPUs
     processor = Processor(path)
     decoder = MediaDecoder(MediaPolicy.for_training(), processor.decode_options())
     generator = Generator.from_config(path, EngineConfig(max_running_prompts=8))
@@ -73,7 +84,7 @@ def in_process_latencies(path: str, media: dict, num: int) -> list[float]:
     return times
 
 
-def served(path: str, media: dict, num: int, concurrency: int) -> dict:
+def served(path: str, media: dict, num: int, concurrency: int, rounds: int) -> dict:
     import openai
     import ray
     from ray import serve
@@ -106,15 +117,38 @@ def served(path: str, media: dict, num: int, concurrency: int) -> dict:
 
         for i in range(3):
             ask("text", i), ask("image", i), ask("video", i)  # warm-up
-        text = [ask("text", i) for i in range(num)]
-        echo = [ms / 1e3 for ms in time_echo(f"http://127.0.0.1:{port}/floor/v1/echo", num)]
+        import httpx2
+
+        http = httpx2.Client(timeout=30)
+        url = f"http://127.0.0.1:{port}/v1/chat/completions"
+
+        def post_text(i: int) -> float:
+            body = {
+                "model": config.model_name,
+                "messages": messages("text", media, i),
+                "max_tokens": 1,
+                "temperature": 0,
+            }
+            start = time.perf_counter()
+            http.post(url, json=body).raise_for_status()
+            return time.perf_counter() - start
+
+        text, text_openai, echo = [], [], []
+        per_round = max(num // rounds, 1)
+        for r in range(rounds):
+            text += [post_text(r * per_round + i) for i in range(per_round)]
+            # other question numbers than the httpx requests', so neither finds the other cached
+            text_openai += [ask("text", num + r * per_round + i) for i in range(per_round)]
+            echo_url = f"http://127.0.0.1:{port}/floor/v1/echo"
+            echo += [ms / 1e3 for ms in time_echo(echo_url, per_round)]
+        http.close()
         rates = {}
         for kind in ("image", "video"):
             start = time.perf_counter()
             with concurrent.futures.ThreadPoolExecutor(concurrency) as pool:
                 list(pool.map(lambda i, k=kind: ask(k, i), range(num)))
             rates[kind] = num / (time.perf_counter() - start)
-        return {"text": text, "echo": echo, "rates": rates}
+        return {"text": text, "text_openai": text_openai, "echo": echo, "rates": rates}
     finally:
         serve.shutdown()
         ray.shutdown()
@@ -123,6 +157,7 @@ def served(path: str, media: dict, num: int, concurrency: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=50)
+    parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--out", default="benchmarks/results/serve_latency.json")
     args = parser.parse_args()
@@ -133,7 +168,7 @@ def main() -> None:
             "video": str(write_video(Path(tmp) / "v.mp4", seconds=2.0, fps=8.0)),
         }
         floor = in_process_latencies(path, media, args.requests)
-        result = served(path, media, args.requests, args.concurrency)
+        result = served(path, media, args.requests, args.concurrency, args.rounds)
     rows = {
         "in_process_text_ms": {
             q: percentile(floor, v) * 1e3 for q, v in (("p50", 0.5), ("p99", 0.99))
@@ -141,14 +176,23 @@ def main() -> None:
         "served_text_ms": {
             q: percentile(result["text"], v) * 1e3 for q, v in (("p50", 0.5), ("p99", 0.99))
         },
+        "served_text_openai_client_ms": {
+            q: percentile(result["text_openai"], v) * 1e3 for q, v in (("p50", 0.5), ("p99", 0.99))
+        },
     }
     added = {q: rows["served_text_ms"][q] - rows["in_process_text_ms"][q] for q in ("p50", "p99")}
     rows["serve_floor_echo_ms"] = {
         q: percentile(result["echo"], v) * 1e3 for q, v in (("p50", 0.5), ("p99", 0.99))
     }
+    share = (
+        rows["served_text_ms"]["p50"]
+        - rows["serve_floor_echo_ms"]["p50"]
+        - rows["in_process_text_ms"]["p50"]
+    )
     print(f"{'':28}{'p50 ms':>10}{'p99 ms':>10}")
     for name, values in [*rows.items(), ("added_by_serve_ms", added)]:
         print(f"{name:28}{values['p50']:>10.1f}{values['p99']:>10.1f}")
+    print(f"{'areno_share_p50_ms':28}{share:>10.1f}")
     for kind, rate in result["rates"].items():
         print(f"served {kind} requests/s at concurrency {args.concurrency}: {rate:.1f}")
     report = {
@@ -157,11 +201,13 @@ def main() -> None:
             "cpus": os.cpu_count(),
             "requests": args.requests,
             "concurrency": args.concurrency,
+            "rounds": args.rounds,
             "model": "tiny gemma4",
             "median_text_latency_floor_ms": statistics.median(floor) * 1e3,
         },
         **rows,
         "added_by_serve_ms": added,
+        "areno_share_p50_ms": share,
         "requests_per_s": result["rates"],
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
