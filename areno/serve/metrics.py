@@ -4,6 +4,7 @@ completion."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import time
@@ -51,9 +52,7 @@ class IngressMetrics:
             self.malformed_tool_calls.inc(malformed)
         if completions_logged():
             line = _log_line(body, num_prompt_tokens, completion_tokens, malformed)
-            request = prepared.request
-            # The caller's own labels, so a logged completion can be traced to its user.
-            line |= {k: v for k, v in (("user", request.user), ("metadata", request.metadata)) if v}
+            line |= caller_digests(prepared.request.user, prepared.request.metadata)
             completion_logger.info("completion %s", json.dumps(line, ensure_ascii=False))
 
     def record_text_completion(self, body: dict, first_token_at: float) -> None:
@@ -80,6 +79,18 @@ class IngressMetrics:
             self.completion_tokens.inc(completion_tokens)
         if completion_tokens > 1 and elapsed > 0:
             self.tokens_per_s.observe((completion_tokens - 1) / elapsed)
+
+
+def caller_digests(user: str | None, metadata: dict | None) -> dict:
+    """The caller's `user` and `metadata` as digests: a client finds its logged completions by
+    hashing its own labels, and the log never holds them (they may be private: invariant 4)."""
+
+    def digest(value: object) -> str:
+        text = json.dumps(value, sort_keys=True, ensure_ascii=False)
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+    labels = {"user_digest": user, "metadata_digest": metadata}
+    return {key: digest(value) for key, value in labels.items() if value}
 
 
 def _log_line(body: dict, num_prompt_tokens: int, completion_tokens: int, malformed: int) -> dict:

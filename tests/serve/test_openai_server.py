@@ -343,14 +343,19 @@ def completion_log(response_id: str) -> dict:
 
 
 def test_completions_are_logged_with_areno_log_completions(server):
-    """The record carries the caller's `user` and `metadata` (their only effect: AReno stores
-    no completions), so a logged completion can be traced back."""
+    """The record carries digests of the caller's `user` and `metadata` (their only effect:
+    AReno stores no completions), so a client can find its completions; never the values."""
+    from areno.serve.metrics import caller_digests
+
     response = ask(server, "Log me.", user="alice", metadata={"run": "r1"})
     record = completion_log(response.id)
     assert record["prompt_tokens"] == response.usage.prompt_tokens
     assert {"finish_reason", "tool_calls"} <= set(record["choices"][0])
-    assert record["user"] == "alice" and record["metadata"] == {"run": "r1"}
-    assert "user" not in completion_log(ask(server, "Log me too.").id)
+    digests = caller_digests("alice", {"run": "r1"})
+    assert record["user_digest"] == digests["user_digest"]
+    assert record["metadata_digest"] == digests["metadata_digest"]
+    assert "alice" not in json.dumps(record) and "r1" not in json.dumps(record)
+    assert "user_digest" not in completion_log(ask(server, "Log me too.").id)
 
 
 @pytest.fixture(scope="module")
