@@ -34,6 +34,7 @@ from areno.serve.chat import forced_prompt_text
 from areno.serve.config import ServeConfig
 from areno.tools import opens_reasoning
 from areno.train.sft import SFTConfig, sft
+from tests.serve.test_openai_server import PET_SCHEMA as SCHEMA
 from tests.tools.test_round_trip import render_assistant_turn
 
 FAMILIES = ("qwen3_5", "minicpmv4_6", "qwen3_vl")
@@ -346,17 +347,6 @@ def test_reasoning_comes_back_apart_from_the_content(server):
         server, REASONING_PROMPT, extra_body={"chat_template_kwargs": {"enable_thinking": False}}
     )
     assert reasoning_of(closed.choices[0].message) is None
-
-
-SCHEMA = {
-    "type": "object",
-    "properties": {
-        "label": {"enum": ["cat", "dog"]},
-        "count": {"type": "integer", "minimum": 0, "maximum": 9},
-    },
-    "required": ["label", "count"],
-    "additionalProperties": False,
-}
 
 
 def test_a_json_schema_reply_validates_against_the_schema(server):

@@ -84,6 +84,7 @@ class Family:
             max_new_tokens=request.max_new_tokens,
         )
         prepared = prepare(request, sampling_params(request), encoded, self.parser, self.tokenizer)
+        self.last_params = prepared.params
         output = asyncio.run(self.generator.generate_all(prepared.inputs, prepared.params))
         return build_response(prepared, "tiny", output, self.tokenizer)
 
@@ -174,6 +175,10 @@ def test_auto_with_strict_tools_keeps_text_free_and_calls_valid(family):
         temperature=0,
     )
     [choice] = response.choices
+    # The grammar is in play (calls constrained, text free) and the reply is text or calls.
+    assert family.last_params.structured.kind == "structural_tag"
+    assert '"triggered_tags"' in family.last_params.structured.spec
+    assert choice.message.content or choice.message.tool_calls
     for call in choice.message.tool_calls or []:
         jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
 
