@@ -167,6 +167,26 @@ WRONG_TYPES: dict[str, Any] = {
     "user": 5,
     "chat_template_kwargs": [],
     "metadata": "x",
+    "logit_bias": "x",
+    "min_tokens": "few",
+    "response_format": "json",
+}
+
+# OpenAI fields AReno does not implement: any value but the neutral one is refused, naming the field.
+UNSUPPORTED_VALUES: dict[str, Any] = {
+    "store": True,
+    "audio": {"voice": "alloy", "format": "wav"},
+    "modalities": ["text", "audio"],
+    "prediction": {"type": "content", "content": "hello"},
+    "reasoning_effort": "high",
+    "verbosity": "low",
+    "web_search_options": {},
+    "service_tier": "flex",
+    "functions": [{"name": "f", "parameters": {}}],
+    "function_call": "auto",
+    "best_of": 2,
+    "prompt_cache_key": "k",
+    "safety_identifier": "u1",
 }
 
 
@@ -177,4 +197,9 @@ def wrong_type_cases() -> list[Case]:
         what = f"`{name}`: {json.dumps(value)}"
         cases.append(Case(f"wrong_type_{name}", "field types", what, body, 400, "invalid_request",
                           (name,), param=name))  # fmt: skip
+    for name, value in UNSUPPORTED_VALUES.items():
+        body = chat("hi") | {name: value}
+        what = f"`{name}`: {json.dumps(value)}"
+        cases.append(Case(f"unsupported_{name}", "unsupported fields", what, body, 400,
+                          "invalid_request", (name, "not supported"), param=name))  # fmt: skip
     return cases

@@ -44,6 +44,7 @@ from tests.serve.hostile_media import SECRET, png_with_text, write_hostile_files
 from tests.serve.hostile_requests import (
     API_KEY,
     MODEL,
+    UNSUPPORTED_VALUES,
     WRONG_TYPES,
     Case,
     Req,
@@ -241,9 +242,12 @@ def warm(ctx):
 
 def test_the_table_is_big_and_ids_are_unique():
     from areno.protocol import ChatCompletionRequest
+    from areno.protocol.chat import UNSUPPORTED_FIELDS
 
     assert len({case.id for case in CASES}) == len(CASES) >= 50
-    assert set(WRONG_TYPES) == set(ChatCompletionRequest.model_fields)  # every field is covered
+    assert set(UNSUPPORTED_VALUES) == set(UNSUPPORTED_FIELDS)
+    # every field is covered: a wrong type for each implemented one, a value for each refused one
+    assert set(WRONG_TYPES) | set(UNSUPPORTED_VALUES) == set(ChatCompletionRequest.model_fields)
 
 
 @pytest.mark.parametrize("case", CASES, ids=[case.id for case in CASES])
