@@ -15,13 +15,15 @@ import gc
 import logging
 import os
 import threading
+import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Collection, Iterable, Mapping
+from pathlib import Path
 from typing import Any
 
 import torch
 
-from areno.engine.block_manager import blocks_for
+from areno.engine import compile_cache, startup
 from areno.engine.config import (
     DEFAULT_MAX_CONTEXT_LEN,
     EngineConfig,
@@ -38,7 +40,7 @@ from areno.engine.outputs import AbortCause, RequestOutput, TokenScores, merge_o
 from areno.engine.parallel import load_model_for_rank
 from areno.engine.sampling import MAX_TOP_LOGPROBS, SamplingParams
 from areno.engine.scheduler import DuplicateRequestError, SchedulerConfig
-from areno.engine.worker import PrefillItem, RowSampling, StepInput, Worker
+from areno.engine.worker import Worker
 from areno.errors import ConfigError
 from areno.models.registry import adapter_for_checkpoint
 from areno.processing.types import PromptInputs
@@ -52,10 +54,6 @@ log = logging.getLogger(__name__)
 
 class EngineDeadError(RuntimeError):
     """The engine thread hit an internal error or was shut down; requests cannot proceed."""
-
-
-# The sampling row of a start-up step, whose token nobody reads.
-_DROPPED_ROW = RowSampling(seq_id=-1, params=SamplingParams(temperature=0, max_tokens=1))
 
 
 # Engines alive in this process: the objects alive when one started stay frozen out of garbage
@@ -132,8 +130,12 @@ class Generator:
         self._paused = False
         self._stopped = False
         self._idle_waiters: list[concurrent.futures.Future] = []
+        # Seconds per start-up phase, in order (from_config adds "load" before, warm_up after).
+        self.start_up: dict[str, float] = {}
+        self.compile_cache: Path | None = None
+        self.compile_cache_files = 0
         try:
-            self._start_up_steps()
+            startup.run_steps(self.core, self.start_up)
         except BaseException:
             executor.shutdown()  # a tensor-parallel group's follower actors too
             raise
@@ -149,55 +151,6 @@ class Generator:
             release_thread_pool()
         self._thread = threading.Thread(target=self._run, name="areno-engine", daemon=True)
         self._thread.start()
-
-    def _start_up_steps(self) -> None:
-        """Allocate the cache and compile the decode step and the batched prefill now rather
-        than in a request's time (a minute or more each for a 2B model on an H200): a one-token
-        prefill into slot 0 allocates the cache (raising CacheMemoryError where it does not fit,
-        areno/engine/cache.py); where they are compiled, a batched prefill of two prompts of
-        unequal lengths into slots 0 and 1, then a decode step of the smallest row bucket and one
-        of the next. The
-        compiles are generic in the row count and lengths (see areno/engine/compiled.py);
-        should a model's code still pin a size it first saw, the second decode step makes that
-        recompile happen here. Outputs are dropped; the slots are free again after, and their
-        next prefills overwrite what these wrote."""
-        runner = self.core.executor.worker.runner
-        graphs = runner.graphs
-        compiled_decode = graphs is not None and graphs.compiled
-        compiled_prefill = runner.prefill_compiled and runner.num_slots > 1
-        self._prefill_and_drop(PromptInputs([0], {}))
-        if not (compiled_decode or compiled_prefill):
-            return
-        if compiled_prefill:
-            prompts = [PromptInputs([0] * n, {}) for n in (2, 3)]
-            # Blocks 1 and 2, or the sink for a pool of one block: nobody reads them after.
-            tables = [[min(slot + 1, runner.num_blocks)] for slot in range(len(prompts))]
-            step = StepInput(
-                prefill=[PrefillItem(p, [slot], [tables[slot]]) for slot, p in enumerate(prompts)],
-                rows=[_DROPPED_ROW] * len(prompts),
-            )
-            self.core.executor.execute(step)
-        if not compiled_decode:
-            return
-        # One row decodes the smallest bucket; buckets[0] + 1 rows decode the next one.
-        row_counts = [1] if len(graphs.buckets) == 1 else [1, graphs.buckets[0] + 1]
-        for num_rows in row_counts:
-            self.core.executor.execute(
-                StepInput(
-                    decode_slots=list(range(num_rows)),
-                    decode_positions=[1] * num_rows,
-                    decode_token_ids=[0] * num_rows,
-                    rows=[_DROPPED_ROW] * num_rows,
-                )
-            )
-
-    def _prefill_and_drop(self, prompt: PromptInputs) -> None:
-        """Prefill `prompt` into slot 0, which no request holds yet, and drop its token (the
-        start-up runs; the next real prefill of slot 0 overwrites what it wrote)."""
-        block_size = self.core.scheduler.config.block_size
-        table = list(range(1, blocks_for(prompt.num_prompt_tokens, block_size) + 1))
-        step = StepInput(prefill=[PrefillItem(prompt, [0], [table])], rows=[_DROPPED_ROW])
-        self.core.executor.execute(step)
 
     # ---- construction -------------------------------------------------------------------
 
@@ -224,9 +177,12 @@ class Generator:
         rank 0 of a tensor-parallel group whose other ranks are Ray actors on this node."""
         from transformers import AutoConfig, AutoTokenizer
 
+        start = time.perf_counter()
         adapter = adapter_for_checkpoint(model_path)
         device = resolve_device(config.device)
         dtype = resolve_dtype(config.dtype, device)
+        cache = compile_cache.use(torch.device(device))
+        cached_files = compile_cache.num_entries(cache)
         max_len = resolve_max_context_len(config, AutoConfig.from_pretrained(model_path))
         tokenizer = AutoTokenizer.from_pretrained(model_path)
         if config.tp_size == 1:
@@ -247,7 +203,13 @@ class Generator:
         eos = model_eos_token_ids(model)
         vocab = tokenizer.get_vocab()
         eos += [vocab[token] for token in adapter.stop_tokens if token in vocab]
-        return cls(executor, tokenizer, config, max_context_len=max_len, eos_token_ids=eos)
+        loaded = time.perf_counter() - start
+        generator = cls(executor, tokenizer, config, max_context_len=max_len, eos_token_ids=eos)
+        generator.start_up = {"load": loaded, **generator.start_up}
+        generator.compile_cache = cache
+        generator.compile_cache_files = cached_files
+        log.info("start-up: %s", generator.describe_start_up())
+        return generator
 
     # ---- public API -----------------------------------------------------------------------
 
@@ -408,6 +370,8 @@ class Generator:
         leave no room in the context are skipped. Blocks until done. Raises StartupRunError
         naming the prompt that failed."""
 
+        start = time.perf_counter()
+
         def run() -> None:
             if self.core.has_work:
                 raise RuntimeError("warm_up runs before any request (it prefills into slot 0)")
@@ -415,7 +379,7 @@ class Generator:
                 if prompt.num_prompt_tokens >= self.max_context_len:
                     continue  # a request like it would be refused: nothing to warm
                 try:
-                    self._prefill_and_drop(prompt)
+                    startup.prefill_and_drop(self.core, prompt)
                 except Exception as error:
                     raise StartupRunError(
                         f"the engine's start-up run of its {name} prompt failed: "
@@ -423,6 +387,12 @@ class Generator:
                     ) from error
 
         self._submit(run).result()
+        self.start_up["warm-up"] = time.perf_counter() - start
+
+    def describe_start_up(self) -> str:
+        """The start-up phases with their seconds and the compile cache, one line (see
+        areno/engine/startup.py)."""
+        return startup.describe(self.start_up, self.compile_cache, self.compile_cache_files)
 
     def add_adapters(self, adapters: Mapping[str, str | os.PathLike]) -> None:
         """Load LoRA adapters (name -> PEFT adapter directory) before serving; blocks until

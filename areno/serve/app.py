@@ -151,9 +151,9 @@ def app_builder(args: dict[str, Any]):
 
 
 def banner(config: ServeConfig) -> list[str]:
-    """What `areno serve` prints once the app is up: the URL, the model and its modalities, and
-    the KV pool a Generator replica built (asked from it: on CUDA the pool gets what memory the
-    replica found free)."""
+    """What `areno serve` prints once the app is up: the URL, the model and its modalities, the
+    KV pool a Generator replica built (asked from it: on CUDA the pool gets what memory the
+    replica found free) and its start-up phases."""
     from areno.models.registry import adapter_for_checkpoint
 
     adapter = adapter_for_checkpoint(config.model_path)
@@ -163,10 +163,11 @@ def banner(config: ServeConfig) -> list[str]:
         f"  model: {config.model_path} ({adapter.display_name}: {modalities})",
     ]
     lines += [f"  LoRA adapter: {name} ({path})" for name, path in config.lora_adapters.items()]
-    return [*lines, f"  KV pool: {_kv_pool(config)}"]
+    return [*lines, *_engine_lines(config)]
 
 
-def _kv_pool(config: ServeConfig) -> str:
+def _engine_lines(config: ServeConfig) -> list[str]:
+    """The KV pool and the start-up phases of one Generator replica, asked from it."""
     from ray import serve
     from ray.exceptions import RayError
 
@@ -176,9 +177,11 @@ def _kv_pool(config: ServeConfig) -> str:
     handle = serve.get_deployment_handle("GeneratorServer", app_name=APP_NAME)
     try:
         num_blocks = handle.stats.remote().result(timeout_s=30)["num_blocks"]
+        start_up = handle.start_up.remote().result(timeout_s=30)
     except (RayError, TimeoutError):
-        return f"blocks of {block_size} tokens {where} (the replica's log has their number)"
-    return f"{num_blocks} blocks x {block_size} tokens = {num_blocks * block_size} tokens {where}"
+        return [f"  KV pool: blocks of {block_size} tokens {where} (the replica's log has more)"]
+    pool = f"{num_blocks} blocks x {block_size} tokens = {num_blocks * block_size} tokens {where}"
+    return [f"  KV pool: {pool}", f"  engine start-up: {start_up}"]
 
 
 def _announce(line: str) -> None:

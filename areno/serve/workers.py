@@ -105,6 +105,7 @@ class GeneratorServer:
         self.generator.add_adapters(config.lora_adapters)  # --lora
         # Each media tower's first forward, here rather than in a user's first request of it.
         self.generator.warm_up(start_up_prompts)
+        logger.info("start-up: %s", self.generator.describe_start_up())
         self.admission = Admission(config.engine.max_running_prompts, config.queue_limit)
         from ray.serve import metrics
 
@@ -133,6 +134,10 @@ class GeneratorServer:
         self._counted = dict.fromkeys(self.counters, 0)
         self._reporter: asyncio.Task | None = None
         logger.info("%s", self.generator.pool.describe(self.generator.max_context_len))
+
+    def start_up(self) -> str:
+        """The engine's start-up phases with their seconds (Generator.describe_start_up)."""
+        return self.generator.describe_start_up()
 
     async def generate_all(self, inputs, params: SamplingParams, request_id: str):
         """The whole request in one reply (non-streaming HTTP: no per-delta handle traffic).

@@ -1,0 +1,96 @@
+"""What an engine runs before its first request, and how long each phase took.
+
+`run_steps` allocates the cache and compiles the decode step and the batched prefill now rather
+than in a request's time (a minute or more each for a 2B model on an H200); `prefill_and_drop`
+is also how `Generator.warm_up` gives each media tower its first forward. The phases a
+Generator records (`Generator.start_up`): load (tokenizer, weights), cache (allocation),
+compile (the compiled steps and, on CUDA, their first graph captures; absent when nothing is
+compiled), warm-up (media towers). What compiling produces is kept for the next start in the
+compile cache (areno/engine/compile_cache.py).
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+from areno.engine.block_manager import blocks_for
+from areno.engine.sampling import SamplingParams
+from areno.engine.worker import PrefillItem, RowSampling, StepInput
+from areno.processing.types import PromptInputs
+
+# The sampling row of a start-up step, whose token nobody reads.
+_DROPPED_ROW = RowSampling(seq_id=-1, params=SamplingParams(temperature=0, max_tokens=1))
+
+
+def run_steps(core: Any, times: dict[str, float]) -> None:
+    """A one-token prefill into slot 0 allocates the cache (raising CacheMemoryError where it
+    does not fit, areno/engine/cache.py); where they are compiled, a batched prefill of two
+    prompts of unequal lengths into slots 0 and 1, then a decode step of the smallest row bucket
+    and one of the next. The compiles are generic in the row count and lengths (see
+    areno/engine/compiled.py); should a model's code still pin a size it first saw, the second
+    decode step makes that recompile happen here. Outputs are dropped; the slots are free again
+    after, and their next prefills overwrite what these wrote. Records "cache" and "compile"
+    seconds in `times`."""
+    runner = core.executor.worker.runner
+    graphs = runner.graphs
+    compiled_decode = graphs is not None and graphs.compiled
+    compiled_prefill = runner.prefill_compiled and runner.num_slots > 1
+    start = time.perf_counter()
+    prefill_and_drop(core, PromptInputs([0], {}))
+    times["cache"] = time.perf_counter() - start
+    if not (compiled_decode or compiled_prefill):
+        return
+    start = time.perf_counter()
+    try:
+        if compiled_prefill:
+            _batched_prefill(core, runner)
+        if compiled_decode:
+            _decode_steps(core, graphs)
+    finally:
+        times["compile"] = time.perf_counter() - start
+
+
+def _batched_prefill(core: Any, runner: Any) -> None:
+    prompts = [PromptInputs([0] * n, {}) for n in (2, 3)]
+    # Blocks 1 and 2, or the sink for a pool of one block: nobody reads them after.
+    tables = [[min(slot + 1, runner.num_blocks)] for slot in range(len(prompts))]
+    step = StepInput(
+        prefill=[PrefillItem(p, [slot], [tables[slot]]) for slot, p in enumerate(prompts)],
+        rows=[_DROPPED_ROW] * len(prompts),
+    )
+    core.executor.execute(step)
+
+
+def _decode_steps(core: Any, graphs: Any) -> None:
+    # One row decodes the smallest bucket; buckets[0] + 1 rows decode the next one.
+    row_counts = [1] if len(graphs.buckets) == 1 else [1, graphs.buckets[0] + 1]
+    for num_rows in row_counts:
+        core.executor.execute(
+            StepInput(
+                decode_slots=list(range(num_rows)),
+                decode_positions=[1] * num_rows,
+                decode_token_ids=[0] * num_rows,
+                rows=[_DROPPED_ROW] * num_rows,
+            )
+        )
+
+
+def prefill_and_drop(core: Any, prompt: PromptInputs) -> None:
+    """Prefill `prompt` into slot 0, which no request holds yet, and drop its token (the
+    start-up runs; the next real prefill of slot 0 overwrites what it wrote)."""
+    block_size = core.scheduler.config.block_size
+    table = list(range(1, blocks_for(prompt.num_prompt_tokens, block_size) + 1))
+    step = StepInput(prefill=[PrefillItem(prompt, [0], [table])], rows=[_DROPPED_ROW])
+    core.executor.execute(step)
+
+
+def describe(times: dict[str, float], cache: Path | None, cache_files: int) -> str:
+    """The phases with their seconds, and the compile cache where something was compiled."""
+    phases = ", ".join(f"{name} {seconds:.1f} s" for name, seconds in times.items())
+    line = f"{phases} (total {sum(times.values()):.1f} s)"
+    if "compile" in times and cache is not None:
+        warmth = f"{cache_files} files" if cache_files else "empty"
+        line += f"; compile cache {cache} ({warmth} at start)"
+    return line
