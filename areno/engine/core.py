@@ -17,8 +17,8 @@ from areno.engine.outputs import AbortCause, RequestOutput, SampleDelta
 from areno.engine.sampling import SamplingParams
 from areno.engine.scheduler import ScheduledPrefill, Scheduler, SchedulerConfig
 from areno.engine.sequence import Sequence, SequenceGroup
+from areno.engine.step import PendingStep, PrefillItem, RowSampling, StepInput, StepOutput
 from areno.engine.stopping import StopCheck, check_stop
-from areno.engine.worker import PendingStep, PrefillItem, RowSampling, StepInput, StepOutput
 from areno.errors import ConfigError
 from areno.processing.types import PromptInputs
 

@@ -12,7 +12,8 @@ from typing import Protocol
 import torch
 
 from areno.engine.outputs import TokenScores
-from areno.engine.worker import PendingStep, StepInput, StepOutput, Worker
+from areno.engine.step import PendingStep, StepInput, StepOutput
+from areno.engine.worker import Worker
 from areno.processing.types import PromptInputs
 
 

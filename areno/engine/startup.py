@@ -17,7 +17,7 @@ from typing import Any
 
 from areno.engine.block_manager import blocks_for
 from areno.engine.sampling import SamplingParams
-from areno.engine.worker import PrefillItem, RowSampling, StepInput
+from areno.engine.step import PrefillItem, RowSampling, StepInput
 from areno.processing.types import PromptInputs
 
 # The sampling row of a start-up step, whose token nobody reads.

@@ -27,7 +27,8 @@ from areno.engine import parallel
 from areno.engine.config import EngineConfig
 from areno.engine.ipc import visible_gpu_uuids
 from areno.engine.outputs import TokenScores
-from areno.engine.worker import StepInput, StepOutput, Worker
+from areno.engine.step import StepInput, StepOutput
+from areno.engine.worker import Worker
 from areno.errors import ConfigError
 from areno.models.registry import adapter_for_checkpoint
 from areno.processing.types import PromptInputs
