@@ -21,11 +21,16 @@ so a compiled decode step keeps the packed matmuls: inductor's own lowering of o
 takes only weights it froze into constants, which in-place weight updates rule out, and without
 it a compiled step runs aten's matmul on the plain weights. Eagerly it calls oneDNN directly
 (on 2 cores, 16 x 512 @ 512 x 2048 took 231-270 us directly and 285-302 through the op as it
-was first defined).
+was first defined). The op names its packed weight by two integers (its `PackedLinears` and the
+weight's index there) rather than taking the tensor: a traced graph holding oneDNN tensors as
+constants cannot be pickled, so Inductor's and AOTAutograd's caches passed it by and a second
+start compiled it all again (areno/engine/compile_cache.py).
 """
 
 from __future__ import annotations
 
+import itertools
+import weakref
 from collections.abc import Iterable
 
 import torch
@@ -35,6 +40,11 @@ from areno.engine.fused_linear import FusedLinears
 
 # Rows the packing is tuned for (oneDNN takes any row count at run time): a decode step's batch.
 ROWS_HINT = 16
+
+# Every live PackedLinears of the process by its number, for the compiled op's lookups. Numbered
+# in creation order, so a process's first engine traces the same graph on every start.
+_OWNERS: weakref.WeakValueDictionary[int, PackedLinears] = weakref.WeakValueDictionary()
+_owner_numbers = itertools.count()
 
 
 def can_pack(model: nn.Module) -> bool:
@@ -62,8 +72,11 @@ class PackedLinears:
                 continue
             if _packable(module.weight) and id(module) not in grouped:
                 self._layers.append(module)
+        self._targets: list[object] = [*self._layers, *self._groups]  # the op's index into it
         self._packed: dict[object, torch.Tensor] = {}  # a layer or a group -> its packed weight
         self.repack([layer.weight for layer in self._layers] + [g.weight for g in self._groups])
+        self.number = next(_owner_numbers)
+        _OWNERS[self.number] = self
 
     def __len__(self) -> int:
         """The matmuls that run packed: one per layer, one per fused group."""
@@ -81,12 +94,28 @@ class PackedLinears:
             if id(group.weight) in written or any(id(m.weight) in written for m in group.linears):
                 self._packed[group] = _pack(group.weight)
 
+    def packed(self, index: int) -> torch.Tensor:
+        """The packed weight of layer or group `index` (layers first, in module order)."""
+        return self._packed[self._targets[index]]
+
     def __enter__(self) -> PackedLinears:
-        for layer in self._layers:
-            layer.forward = _packed_matmul(self._packed[layer], layer.bias)
-        for group in self._groups:
-            group.linear = _packed_matmul(self._packed[group], group.bias)
+        for index, layer in enumerate(self._layers):
+            layer.forward = self._matmul(index, layer.bias)
+        for index, group in enumerate(self._groups, start=len(self._layers)):
+            group.linear = self._matmul(index, group.bias)
         return self
+
+    def _matmul(self, index: int, bias: torch.Tensor | None):
+        packed = self._packed[self._targets[index]]
+        number, out_features = self.number, packed.shape[0]
+
+        def forward(x: torch.Tensor) -> torch.Tensor:
+            if torch.compiler.is_compiling():
+                return packed_linear(x, number, index, out_features, bias)
+            # Eagerly, oneDNN directly: the op's dispatch costs a few us a call.
+            return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+        return forward
 
     def __exit__(self, *exc) -> None:
         for layer in self._layers:
@@ -103,21 +132,12 @@ def _pack(weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), ROWS_HINT)
 
 
-def _packed_matmul(packed: torch.Tensor, bias: torch.Tensor | None):
-    def forward(x: torch.Tensor) -> torch.Tensor:
-        if torch.compiler.is_compiling():
-            return packed_linear(x, packed, bias)
-        # Eagerly, oneDNN directly: the op's dispatch costs a few us a call.
-        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
-
-    return forward
-
-
 def _packed_linear(
-    x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None
+    x: torch.Tensor, owner: int, index: int, out_features: int, bias: torch.Tensor | None
 ) -> torch.Tensor:
-    """x @ W.T + bias, W packed by `torch.ops.mkldnn._reorder_linear_weight` (which keeps W's
-    sizes: its tensor is W's shape over oneDNN's blocked layout)."""
+    """x @ W.T + bias, W the packed weight `index` of PackedLinears number `owner` (packed by
+    `torch.ops.mkldnn._reorder_linear_weight`, which keeps W's sizes)."""
+    packed = _OWNERS[owner].packed(index)
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
@@ -126,13 +146,15 @@ def _packed_linear(
 # the op's 63 calls took 0.8-1.0 ms of self time against 1.8-2.0 as a custom_op
 # (`benchmarks/profile_decode.py --model small --graphs static --compile inductor`).
 _LIBRARY = torch.library.Library("areno", "FRAGMENT")
-_LIBRARY.define("packed_linear(Tensor x, Tensor packed, Tensor? bias) -> Tensor")
+_LIBRARY.define(
+    "packed_linear(Tensor x, int owner, int index, int out_features, Tensor? bias) -> Tensor"
+)
 _LIBRARY.impl("packed_linear", _packed_linear, "CompositeExplicitAutograd")
 
 
 @torch.library.register_fake("areno::packed_linear")
-def _(x, packed, bias):
-    return x.new_empty((*x.shape[:-1], packed.shape[0]))
+def _(x, owner, index, out_features, bias):
+    return x.new_empty((*x.shape[:-1], out_features))
 
 
 packed_linear = torch.ops.areno.packed_linear.default

@@ -82,13 +82,39 @@ def test_worker_repacks_the_weights_it_loads(tiny_path, family, fuse):
 
 
 def test_the_packed_op_is_a_linear_layer():
-    # (opcheck cannot run it: a packed weight is an opaque tensor without storage.)
+    """The op names a packed weight by its PackedLinears' number and its index there."""
     gen = torch.Generator().manual_seed(0)
-    weight, bias = torch.randn(48, 32, generator=gen), torch.randn(48, generator=gen)
-    packed = torch.ops.mkldnn._reorder_linear_weight(weight, 16)
+    layers = nn.Sequential(nn.Linear(32, 48), nn.Linear(48, 16, bias=False))
+    linears = PackedLinears(layers)
     x = torch.randn(3, 5, 32, generator=gen)
-    torch.testing.assert_close(packed_linear(x, packed, bias), x @ weight.T + bias)
-    torch.testing.assert_close(packed_linear(x, packed, None), x @ weight.T)
+    first, second = layers
+    torch.testing.assert_close(
+        packed_linear(x, linears.number, 0, 48, first.bias), x @ first.weight.T + first.bias
+    )
+    y = torch.randn(4, 48, generator=gen)
+    torch.testing.assert_close(packed_linear(y, linears.number, 1, 16, None), y @ second.weight.T)
+    # inference only: the engine never differentiates through it
+    torch.library.opcheck(packed_linear, (x, linears.number, 0, 48, first.bias.detach()))
+
+
+def test_a_compiled_forward_over_packed_layers_is_cached_for_the_next_start(tmp_path, monkeypatch):
+    """Inductor's and AOTAutograd's caches keep a graph that calls the packed op (one holding
+    oneDNN tensors as constants could not be pickled, so each start compiled it again)."""
+    from torch._dynamo.utils import counters
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    layers = nn.Sequential(nn.Linear(32, 48), nn.SiLU(), nn.Linear(48, 16)).eval()
+    linears = PackedLinears(layers)
+    x = torch.randn(3, 32, generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode(), linears:
+        want = layers(x)
+        for _ in range(2):  # a start, then a start that finds the cache
+            torch._dynamo.reset()
+            counters.clear()
+            have = torch.compile(layers, backend="inductor")(x)
+            torch.testing.assert_close(have, want)
+    assert counters["inductor"]["fxgraph_cache_hit"] == 1, dict(counters["inductor"])
+    assert counters["inductor"]["fxgraph_cache_bypass"] == 0
 
 
 @pytest.mark.parametrize("fuse", [False, True])
