@@ -16,11 +16,15 @@ Systems:
               tensors are left-padded like the ids, the rest concatenated along the item axis.
 Output tokens are useful tokens only: a request counts min(max_tokens, tokens up to and including
 its first EOS), never batch padding. The roofline assumes decode reads every weight once per step:
-concurrency * copy bandwidth / weight bytes tokens/s. Prints a table per model and writes JSON
-(default benchmarks/results/engine_throughput_<workload>.json).
+concurrency * copy bandwidth / weight bytes tokens/s. The byte floor is the whole run's least
+time (`engine_workloads.ByteFloor`): every decode step reads the weights, the cached keys and
+values and the linear-attention states, every prompt costs its parameter FLOPs at the measured
+matrix-product rate; `% floor` is each row's share of it. Prints a table per model and
+concurrency and writes JSON (default benchmarks/results/engine_throughput_<workload>.json).
 
     python benchmarks/engine_throughput.py --workload cpu [--family gemma4] [--threads 1]
     python benchmarks/engine_throughput.py --workload gpu [--model qwen3-1.7b qwen3.5-2b]
+    python benchmarks/engine_throughput.py --workload gpu --model qwen3-8b --concurrency 64 256
 
 `--decode-compile`, `--cpu-linear`, `--kernels` (the engine's Triton kernels or their PyTorch
 references, `areno/engine/kernels/`), `--overlap-steps`, `--prefill-compile` and
@@ -41,11 +45,13 @@ from typing import Any
 import torch
 from engine_workloads import (
     MODELS,
+    ByteFloor,
     GcPauses,
     copy_bandwidth_gb_s,
     load_small,
     make_random_id_workload,
     make_workload,
+    matmul_tflops,
     random_model,
     synchronize,
     weight_bytes,
@@ -256,6 +262,7 @@ def _run_engine(model, tokenizer, requests, concurrency, config: EngineConfig) -
             outputs = run_requests(generator, requests)
             synchronize(model.device)
             wall_s = time.perf_counter() - start
+        timed_compiles = compiles.report()  # before the shutdown releases the graphs
     finally:
         generator.shutdown()
     num_tokens = sum(len(out.samples[0].token_ids) for out in outputs)
@@ -264,7 +271,7 @@ def _run_engine(model, tokenizer, requests, concurrency, config: EngineConfig) -
         "wall_s": wall_s,
         "tok_s": num_tokens / wall_s,
         "warmup_s": warmup_s,
-        **compiles.report(),
+        **timed_compiles,
         **phases.report(),
         **pauses.report(),
     }
@@ -331,8 +338,9 @@ class PhaseTimes:
 # --- roofline and report --------------------------------------------------------------------------
 
 
-def run_model(name: str, args: argparse.Namespace, bandwidth_gb_s: float) -> dict:
-    """All systems on one model; returns the model's report (rows, roofline)."""
+def run_model(name: str, args: argparse.Namespace, bandwidth_gb_s: float, tflops: float) -> list:
+    """All systems on one model at each of `args.concurrency`; one report (rows, roofline, byte
+    floor) per concurrency."""
     workload = WORKLOADS[args.workload]
     dtype = getattr(torch, args.dtype)
     tokenizer = None
@@ -355,18 +363,42 @@ def run_model(name: str, args: argparse.Namespace, bandwidth_gb_s: float) -> dic
         requests = make_random_id_workload(
             args.seed, args.num_requests, workload["prompt_len"], workload["max_tokens"], vocab_size
         )
-    num_weight_bytes = weight_bytes(model)
-    roofline = args.concurrency * bandwidth_gb_s * 1e9 / num_weight_bytes
-    systems = {}
-    caches = ["static"] if args.skip_hf_dynamic else ["static", "dynamic"]
-    for cache in caches:
-        systems[f"hf-{cache}"] = lambda c=cache: run_hf_generate(
-            model, requests, args.concurrency, c
+    floor = ByteFloor(model, bandwidth_gb_s, tflops)
+    prompt_tokens = [r["prompt_inputs"].num_prompt_tokens for r in requests]
+    reports = []
+    for concurrency in args.concurrency:
+        rows = run_systems(model, tokenizer, requests, concurrency, args)
+        roofline = concurrency * bandwidth_gb_s * 1e9 / weight_bytes(model)
+        run_floor = floor.run(requests, concurrency)
+        _add_ratios(rows, roofline, run_floor["floor_tok_s"])
+        reports.append(
+            {
+                "model": name if name != "small" else f"{args.family}-small",
+                "concurrency": concurrency,
+                "num_params": sum(p.numel() for p in model.parameters()),
+                "weight_bytes": weight_bytes(model),
+                "roofline_tok_s": roofline,
+                "decode_read_bytes": floor.weight_bytes,
+                "kv_bytes_per_token": floor.kv_bytes_per_token,
+                "linear_state_bytes_per_seq": floor.state_bytes_per_seq,
+                **run_floor,
+                "num_image_requests": sum(bool(r["prompt_inputs"].mm_spans) for r in requests),
+                "mean_prompt_tokens": statistics.mean(prompt_tokens),
+                "rows": rows,
+            }
         )
+    return reports
+
+
+def run_systems(model, tokenizer, requests: list[dict], concurrency: int, args) -> list[dict]:
+    """HF's baselines, then one engine row per combination of the engine options given several
+    values (a row is named by those values), at `concurrency`."""
+    systems = {}
+    caches = [] if args.skip_hf else ["static"] if args.skip_hf_dynamic else ["static", "dynamic"]
+    for cache in caches:
+        systems[f"hf-{cache}"] = lambda c=cache: run_hf_generate(model, requests, concurrency, c)
     # NOTE: the engine runs last: its runner routes the model's linear-attention layers through
     # the engine's own kernels inside its forwards, and the baseline must be transformers' code.
-    # One engine row per combination of the engine options given several values; a row is
-    # named by those values.
     options = {
         "decode_compile": args.decode_compile,
         "cpu_linear": args.cpu_linear,
@@ -391,7 +423,7 @@ def run_model(name: str, args: argparse.Namespace, bandwidth_gb_s: float) -> dic
             model,
             tokenizer,
             requests,
-            args.concurrency,
+            concurrency,
             c["decode_compile"],
             c["cpu_linear"] == "packed",
             c["kernels"] == "triton",
@@ -410,38 +442,37 @@ def run_model(name: str, args: argparse.Namespace, bandwidth_gb_s: float) -> dic
                 f" {result['timed_dynamo_graphs']} compiles,"
                 f" {result['timed_graph_captures']} graph captures]"
             )
-        print(f"{system}: {result['tok_s']:.1f} tok/s{warmup}", flush=True)
+        print(f"{system} @ {concurrency}: {result['tok_s']:.1f} tok/s{warmup}", flush=True)
         rows.append({"system": system, "requests": len(requests), **result})
-    _add_ratios(rows, roofline)
-    prompt_tokens = [r["prompt_inputs"].num_prompt_tokens for r in requests]
-    return {
-        "model": name if name != "small" else f"{args.family}-small",
-        "num_params": sum(p.numel() for p in model.parameters()),
-        "weight_bytes": num_weight_bytes,
-        "roofline_tok_s": roofline,
-        "num_image_requests": sum(bool(r["prompt_inputs"].mm_spans) for r in requests),
-        "mean_prompt_tokens": statistics.mean(prompt_tokens),
-        "rows": rows,
-    }
+    return rows
 
 
-def _add_ratios(rows: list[dict], roofline_tok_s: float) -> None:
+def _add_ratios(rows: list[dict], roofline_tok_s: float, floor_tok_s: float) -> None:
     base = next((r["tok_s"] for r in rows if r["system"] == "hf-static"), None)
     for r in rows:
         r["vs_hf_static"] = r["tok_s"] / base if base else None
         r["pct_roofline"] = 100 * r["tok_s"] / roofline_tok_s
+        r["pct_floor"] = 100 * r["tok_s"] / floor_tok_s
 
 
-def print_report(report: dict, bandwidth_gb_s: float) -> None:
+def print_report(report: dict, bandwidth_gb_s: float, tflops: float) -> None:
     print(
-        f"\n{report['model']}: {report['num_params'] / 1e6:.1f} M params, "
-        f"{report['weight_bytes'] / 1e6:.1f} MB weights, {bandwidth_gb_s:.1f} GB/s copy, "
-        f"roofline {report['roofline_tok_s']:.0f} tok/s, mean prompt "
-        f"{report['mean_prompt_tokens']:.0f} tokens, {report['num_image_requests']} with an image"
+        f"\n{report['model']} at concurrency {report['concurrency']}: "
+        f"{report['num_params'] / 1e6:.1f} M params, {report['weight_bytes'] / 1e6:.1f} MB "
+        f"weights, {bandwidth_gb_s:.1f} GB/s copy, {tflops:.1f} TFLOP/s, roofline "
+        f"{report['roofline_tok_s']:.0f} tok/s, mean prompt {report['mean_prompt_tokens']:.0f} "
+        f"tokens, {report['num_image_requests']} with an image"
+    )
+    print(
+        f"byte floor {report['floor_tok_s']:.0f} tok/s: decode {report['floor_decode_s']:.2f} s"
+        f" ({report['decode_read_bytes'] / 1e9:.2f} GB weights a step, "
+        f"{report['kv_bytes_per_token'] / 1e3:.1f} KB KV a token, "
+        f"{report['linear_state_bytes_per_seq'] / 1e6:.1f} MB states a sequence), "
+        f"prefill {report['floor_prefill_s']:.2f} s"
     )
     header = (
         f"{'system':<16} {'requests':>8} {'output tok':>10} {'wall s':>8} {'tok/s':>9} "
-        f"{'vs HF static':>12} {'% roofline':>10} {'max gc ms':>9}"
+        f"{'vs HF static':>12} {'% roofline':>10} {'% floor':>8} {'max gc ms':>9}"
     )
     print(header)
     print("-" * len(header))
@@ -450,7 +481,7 @@ def print_report(report: dict, bandwidth_gb_s: float) -> None:
         print(
             f"{r['system']:<16} {r['requests']:>8} {r['output_tokens']:>10} {r['wall_s']:>8.1f} "
             f"{r['tok_s']:>9.1f} {ratio:>12} {r['pct_roofline']:>10.1f} "
-            f"{r['gc_max_pause_ms']:>9.1f}"
+            f"{r['pct_floor']:>8.1f} {r['gc_max_pause_ms']:>9.1f}"
         )
     for r in report["rows"]:
         if "prefill_s" in r:  # the engine's own split (CPU)
@@ -473,9 +504,12 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--num-requests", type=int)
-    parser.add_argument("--concurrency", type=int)
+    parser.add_argument(
+        "--concurrency", type=int, nargs="+", help="one table per value (default: the workload's)"
+    )
     parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's)")
     parser.add_argument("--skip-hf-dynamic", action="store_true")
+    parser.add_argument("--skip-hf", action="store_true", help="the engine's rows alone")
     parser.add_argument(
         "--decode-compile",
         nargs="+",
@@ -534,7 +568,7 @@ def parse_args() -> argparse.Namespace:
     args.device = args.device or defaults["device"]
     args.dtype = args.dtype or defaults["dtype"]
     args.num_requests = args.num_requests or defaults["num_requests"]
-    args.concurrency = args.concurrency or defaults["concurrency"]
+    args.concurrency = args.concurrency or [defaults["concurrency"]]
     args.out = args.out or f"benchmarks/results/engine_throughput_{args.workload}.json"
     return args
 
@@ -546,9 +580,10 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     bandwidth = copy_bandwidth_gb_s(device, (1 << 30) if device.type == "cuda" else (256 << 20))
-    reports = [run_model(name, args, bandwidth) for name in args.model]
+    tflops = matmul_tflops(device, getattr(torch, args.dtype))
+    reports = [report for name in args.model for report in run_model(name, args, bandwidth, tflops)]
     for report in reports:
-        print_report(report, bandwidth)
+        print_report(report, bandwidth, tflops)
     meta = {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "threads": torch.get_num_threads(),
@@ -558,6 +593,7 @@ def main() -> None:
         "concurrency": args.concurrency,
         "dtype": args.dtype,
         "copy_bandwidth_gb_s": bandwidth,
+        "matmul_tflops": tflops,
     }
     write_results(args.out, meta, {"models": reports})
 

@@ -1,6 +1,7 @@
 """What the engine benchmarks share: their requests (encoded chat prompts, random token ids), their
 models (random weights in real models' shapes, the `make-tiny --size small` checkpoints), the
-device copy bandwidth behind every roofline, and how results are written.
+device copy bandwidth and matrix-product rate behind every roofline, the byte floor of a decode
+step and of a whole run, and how results are written.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from areno.models.tiny import tiny_checkpoint
 from areno.models.tiny.corpus import corpus
 from areno.processing import Processor, PromptInputs, process_messages
 
-MODELS = ("small", "qwen3-1.7b", "qwen3.5-2b")
+MODELS = ("small", "qwen3-1.7b", "qwen3.5-2b", "qwen3-8b")
 _FIT_ROUNDS = 4  # encode / adjust rounds to bring a prompt to its target token count
 
 
@@ -127,6 +128,17 @@ def random_model(name: str, device: str, dtype: torch.dtype) -> torch.nn.Module:
             head_dim=128,
             tie_word_embeddings=True,
         )
+    elif name == "qwen3-8b":
+        config = tf.Qwen3Config(
+            vocab_size=151936,
+            hidden_size=4096,
+            intermediate_size=12288,
+            num_hidden_layers=36,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            head_dim=128,
+            tie_word_embeddings=False,
+        )
     elif name == "qwen3.5-2b":
         # Default layer_types: every 4th layer full attention, the rest gated delta net.
         config = tf.Qwen3_5TextConfig(
@@ -214,6 +226,108 @@ class GcPauses:
 
 def weight_bytes(model: torch.nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def matmul_tflops(device: torch.device, dtype: torch.dtype, repeats: int = 5) -> float:
+    """Median rate of a square matrix product in `dtype` (8192 on CUDA, 1024 on CPU): the
+    compute side of a prefill's floor."""
+    n = 8192 if device.type == "cuda" else 1024
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    a @ b  # warm-up
+    times = []
+    for _ in range(repeats):
+        synchronize(device)
+        start = time.perf_counter()
+        a @ b
+        synchronize(device)
+        times.append(time.perf_counter() - start)
+    return 2 * n**3 / statistics.median(times) / 1e12
+
+
+# --- byte floor -----------------------------------------------------------------------------------
+
+
+def linear_state_bytes(config) -> int:
+    """One sequence's conv and recurrent state over every linear-attention layer: the recurrent
+    state in float32 (heads x key dim x value dim), the conv state in the model's dtype."""
+    layers = sum(t == "linear_attention" for t in getattr(config, "layer_types", None) or [])
+    if not layers:
+        return 0
+    heads, key_dim, value_dim = (
+        config.linear_num_value_heads,
+        config.linear_key_head_dim,
+        config.linear_value_head_dim,
+    )
+    conv_dim = 2 * config.linear_num_key_heads * key_dim + heads * value_dim
+    per_layer = heads * key_dim * value_dim * 4 + conv_dim * config.linear_conv_kernel_dim * 2
+    return layers * per_layer
+
+
+class ByteFloor:
+    """The least time a model's decode steps and prefills can take on a device, from the bytes a
+    decode step must move and the FLOPs a prefill must do:
+
+    - a decode step of `rows` sequences at `context` tokens each reads every weight it uses once
+      (all but an untied input embedding, of which it gathers `rows` rows), or, where it takes
+      longer, does the weights' products for its rows (2 FLOPs per non-embedding parameter per
+      row: an 8B model's step turns compute-bound near 256 rows on an H200); then it reads the
+      keys and values of every cached token in the layers that keep them, and reads and writes
+      each sequence's linear-attention states;
+    - a prefill of `tokens` tokens does 2 FLOPs per non-embedding parameter per token (attention
+      scores are left out: short prompts).
+
+    Bytes go at the measured copy bandwidth (`bandwidth_gb_s`, counting bytes read and written),
+    FLOPs at the measured matrix-product rate (`tflops`)."""
+
+    def __init__(self, model: torch.nn.Module, bandwidth_gb_s: float, tflops: float):
+        from areno.engine.kv_pool import block_bytes
+
+        config = model.config.get_text_config()
+        layer_types = getattr(config, "layer_types", None) or (
+            ["full_attention"] * config.num_hidden_layers
+        )
+        embedding = model.get_input_embeddings().weight
+        embedding_bytes = embedding.numel() * embedding.element_size()
+        tied = model.get_output_embeddings().weight is embedding
+        self.weight_bytes = weight_bytes(model) - (0 if tied else embedding_bytes)
+        self.prefill_params = sum(p.numel() for p in model.parameters()) - embedding.numel()
+        self.kv_bytes_per_token = block_bytes(model, layer_types, 1)
+        self.state_bytes_per_seq = linear_state_bytes(config)
+        self.bandwidth = bandwidth_gb_s * 1e9
+        self.flops = tflops * 1e12
+
+    def weights_s(self, rows: int) -> float:
+        """A step's weight reads, or its rows' products where those take longer."""
+        return max(self.weight_bytes / self.bandwidth, 2 * self.prefill_params * rows / self.flops)
+
+    def step_ms(self, rows: int, context: float) -> float:
+        cache_bytes = rows * context * self.kv_bytes_per_token + 2 * rows * self.state_bytes_per_seq
+        return 1e3 * (self.weights_s(rows) + cache_bytes / self.bandwidth)
+
+    def run(self, requests: list[dict], concurrency: int) -> dict:
+        """The floor of a whole run: each request prefilled once, then decoded `max_tokens - 1`
+        steps (its first token comes from the prefill) in steps of `concurrency` rows (fewer
+        steps are impossible; the weights are read once a step). Output tokens are max_tokens."""
+        prompt = [r["prompt_inputs"].num_prompt_tokens for r in requests]
+        output = [r["max_tokens"] for r in requests]
+        decode_tokens = sum(t - 1 for t in output)
+        steps = decode_tokens / concurrency
+        kv_bytes = self.kv_bytes_per_token * sum(
+            (t - 1) * p + (t - 1) * t / 2 for p, t in zip(prompt, output, strict=True)
+        )
+        decode_s = (
+            steps * self.weights_s(concurrency)
+            + (kv_bytes + 2 * decode_tokens * self.state_bytes_per_seq) / self.bandwidth
+        )
+        prefill_s = 2 * self.prefill_params * sum(prompt) / self.flops
+        floor_s = decode_s + prefill_s
+        return {
+            "floor_s": floor_s,
+            "floor_decode_s": decode_s,
+            "floor_prefill_s": prefill_s,
+            "floor_tok_s": sum(output) / floor_s,
+        }
 
 
 def write_results(path: str, meta: dict, results: dict) -> None:

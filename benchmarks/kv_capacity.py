@@ -25,7 +25,7 @@ import argparse
 import math
 
 import torch
-from engine_workloads import random_model, write_results
+from engine_workloads import linear_state_bytes, random_model, write_results
 
 from areno.engine.block_manager import blocks_for
 from areno.engine.kv_pool import block_bytes
@@ -34,20 +34,6 @@ from areno.engine.scheduler import Scheduler, SchedulerConfig
 from areno.engine.sequence import SequenceGroup
 
 GIB = 1 << 30
-
-
-def linear_state_bytes(config) -> int:
-    """One sequence's conv and recurrent state over every linear-attention layer: the recurrent
-    state in float32 (heads x key dim x value dim), the conv state in the model's dtype."""
-    layers = sum(t == "linear_attention" for t in config.layer_types)
-    heads, key_dim, value_dim = (
-        config.linear_num_value_heads,
-        config.linear_key_head_dim,
-        config.linear_value_head_dim,
-    )
-    conv_dim = 2 * config.linear_num_key_heads * key_dim + heads * value_dim
-    per_layer = heads * key_dim * value_dim * 4 + conv_dim * config.linear_conv_kernel_dim * 2
-    return layers * per_layer
 
 
 def run_paged(num_blocks: int, args: argparse.Namespace, max_running: int | None = None) -> dict:

@@ -1,14 +1,17 @@
 """Where one decode step of the engine spends its time, by operator class.
 
 Fills every slot of a `ModelRunner` with a random prompt, warms the decode step up (compiling and
-capturing it where the engine would), then profiles a few steps with torch.profiler and prints:
-the step time, each class's share (GEMM, attention, linear-attention recurrence, copies, other
-elementwise), the top operators or kernels, and the weight-bandwidth floor of the step (weight
-bytes / measured copy bandwidth) that the engine issue's roofline assumes. On CUDA the shares are
-of GPU kernel time; on CPU of operator self time. JSON goes to --out.
+capturing it where the engine would), then, for each of `--rows` (the first that many slots
+decoding), times steps and profiles a few with torch.profiler, and prints: the step time, each
+class's share (GEMM, attention, linear-attention recurrence, copies, other elementwise), the top
+operators or kernels, and the byte floor of the step (`engine_workloads.ByteFloor`: the weights,
+the rows' cached keys and values, their linear-attention states, at the measured copy
+bandwidth; the weights' products instead of their reads where those take longer, at the measured
+matrix-product rate). On CUDA the shares are of GPU kernel time; on CPU of operator self time. JSON goes
+to --out.
 
-    python benchmarks/profile_decode.py --model small                  # CPU, fp32, 16 rows
-    python benchmarks/profile_decode.py --model qwen3-1.7b --rows 64   # GPU, bf16
+    python benchmarks/profile_decode.py --model small                        # CPU, fp32, 16 rows
+    python benchmarks/profile_decode.py --model qwen3-8b --rows 64 256       # GPU, bf16
 """
 
 from __future__ import annotations
@@ -25,7 +28,15 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).parent))
-from engine_workloads import copy_bandwidth_gb_s, load_small, random_model, weight_bytes  # noqa: E402
+from engine_workloads import (  # noqa: E402
+    MODELS,
+    ByteFloor,
+    copy_bandwidth_gb_s,
+    load_small,
+    matmul_tflops,
+    random_model,
+    weight_bytes,
+)
 
 from areno.engine.runner import ModelRunner  # noqa: E402
 from areno.processing.types import PromptInputs  # noqa: E402
@@ -33,7 +44,10 @@ from areno.processing.types import PromptInputs  # noqa: E402
 # Operator / kernel name fragments of each class, first match wins (lower case).
 CLASSES = {
     "gemm": ("gemm", "linear", "mm", "matmul", "cutlass", "sm90_xmma", "nvjet", "addmm"),
-    "attention": ("attention", "flash", "fmha", "sdpa", "softmax"),
+    # _split_kernel / _combine_kernel: the engine's split-key decode attention and its merge
+    # (areno/engine/kernels/decode_attention.py).
+    "attention": ("attention", "flash", "fmha", "sdpa", "softmax", "_split_kernel", "_combine"),
+    "recurrence": ("gated_delta", "_chunk_kernel", "_scan_kernel", "delta_rule"),
     "copy": ("copy", "cat", "index", "scatter", "gather", "memcpy", "memset", "fill"),
 }
 
@@ -53,37 +67,47 @@ def build(args: argparse.Namespace) -> torch.nn.Module:
     return random_model(args.model, args.device, dtype)
 
 
-def profile_steps(runner: ModelRunner, args: argparse.Namespace, vocab: int) -> dict:
-    on_cuda = runner.device.type == "cuda"
-    sync = torch.cuda.synchronize if on_cuda else (lambda: None)
+def fill(runner: ModelRunner, args: argparse.Namespace, vocab: int) -> float:
+    """Every slot prefilled with a random prompt of `args.prompt_len` tokens; ms per prompt."""
     generator = torch.Generator().manual_seed(args.seed)
     began = time.perf_counter()
-    for slot in range(args.rows):
+    for slot in range(runner.num_slots):
         ids = torch.randint(10, vocab, (args.prompt_len,), generator=generator).tolist()
         runner.prefill(PromptInputs(ids, {}), [slot])
-    sync()
-    prefill_ms = (time.perf_counter() - began) / args.rows * 1e3
-    slots = list(range(args.rows))
-    token_ids = [5] * args.rows
+    _sync(runner)
+    return (time.perf_counter() - began) / runner.num_slots * 1e3
 
-    def step(i: int) -> None:
-        runner.decode(slots, [args.prompt_len + i] * args.rows, token_ids)
+
+def _sync(runner: ModelRunner) -> None:
+    if runner.device.type == "cuda":
+        torch.cuda.synchronize(runner.device)
+
+
+def profile_steps(runner: ModelRunner, args: argparse.Namespace, rows: int) -> dict:
+    """Warm-up, timed and profiled decode steps of the first `rows` slots. Every call decodes
+    the same positions (the context stays `prompt_len`), so the rows' KV reads are the same."""
+    on_cuda = runner.device.type == "cuda"
+    slots = list(range(rows))
+    token_ids = [5] * rows
+
+    def step() -> None:
+        runner.decode(slots, [args.prompt_len] * rows, token_ids)
 
     began = time.perf_counter()
-    for i in range(args.warmup):
-        step(i)
-    sync()
+    for _ in range(args.warmup):
+        step()
+    _sync(runner)
     warmup_s = time.perf_counter() - began
     began = time.perf_counter()
-    for i in range(args.steps):
-        step(args.warmup + i)
-    sync()
+    for _ in range(args.steps):
+        step()
+    _sync(runner)
     step_ms = (time.perf_counter() - began) / args.steps * 1e3
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_cuda else [])
     with profile(activities=activities) as prof:
-        for i in range(args.steps):
-            step(args.warmup + args.steps + i)
-        sync()
+        for _ in range(args.steps):
+            step()
+        _sync(runner)
     events = prof.key_averages()
     totals: dict[str, float] = defaultdict(float)
     top = []
@@ -95,7 +119,7 @@ def profile_steps(runner: ModelRunner, args: argparse.Namespace, vocab: int) -> 
         top.append((us / args.steps, event.count // args.steps, event.key))
     top.sort(reverse=True)
     return {
-        "prefill_ms_per_prompt": prefill_ms,
+        "rows": rows,
         "step_ms": step_ms,
         "warmup_s": warmup_s,
         "profiled_ms_per_step": sum(totals.values()) / 1e3,
@@ -104,15 +128,34 @@ def profile_steps(runner: ModelRunner, args: argparse.Namespace, vocab: int) -> 
     }
 
 
+def print_result(result: dict, floor_ms: float) -> None:
+    print(
+        f"\n{result['rows']} rows: step {result['step_ms']:.2f} ms (profiled "
+        f"{result['profiled_ms_per_step']:.2f}); byte floor {floor_ms:.2f} ms = "
+        f"{floor_ms / result['step_ms']:.0%} of the step"
+    )
+    print(f"{'class':<12} {'ms/step':>8} {'share':>6}")
+    for cls, ms in result["classes_ms"].items():
+        print(f"{cls:<12} {ms:>8.2f} {ms / result['profiled_ms_per_step']:>6.0%}")
+    print(f"\n{'ms/step':>8} {'calls':>6}  operator / kernel")
+    for row in result["top"]:
+        print(f"{row['ms']:>8.3f} {row['calls']:>6}  {row['name'][:90]}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--model", default="small", choices=["small", "qwen3-1.7b", "qwen3.5-2b"])
+    parser.add_argument("--model", default="small", choices=MODELS)
     parser.add_argument("--family", default="qwen3_5", help="for --model small")
     parser.add_argument("--device", help="default: cuda for the GPU shapes, else cpu")
     parser.add_argument("--dtype", help="default: bfloat16 on cuda, float32 on cpu")
-    parser.add_argument("--rows", type=int, help="decoding slots (default 64 on cuda, 16 on cpu)")
+    parser.add_argument(
+        "--rows",
+        type=int,
+        nargs="+",
+        help="decoding rows, one profile each (default 64 on cuda, 16 on cpu)",
+    )
     parser.add_argument("--prompt-len", type=int, default=256)
     parser.add_argument("--graphs", default="auto")
     parser.add_argument("--compile", default="auto")
@@ -128,25 +171,30 @@ def main() -> None:
     args.device = args.device or ("cpu" if args.model == "small" else "cuda")
     on_cuda = args.device == "cuda"
     args.dtype = args.dtype or ("bfloat16" if on_cuda else "float32")
-    args.rows = args.rows or (64 if on_cuda else 16)
+    args.rows = args.rows or [64 if on_cuda else 16]
     torch.manual_seed(args.seed)
 
     model = build(args)
     vocab = min(model.config.get_text_config().vocab_size, 400)  # ids the tiny tokenizer knows
     runner = ModelRunner(
         model,
-        num_slots=args.rows,
-        max_len=args.prompt_len + args.warmup + 2 * args.steps + 1,
+        num_slots=max(args.rows),
+        max_len=args.prompt_len + 2,
         graphs=args.graphs,
         compile=args.compile,
         packed_linear=True,
         fuse_projections=args.fuse_projections == "on"
         or (args.fuse_projections == "auto" and on_cuda),
     )
-    result = profile_steps(runner, args, vocab)
+    prefill_ms = fill(runner, args, vocab)
+    results = [profile_steps(runner, args, rows) for rows in args.rows]
     num_bytes = weight_bytes(model)
     bandwidth = copy_bandwidth_gb_s(runner.device, min(num_bytes, 1 << 30))
-    floor_ms = num_bytes / (bandwidth * 1e9) * 1e3
+    tflops = matmul_tflops(runner.device, getattr(torch, args.dtype))
+    floor = ByteFloor(model, bandwidth, tflops)
+    for result in results:
+        result["floor_ms"] = floor.step_ms(result["rows"], args.prompt_len)
+        result["pct_floor"] = 100 * result["floor_ms"] / result["step_ms"]
     report = {
         "meta": {
             "machine": platform.platform(),
@@ -154,26 +202,21 @@ def main() -> None:
             "threads": torch.get_num_threads(),
             **{k: v for k, v in vars(args).items() if k != "out"},
             "copy_bandwidth_gb_s": bandwidth,
+            "matmul_tflops": tflops,
             "weight_bytes": num_bytes,
+            "decode_read_bytes": floor.weight_bytes,
+            "kv_bytes_per_token": floor.kv_bytes_per_token,
+            "linear_state_bytes_per_seq": floor.state_bytes_per_seq,
         },
-        "weight_floor_ms": floor_ms,
-        **result,
+        "prefill_ms_per_prompt": prefill_ms,
+        "results": results,
     }
     print(
-        f"\n{args.model} on {report['meta']['device']}, {args.rows} rows, prompt {args.prompt_len}"
-        f", graphs {args.graphs}, compile {args.compile}"
+        f"\n{args.model} on {report['meta']['device']}, prompt {args.prompt_len}, graphs "
+        f"{args.graphs}, compile {args.compile}; prefill {prefill_ms:.1f} ms per prompt"
     )
-    print(f"prefill {result['prefill_ms_per_prompt']:.1f} ms per prompt")
-    print(
-        f"step {result['step_ms']:.2f} ms (profiled {result['profiled_ms_per_step']:.2f}); "
-        f"weight floor {floor_ms:.2f} ms = {floor_ms / result['step_ms']:.0%} of the step"
-    )
-    print(f"{'class':<12} {'ms/step':>8} {'share':>6}")
-    for cls, ms in result["classes_ms"].items():
-        print(f"{cls:<12} {ms:>8.2f} {ms / result['profiled_ms_per_step']:>6.0%}")
-    print(f"\n{'ms/step':>8} {'calls':>6}  operator / kernel")
-    for row in result["top"]:
-        print(f"{row['ms']:>8.3f} {row['calls']:>6}  {row['name'][:90]}")
+    for result in results:
+        print_result(result, result["floor_ms"])
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=2))
     print(f"wrote {args.out}")

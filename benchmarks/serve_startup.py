@@ -54,7 +54,7 @@ def start_once(args: argparse.Namespace, cache: Path, timeout: float) -> dict:
     """One `areno serve` start: seconds to /health 200, the banner's start-up phases."""
     port = _free_port()
     command = [
-        str(Path(sys.executable).parent / "areno"), "serve", "--model-path", args.model_path,
+        sys.executable, "-m", "areno.cli", "serve", "--model-path", args.model_path,
         "--device", args.device, "--decode-compile", args.compile,
         "--prefill-compile", args.compile, "--max-running-prompts", str(args.max_running_prompts),
         "--port", str(port),
