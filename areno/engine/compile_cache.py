@@ -8,7 +8,9 @@ change invalidates the artifacts (Python, torch, Triton, transformers, AReno) an
 (the GPU's name and compute capability). Inside it, Inductor keys each compiled graph by its code,
 input shapes and dtypes and its own configuration, so models of different shapes or dtypes share
 the directory without sharing entries. `ARENO_COMPILE_CACHE=off` leaves torch's default (a
-directory under the temporary directory); a `TORCHINDUCTOR_CACHE_DIR` the user set is kept.
+directory under the temporary directory); a `TORCHINDUCTOR_CACHE_DIR` the user set is kept, unless
+it names torch's default itself: importing torch._dynamo writes that default into the variable,
+so it cannot tell a user's choice from torch's.
 
 Set once per process, before the first compile (`Generator.from_config` calls `use`)."""
 
@@ -70,8 +72,10 @@ def use(device: torch.device) -> Path | None:
     root = os.environ.get(ENV)
     if root is not None and root.lower() in ("off", "0", "none", ""):
         return None
-    if chosen is not None:
-        return Path(chosen) if _ours(Path(chosen)) else None
+    if chosen is not None and _ours(Path(chosen)):
+        return Path(chosen)
+    if chosen is not None and not _torch_default(chosen):
+        return None
     path = Path(root or default_root()) / cache_key(device)
     path.mkdir(parents=True, exist_ok=True)
     (path / ".areno").touch()
@@ -82,6 +86,14 @@ def use(device: torch.device) -> Path | None:
 
 def _ours(path: Path) -> bool:
     return (path / ".areno").is_file()
+
+
+def _torch_default(chosen: str) -> bool:
+    """Whether TORCHINDUCTOR_CACHE_DIR holds torch's own default, which torch writes there when
+    it first asks for its cache directory (importing torch._dynamo does): not a user's choice."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    return os.path.abspath(chosen) == os.path.abspath(default_cache_dir())
 
 
 def num_entries(path: Path | None) -> int:

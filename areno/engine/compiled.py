@@ -8,6 +8,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch._dynamo.config as dynamo_config
 import torch.fx.experimental._config as fx_config
 from torch._dynamo.exc import TorchDynamoException
 
@@ -41,7 +42,13 @@ class CompiledForward:
                 # size equal to another (2 rows and 2 KV heads, a 128-key bucket and head_dim
                 # 128) was made the same symbol and pinned by the static one, and every other
                 # shape recompiled (a minute on a GPU).
-                with fx_config.patch(use_duck_shape=False):
+                # Python floats (a norm's epsilon, an attention scale) stay constants: made
+                # symbolic, the one that cannot become a tensor made Dynamo trace the whole
+                # forward a second time, specialized, on every start.
+                with (
+                    fx_config.patch(use_duck_shape=False),
+                    dynamo_config.patch(specialize_float=True),
+                ):
                     return self._compiled(*args, **kwargs)
             except TorchDynamoException as error:
                 log.warning(

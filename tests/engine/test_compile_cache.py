@@ -56,6 +56,18 @@ def test_a_root_of_the_users_and_off_are_honoured(env, tmp_path):
     assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "theirs")
 
 
+def test_torchs_own_default_in_the_variable_is_not_taken_for_a_users_choice(env):
+    """Importing torch._dynamo writes torch's default directory into TORCHINDUCTOR_CACHE_DIR
+    (its first cache_dir() call), which once made every engine keep torch's directory."""
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    default = cache_dir()  # what torch does on import: sets the variable to its default
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == default
+    path = compile_cache.use(torch.device("cpu"))
+    assert path is not None and (path / ".areno").is_file()
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(path) != default
+
+
 def test_entries_are_counted(tmp_path):
     assert compile_cache.num_entries(None) == 0
     assert compile_cache.num_entries(tmp_path / "missing") == 0
