@@ -112,33 +112,33 @@ def make_random_id_workload(
 
 # --- models ---------------------------------------------------------------------------------------
 
+# The Qwen3 shapes (vocab 151,936, head dim 128) by what sets them apart.
+QWEN3_SHAPES = {
+    "qwen3-1.7b": {
+        "hidden_size": 2048,
+        "intermediate_size": 6144,
+        "num_hidden_layers": 28,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 8,
+        "tie_word_embeddings": True,
+    },
+    "qwen3-8b": {
+        "hidden_size": 4096,
+        "intermediate_size": 12288,
+        "num_hidden_layers": 36,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "tie_word_embeddings": False,
+    },
+}
+
 
 def random_model(name: str, device: str, dtype: torch.dtype) -> torch.nn.Module:
     """Random weights in a real model's shapes, initialized directly on `device`."""
     import transformers as tf
 
-    if name == "qwen3-1.7b":
-        config = tf.Qwen3Config(
-            vocab_size=151936,
-            hidden_size=2048,
-            intermediate_size=6144,
-            num_hidden_layers=28,
-            num_attention_heads=16,
-            num_key_value_heads=8,
-            head_dim=128,
-            tie_word_embeddings=True,
-        )
-    elif name == "qwen3-8b":
-        config = tf.Qwen3Config(
-            vocab_size=151936,
-            hidden_size=4096,
-            intermediate_size=12288,
-            num_hidden_layers=36,
-            num_attention_heads=32,
-            num_key_value_heads=8,
-            head_dim=128,
-            tie_word_embeddings=False,
-        )
+    if name in QWEN3_SHAPES:
+        config = tf.Qwen3Config(vocab_size=151936, head_dim=128, **QWEN3_SHAPES[name])
     elif name == "qwen3.5-2b":
         # Default layer_types: every 4th layer full attention, the rest gated delta net.
         config = tf.Qwen3_5TextConfig(
@@ -177,19 +177,25 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def copy_bandwidth_gb_s(device: torch.device, num_bytes: int, repeats: int = 5) -> float:
-    """Median device copy bandwidth; a copy reads and writes, so it moves 2x the tensor's bytes."""
-    src = torch.ones(num_bytes // 4, dtype=torch.float32, device=device)
-    dst = torch.empty_like(src)
-    dst.copy_(src)  # warm-up: page in both buffers
+def median_seconds(fn, device: torch.device, repeats: int = 5) -> float:
+    """Median wall time of `fn()` after one warm-up call, the device synchronized around each."""
+    fn()
     times = []
     for _ in range(repeats):
         synchronize(device)
         start = time.perf_counter()
-        dst.copy_(src)
+        fn()
         synchronize(device)
         times.append(time.perf_counter() - start)
-    return 2 * num_bytes / statistics.median(times) / 1e9
+    return statistics.median(times)
+
+
+def copy_bandwidth_gb_s(device: torch.device, num_bytes: int, repeats: int = 5) -> float:
+    """Median device copy bandwidth; a copy reads and writes, so it moves 2x the tensor's bytes.
+    (The warm-up copy pages in both buffers.)"""
+    src = torch.ones(num_bytes // 4, dtype=torch.float32, device=device)
+    dst = torch.empty_like(src)
+    return 2 * num_bytes / median_seconds(lambda: dst.copy_(src), device, repeats) / 1e9
 
 
 class GcPauses:
@@ -234,15 +240,7 @@ def matmul_tflops(device: torch.device, dtype: torch.dtype, repeats: int = 5) ->
     n = 8192 if device.type == "cuda" else 1024
     a = torch.randn(n, n, device=device, dtype=dtype)
     b = torch.randn(n, n, device=device, dtype=dtype)
-    a @ b  # warm-up
-    times = []
-    for _ in range(repeats):
-        synchronize(device)
-        start = time.perf_counter()
-        a @ b
-        synchronize(device)
-        times.append(time.perf_counter() - start)
-    return 2 * n**3 / statistics.median(times) / 1e12
+    return 2 * n**3 / median_seconds(lambda: a @ b, device, repeats) / 1e12
 
 
 # --- byte floor -----------------------------------------------------------------------------------
