@@ -2,9 +2,11 @@
 (64 decoding rows, 256-token prompts; Qwen3-1.7B and Qwen3.5-2B heads), on CUDA.
 
 - decode attention: one query token per row over 384 cached keys, each row attending to its own
-  first 257-384 (the runner's per-row mask). Baseline: the engine's packed SDPA call with that
-  mask (memory-efficient attention). Floor: the valid keys and values read once. Keys per split
-  program, then the engine's split with the launch it had before `split_launch` (64-key blocks).
+  first 257-384 (the runner's per-row mask), at 64 and 256 rows (Qwen3-1.7B, Qwen3-8B and
+  Qwen3.5-2B heads). Baseline: the engine's packed SDPA call with that mask (memory-efficient
+  attention). Floor: the valid keys and values read once. Rows: every row's keys in 128-key
+  splits and a combine (the launch before the split plan), the engine's plan, then the plan at
+  other targets of programs per multiprocessor and pipelining stages.
 - gated delta, decode: one token per row through the recurrent state (16 heads of 128 x 128
   fp32). Baseline: the engine's four-pass PyTorch update. Floor: the state read and written once.
 - gated delta, prefill: 32 prompts x 256 tokens from a zero state. Baseline: transformers'
@@ -37,15 +39,21 @@ from engine_workloads import copy_bandwidth_gb_s, write_results  # noqa: E402
 import areno.engine.kernels.decode_attention as attention_kernel  # noqa: E402
 from areno.engine.kernels import references_only  # noqa: E402
 from areno.engine.kernels.chunked_delta import CHUNK, chunked_gated_delta  # noqa: E402
-from areno.engine.kernels.decode_attention import decode_attention  # noqa: E402
+from areno.engine.kernels.decode_attention import SPLIT_KEYS, decode_attention  # noqa: E402
 from areno.engine.kernels.gated_delta import gated_delta, launch_choices  # noqa: E402
 from areno.engine.linear_attention import recurrent_update  # noqa: E402
 
 ROWS, PROMPT, CACHED = 64, 256, 384
+ATTENTION_ROWS = (64, 256)
 PAGE = 16  # the paged cache's default block size (--block-size)
-ATTENTION_SHAPES = {"qwen3-1.7b": (16, 8, 128), "qwen3.5-2b": (8, 2, 256)}  # heads, kv, dim
+ATTENTION_SHAPES = {  # heads, kv heads, head dim
+    "qwen3-1.7b": (16, 8, 128),
+    "qwen3-8b": (32, 8, 128),
+    "qwen3.5-2b": (8, 2, 256),
+}
 LINEAR_HEADS, LINEAR_DIM = 16, 128
-SPLITS = (32, 64, 128, 256)  # keys per program of the attention kernel (the engine's: SPLIT_KEYS)
+PROGRAMS_PER_SM = (1, 2, 4, 8)  # the split plan's target (the engine's: in decode_attention.py)
+STAGES = (1, 2, 3)  # pipelining of a split of several blocks
 
 
 def graph_ms(fn, calls: int = 10, replays: int = 20) -> float:
@@ -75,64 +83,71 @@ def _timed(fn, repeats: int) -> float:
 
 
 def attention_rows(bandwidth: float) -> list[dict]:
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    ends = torch.randint(PROMPT + 1, CACHED + 1, (ROWS,), device="cuda", generator=gen)
-    mask = torch.arange(CACHED, device="cuda")[None] < ends[:, None]
-    return [
-        row
-        for model, (heads, kv_heads, dim) in ATTENTION_SHAPES.items()
-        for row in _attention_rows(model, heads, kv_heads, dim, mask, bandwidth)
-    ]
+    rows = []
+    for batch in ATTENTION_ROWS:
+        gen = torch.Generator(device="cuda").manual_seed(0)
+        ends = torch.randint(PROMPT + 1, CACHED + 1, (batch,), device="cuda", generator=gen)
+        mask = torch.arange(CACHED, device="cuda")[None] < ends[:, None]
+        for model, (heads, kv_heads, dim) in ATTENTION_SHAPES.items():
+            rows += _attention_rows(model, heads, kv_heads, dim, mask, bandwidth)
+    return rows
 
 
 def _attention_rows(model, heads, kv_heads, dim, mask, bandwidth: float) -> list[dict]:
-    query = torch.randn(ROWS, heads, dim, device="cuda", dtype=torch.bfloat16)
+    batch = mask.shape[0]
+    query = torch.randn(batch, heads, dim, device="cuda", dtype=torch.bfloat16)
     key, value = (
-        torch.randn(ROWS, kv_heads, CACHED, dim, device="cuda", dtype=torch.bfloat16)
+        torch.randn(batch, kv_heads, CACHED, dim, device="cuda", dtype=torch.bfloat16)
         for _ in range(2)
     )
-    packed = query.reshape(ROWS, kv_heads, heads // kv_heads, dim)
+    packed = query.reshape(batch, kv_heads, heads // kv_heads, dim)
     # The same keys in the paged cache's layout: blocks of PAGE tokens, each row's in a table.
     blocks = -(-CACHED // PAGE)
     pool_k, pool_v = (
-        t.reshape(ROWS, kv_heads, blocks, PAGE, dim)
+        t.reshape(batch, kv_heads, blocks, PAGE, dim)
         .transpose(1, 2)
         .reshape(-1, kv_heads, PAGE, dim)
         for t in (key, value)
     )
-    tables = torch.arange(ROWS * blocks, device="cuda").reshape(ROWS, blocks)
+    tables = torch.arange(batch * blocks, device="cuda").reshape(batch, blocks)
 
     def sdpa():
         with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]):
             F.scaled_dot_product_attention(packed, key, value, attn_mask=mask[:, None, None])
 
+    def kernel(keys: int, options: dict | None = None) -> float:
+        return graph_ms(
+            lambda: attention_kernel.launch(
+                query, pool_k, pool_v, tables, mask, dim**-0.5, None, keys, options
+            )
+        )
+
     floor_ms = int(mask.sum()) * kv_heads * dim * 2 * 2 / bandwidth / 1e6
     sdpa_ms = graph_ms(sdpa)
-    rows = []
-    default = attention_kernel.SPLIT_KEYS
-    for split in SPLITS:
-        attention_kernel.SPLIT_KEYS = split
-        name = f"decode attention split {split}" + (" (engine)" if split == default else "")
-        kernel_ms = graph_ms(
-            lambda: decode_attention(query, pool_k, pool_v, tables, mask, dim**-0.5)
-        )
-        rows.append(_row(name, model, sdpa_ms, kernel_ms, floor_ms))
-    attention_kernel.SPLIT_KEYS = default
-    # The launch before `split_launch`: 64-key blocks (8192 // dim keys above head dim 128, the
-    # same launch as now there), Triton's defaults.
-    launch = attention_kernel.split_launch
-    attention_kernel.split_launch = lambda dim: {"BLOCK_N": max(16, min(64, 8192 // dim))}
-    try:
-        kernel_ms = graph_ms(
-            lambda: decode_attention(query, pool_k, pool_v, tables, mask, dim**-0.5)
-        )
-    finally:
-        attention_kernel.split_launch = launch
-    rows.append(
+    shape = f"{model} x{batch}"
+    # The launch before the split plan: every row's keys in SPLIT_KEYS splits and a combine.
+    rows = [
         _row(
-            f"decode attention split {default}, 64-key blocks", model, sdpa_ms, kernel_ms, floor_ms
+            f"attention {SPLIT_KEYS}-key splits (before)",
+            shape,
+            sdpa_ms,
+            kernel(SPLIT_KEYS),
+            floor_ms,
         )
-    )
+    ]
+    engine_ms = graph_ms(lambda: decode_attention(query, pool_k, pool_v, tables, mask, dim**-0.5))
+    rows.append(_row("attention, the engine's plan", shape, sdpa_ms, engine_ms, floor_ms))
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for per_sm in PROGRAMS_PER_SM:
+        keys = attention_kernel.split_keys(batch, kv_heads, CACHED, per_sm * sms)
+        for stages in STAGES:
+            options = attention_kernel.split_launch(dim, keys)
+            if "num_stages" in options:
+                options["num_stages"] = stages if keys > options["BLOCK_N"] else 1
+            elif stages != STAGES[0]:
+                continue  # wide heads keep Triton's pipelining: one row
+            name = f"attention {per_sm}/SM: {keys}-key splits, {options.get('num_stages', '-')} st"
+            rows.append(_row(name, shape, sdpa_ms, kernel(keys, options), floor_ms))
     return rows
 
 

@@ -22,7 +22,12 @@ import areno.engine.attention as engine_attention
 import areno.engine.linear_attention as engine_linear_attention
 from areno.engine.kernels import INTERPRETED, references_only, triton
 from areno.engine.kernels.chunked_delta import chunked_gated_delta, chunked_gated_delta_torch
-from areno.engine.kernels.decode_attention import decode_attention, decode_attention_reference
+from areno.engine.kernels.decode_attention import (
+    decode_attention,
+    decode_attention_reference,
+    launch,
+    split_keys,
+)
 from areno.engine.kernels.gated_delta import gated_delta, gated_delta_reference
 from areno.engine.kernels.write_kv import write_kv, write_kv_reference
 from areno.engine.runner import ModelRunner
@@ -63,22 +68,37 @@ def _paged(batch: int, heads: int, length: int, dim: int, dtype, page: int = 16)
     return storage, order.reshape(batch, num).to(DEVICE)
 
 
+ATTENTION_SHAPES = [  # heads, kv_heads, dim, window, page
+    (16, 8, 128, None, 16),
+    (8, 2, 256, None, 16),
+    (4, 4, 32, None, 32),
+    (4, 1, 64, 48, 16),
+    (8, 2, 512, 100, 8),
+]
+# (shape, padded, keys a split): the op's own plan (on CPU one split a row, written directly),
+# splits of one block that a combine joins, and splits of two blocks on the two model shapes.
+ATTENTION_CASES = (
+    [(shape, padded, None) for shape in ATTENTION_SHAPES for padded in (False, True)]
+    + [(shape, True, 128) for shape in ATTENTION_SHAPES]
+    + [(shape, True, 256) for shape in ATTENTION_SHAPES[:2]]
+)
+
+
 @needs_kernels
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(
-    "heads, kv_heads, dim, window, page",
-    [
-        (16, 8, 128, None, 16),
-        (8, 2, 256, None, 16),
-        (4, 4, 32, None, 32),
-        (4, 1, 64, 48, 16),
-        (8, 2, 512, 100, 8),
+    "shape, padded, split",
+    ATTENTION_CASES,
+    ids=[
+        f"{'-'.join(map(str, shape))}-{'padded' if padded else 'exact'}-{split or 'planned'}"
+        for shape, padded, split in ATTENTION_CASES
     ],
 )
-@pytest.mark.parametrize("padded", [False, True], ids=["exact", "padded"])
-def test_decode_attention_matches_its_reference(dtype, heads, kv_heads, dim, window, page, padded):
+def test_decode_attention_matches_its_reference(dtype, shape, padded, split):
     """`padded`: the step's key length runs 3 splits past its longest row (a graph captured for
-    the whole context) and each row's key count travels: the splits past it read nothing."""
+    the whole context) and each row's key count travels: the splits past it read nothing.
+    `split`: keys a split program, None for the op's own plan."""
+    heads, kv_heads, dim, window, page = shape
     if INTERPRETED and kv_heads > 2:  # a program per KV head: two of them, the group kept
         heads, kv_heads = heads // kv_heads * 2, 2
     torch.manual_seed(0)
@@ -93,7 +113,10 @@ def test_decode_attention_matches_its_reference(dtype, heads, kv_heads, dim, win
         mask &= keys >= ends[:, None] - window
     want = decode_attention_reference(query, key, value, tables, mask, dim**-0.5)
     lengths = ends.int() if padded else None
-    have = decode_attention(query, key, value, tables, mask, dim**-0.5, lengths)
+    if split is None:
+        have = decode_attention(query, key, value, tables, mask, dim**-0.5, lengths)
+    else:
+        have = launch(query, key, value, tables, mask, dim**-0.5, lengths, split)
     assert have.shape == want.shape and have.dtype == dtype
     torch.testing.assert_close(have.float(), want.float(), atol=TOLERANCE[dtype], rtol=0)
 
@@ -345,3 +368,13 @@ def test_the_runner_decodes_the_same_tokens_with_its_kernels(tiny_path, family, 
     # prefill in chunks.
     assert (calls["gated_delta"] > 0) == (family == "qwen3_5")
     assert (calls["chunked_gated_delta"] > 0) == (family == "qwen3_5")
+
+
+def test_splits_are_as_few_as_fill_the_programs():
+    """Keys a split: whole 128-key blocks; one split a row once rows x KV heads reach the
+    programs wanted (no combine), else as many as fill them, never finer than a block."""
+    assert split_keys(rows=256, kv_heads=8, kv_len=512, programs=528) == 512
+    assert split_keys(rows=64, kv_heads=8, kv_len=384, programs=528) == 256  # 2 splits
+    assert split_keys(rows=1, kv_heads=8, kv_len=4096, programs=528) == 128  # 32: every block
+    assert split_keys(rows=1, kv_heads=2, kv_len=100, programs=528) == 128
+    assert split_keys(rows=4, kv_heads=2, kv_len=1000, programs=1) == 1024

@@ -1,7 +1,8 @@
 """Decode attention over the paged KV cache: one query token per row, a grouped-query model's
 query heads packed onto their key / value head, each row reading its keys through its block table
-and only those its mask lets through, and the key range split over programs whose partial results
-a second kernel combines (flash-decoding).
+and only those its mask lets through. The key range is split over programs only as far as the GPU
+needs programs to fill it (flash-decoding): a second kernel combines the splits' partial results,
+and with one split per row the first kernel writes the output itself.
 
 Why not SDPA: the only SDPA kernel that takes a per-row mask (memory-efficient attention) runs one
 program per (row, head) over the whole padded key length. In the compiled decode step of a
@@ -10,6 +11,8 @@ the keys and values once.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 
@@ -20,14 +23,14 @@ if triton is not None:
 
     @triton.jit
     def _split_kernel(
-        Q, K, V, T, M, Len, Part, Lse,
-        stride_qb, stride_qh,
+        Q, K, V, T, M, Len, Part, Lse, Out,
+        stride_qb, stride_qh, stride_ob, stride_oh,
         stride_kb, stride_kh, stride_kn,
         stride_vb, stride_vh, stride_vn,
         stride_tb, stride_mb,
         kv_len, scale,
         G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
-        BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, IEEE: tl.constexpr,
+        BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, IEEE: tl.constexpr, DIRECT: tl.constexpr,
     ):  # fmt: skip
         b, h, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         num_kv_heads, num_splits = tl.num_programs(1), tl.num_programs(2)
@@ -53,8 +56,15 @@ if triton is not None:
             page = tl.load(T + b * stride_tb + offs_n // PAGE, mask=valid, other=0)
             k_offs = page.to(tl.int64) * stride_kb + (offs_n % PAGE) * stride_kn
             v_offs = page.to(tl.int64) * stride_vb + (offs_n % PAGE) * stride_vn
+            # Both loads are issued before the products, so a program waits for memory once a
+            # block, not twice.
             k = tl.load(
                 k_base + k_offs[:, None] + offs_d[None, :],
+                mask=valid[:, None],
+                other=0.0,
+            )
+            v = tl.load(
+                v_base + v_offs[:, None] + offs_d[None, :],
                 mask=valid[:, None],
                 other=0.0,
             )
@@ -68,11 +78,6 @@ if triton is not None:
             alpha = tl.exp(m_i - m_safe)
             p = tl.exp(scores - m_safe[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)
-            v = tl.load(
-                v_base + v_offs[:, None] + offs_d[None, :],
-                mask=valid[:, None],
-                other=0.0,
-            )
             if IEEE:
                 acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
             else:
@@ -82,11 +87,17 @@ if triton is not None:
         lse = tl.where(has_keys, m_i + tl.log(tl.where(has_keys, l_i, 1.0)), float("-inf"))
         out = acc / tl.where(has_keys, l_i, 1.0)[:, None]
         # Only the group's real query rows are stored: the padding rows would be most of it.
-        part = (b * num_kv_heads + h) * num_splits + s
-        is_query = (offs_g < G) & (s * SPLIT < length)
-        part_ptrs = Part + part * G * D + offs_g[:, None] * D + offs_d[None, :]
-        tl.store(part_ptrs, out, mask=is_query[:, None])
-        tl.store(Lse + part * G + offs_g, lse, mask=is_query)
+        if DIRECT:
+            # One split holds all the row's keys: its result is the output (a row without keys
+            # gets zeros, as the combine gives it).
+            out_ptrs = Out + b * stride_ob + (h * G + offs_g)[:, None] * stride_oh + offs_d[None, :]
+            tl.store(out_ptrs, out.to(Out.dtype.element_ty), mask=(offs_g < G)[:, None])
+        else:
+            part = (b * num_kv_heads + h) * num_splits + s
+            is_query = (offs_g < G) & (s * SPLIT < length)
+            part_ptrs = Part + part * G * D + offs_g[:, None] * D + offs_d[None, :]
+            tl.store(part_ptrs, out, mask=is_query[:, None])
+            tl.store(Lse + part * G + offs_g, lse, mask=is_query)
 
     @triton.jit
     def _combine_kernel(
@@ -114,23 +125,49 @@ if triton is not None:
         tl.store(Out + b * stride_ob + head * stride_oh + offs_d, out.to(Out.dtype.element_ty))
 
 
-# Keys per split program. Of 32, 64, 128 and 256, 128 ran fastest at 64 rows of 257-384 keys on
-# an H200 for both benchmarked head shapes (benchmarks/engine_kernels.py): fewer keys a program
-# leave it too little to stream, more leave too few programs to fill the GPU.
+# Keys per block of the split kernel, and the unit a split is made of. Of 32, 64, 128 and 256 keys
+# a split, 128 ran fastest at 64 rows of 257-384 keys on an H200 for both benchmarked head shapes
+# (benchmarks/engine_kernels.py) when every row's keys were split that finely.
 SPLIT_KEYS = 128
 
+# Programs a launch aims for per streaming multiprocessor. Splitting a row's keys further than the
+# GPU needs to fill itself costs a partial result written and read back, and a second launch:
+# at 256 rows of the Qwen3-8B shape the combine alone took 0.91 ms of a 12 ms step.
+PROGRAMS_PER_SM = 4
 
-def split_launch(dim: int) -> dict:
-    """The split kernel's key block (BLOCK_N) and launch options for head dim `dim`.
+# Software-pipelining stages of a split that loops over several blocks (one block leaves nothing
+# to pipeline and runs on one stage).
+STAGES = 2
 
-    Up to head dim 128 a program takes its whole split as one block, on four warps and without
-    software pipelining (one block leaves nothing to pipeline): on an H200, at 64 rows of 257-384
-    keys, the Qwen3-1.7B heads took 32.8-33.4 us a call against 35.0-35.6 with the earlier
-    64-key blocks (benchmarks/engine_kernels.py, its "64-key blocks" rows: the launch before
-    this function). Wider heads keep 8192 // dim keys a block as before (32 at 256: 15.1-15.6 us
+
+def split_keys(rows: int, kv_heads: int, kv_len: int, programs: int) -> int:
+    """Keys per split program: whole SPLIT_KEYS blocks, as few splits as leave at least `programs`
+    programs over `rows` x `kv_heads` (one split when those alone are enough: no combine)."""
+    most = -(-kv_len // SPLIT_KEYS)
+    splits = min(most, max(1, -(-programs // (rows * kv_heads))))
+    return SPLIT_KEYS * -(-most // splits)
+
+
+@functools.cache
+def target_programs(device: torch.device) -> int:
+    """Programs a launch on `device` aims for: PROGRAMS_PER_SM per multiprocessor on CUDA; on CPU
+    (Triton's interpreter) one, so each row's keys take one program."""
+    if device.type != "cuda":
+        return 1
+    return PROGRAMS_PER_SM * torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def split_launch(dim: int, keys: int = SPLIT_KEYS) -> dict:
+    """The split kernel's key block (BLOCK_N) and launch options for head dim `dim` and `keys`
+    keys a split.
+
+    Up to head dim 128 a block is 128 keys on four warps: at 64 rows of 257-384 keys a split of
+    one block took 32.8-33.4 us a call on an H200 against 35.0-35.6 with the earlier 64-key
+    blocks (benchmarks/engine_kernels.py); a split of several blocks pipelines them over STAGES.
+    Wider heads keep 8192 // dim keys a block and Triton's pipelining (32 at 256: 15.1-15.6 us
     there in a sweep of launches, against 15.7-16.0 with 64-key blocks)."""
     if dim <= 128:
-        return {"BLOCK_N": min(SPLIT_KEYS, 128), "num_warps": 4, "num_stages": 1}
+        return {"BLOCK_N": 128, "num_warps": 4, "num_stages": 1 if keys <= 128 else STAGES}
     return {"BLOCK_N": max(16, 8192 // dim)}
 
 
@@ -190,16 +227,38 @@ def decode_attention(
     scale: float,
     lengths_B: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """`decode_attention_reference`'s arithmetic in two Triton kernels (see the module
-    docstring). `lengths_B` (int32): how many keys of each row may be let through (its mask is
-    False past them); None: all K. A custom op, so a compiled decode step calls it without a
-    graph break."""
+    """`decode_attention_reference`'s arithmetic in Triton (see the module docstring), split as
+    `split_keys` plans for the device. `lengths_B` (int32): how many keys of each row may be let
+    through (its mask is False past them); None: all K. A custom op, so a compiled decode step
+    calls it without a graph break; the plan depends on shapes only, so a captured graph keeps
+    it."""
+    batch, heads, _ = query_BHD.shape
+    keys = split_keys(
+        batch, key_NHPD.shape[1], mask_BK.shape[-1], target_programs(query_BHD.device)
+    )
+    return launch(query_BHD, key_NHPD, value_NHPD, block_tables_BT, mask_BK, scale, lengths_B, keys)
+
+
+def launch(
+    query_BHD: torch.Tensor,
+    key_NHPD: torch.Tensor,
+    value_NHPD: torch.Tensor,
+    block_tables_BT: torch.Tensor,
+    mask_BK: torch.Tensor,
+    scale: float,
+    lengths_B: torch.Tensor | None,
+    keys: int,
+    options: dict | None = None,
+) -> torch.Tensor:
+    """The kernels with `keys` keys a split (a multiple of SPLIT_KEYS) and `split_launch`'s
+    options (or `options`): the split kernel alone when one split covers the key length, else
+    the split kernel and the combine."""
     batch, heads, dim = query_BHD.shape
     kv_heads, page = key_NHPD.shape[1], key_NHPD.shape[2]
     kv_len = mask_BK.shape[-1]
     groups = heads // kv_heads
     group_pad = max(16, triton.next_power_of_2(groups))
-    num_splits = triton.cdiv(kv_len, SPLIT_KEYS)
+    num_splits = triton.cdiv(kv_len, keys)
     query_BHD, key_NHPD, value_NHPD = (
         t if t.stride(-1) == 1 else t.contiguous() for t in (query_BHD, key_NHPD, value_NHPD)
     )
@@ -207,23 +266,28 @@ def decode_attention(
     tables = block_tables_BT if block_tables_BT.stride(-1) == 1 else block_tables_BT.contiguous()
     if lengths_B is None:
         lengths_B = torch.full((batch,), kv_len, dtype=torch.int32, device=query_BHD.device)
-    part = query_BHD.new_empty((batch, kv_heads, num_splits, groups, dim), dtype=torch.float32)
-    lse = query_BHD.new_empty((batch, kv_heads, num_splits, groups), dtype=torch.float32)
+    out = torch.empty_like(query_BHD, memory_format=torch.contiguous_format)
+    direct = num_splits == 1
+    # Unused by a direct launch (its partial results are the output): a pointer to pass.
+    part_shape = (1,) if direct else (batch, kv_heads, num_splits, groups, dim)
+    part = query_BHD.new_empty(part_shape, dtype=torch.float32)
+    lse = query_BHD.new_empty(part_shape[:-1] or (1,), dtype=torch.float32)
     _split_kernel[(batch, kv_heads, num_splits)](
-        query_BHD, key_NHPD, value_NHPD, tables, mask_BK, lengths_B, part, lse,
-        query_BHD.stride(0), query_BHD.stride(1),
+        query_BHD, key_NHPD, value_NHPD, tables, mask_BK, lengths_B, part, lse, out,
+        query_BHD.stride(0), query_BHD.stride(1), out.stride(0), out.stride(1),
         key_NHPD.stride(0), key_NHPD.stride(1), key_NHPD.stride(2),
         value_NHPD.stride(0), value_NHPD.stride(1), value_NHPD.stride(2),
         tables.stride(0), mask_BK.stride(0),
         kv_len, scale,
         G=groups, G_PAD=group_pad, D=dim, PAGE=page,
-        SPLIT=SPLIT_KEYS, IEEE=query_BHD.dtype == torch.float32, **split_launch(dim),
+        SPLIT=keys, IEEE=query_BHD.dtype == torch.float32, DIRECT=direct,
+        **(options if options is not None else split_launch(dim, keys)),
     )  # fmt: skip
-    out = torch.empty_like(query_BHD, memory_format=torch.contiguous_format)
-    _combine_kernel[(batch, heads)](
-        part, lse, lengths_B, out, out.stride(0), out.stride(1), num_splits,
-        G=groups, D=dim, S_PAD=max(2, triton.next_power_of_2(num_splits)), SPLIT=SPLIT_KEYS,
-    )  # fmt: skip
+    if not direct:
+        _combine_kernel[(batch, heads)](
+            part, lse, lengths_B, out, out.stride(0), out.stride(1), num_splits,
+            G=groups, D=dim, S_PAD=max(2, triton.next_power_of_2(num_splits)), SPLIT=keys,
+        )  # fmt: skip
     return out
 
 
