@@ -12,8 +12,6 @@ import concurrent.futures
 import dataclasses
 import http.server
 import json
-import os
-import socket
 import threading
 from pathlib import Path
 
@@ -28,15 +26,10 @@ from areno.engine.config import EngineConfig
 from areno.media.samples import write_audio, write_image, write_video
 from areno.serve.app import APP_NAME, build_app
 from areno.serve.config import ServeConfig
+from tests.serve.live.apps import PET_SCHEMA, deployed
 
 MAX_PROMPT_TOKENS = 900
 GUARDED_MAX_QUEUED = 1  # the guarded app: 2 running + 1 waiting, then 429
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 API_KEY = "sk-test-key"
@@ -66,41 +59,31 @@ def lora(tiny_path, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def server(tiny_path, media_root, lora):
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    os.environ["ARENO_LOG_COMPLETIONS"] = "1"  # inherited by the Serve replicas
-    port = _free_port()
+def server(serve_port, tiny_path, media_root, lora):
     config = ServeConfig(
         model_path=str(tiny_path("gemma4")),
         served_model_name="tiny-gemma4",
-        port=port,
+        port=serve_port,
         engine=EngineConfig(max_running_prompts=2, max_context_len=2048),
         max_prompt_tokens=MAX_PROMPT_TOKENS,
         allow_remote_media=True,
         allow_private_network_media=True,  # the test's HTTP server is on loopback
         lora_adapters={"tiny-lora": str(lora[0])},
     )
-    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
-    try:
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
-        serve.run(build_app(config), name=APP_NAME, route_prefix="/")
-        # A second app: an API key, one allowed media root, remote media at its default (off),
-        # a one-request waiting queue.
-        guarded = dataclasses.replace(
-            config,
-            lora_adapters={},
-            api_key=API_KEY,
-            allowed_local_media_paths=(str(media_root),),
-            max_queued_requests=GUARDED_MAX_QUEUED,
-        )
-        guarded = dataclasses.replace(
-            guarded, allow_remote_media=False, allow_private_network_media=False
-        )
-        serve.run(build_app(guarded), name="guarded", route_prefix="/guarded")
-        yield openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused")
-    finally:
-        serve.shutdown()
-        ray.shutdown()
+    # A second app: an API key, one allowed media root, remote media at its default (off),
+    # a one-request waiting queue.
+    guarded = dataclasses.replace(
+        config,
+        lora_adapters={},
+        api_key=API_KEY,
+        allowed_local_media_paths=(str(media_root),),
+        max_queued_requests=GUARDED_MAX_QUEUED,
+    )
+    guarded = dataclasses.replace(
+        guarded, allow_remote_media=False, allow_private_network_media=False
+    )
+    with deployed((APP_NAME, "/", config), ("guarded", "/guarded", guarded)):
+        yield openai.OpenAI(base_url=f"http://127.0.0.1:{serve_port}/v1", api_key="unused")
 
 
 @pytest.fixture(scope="module")
@@ -444,7 +427,7 @@ def test_health_says_starting_until_the_engine_is_up(server, tiny_path):
     config = ServeConfig(
         model_path=str(tiny_path("gemma4")),
         engine=EngineConfig(max_running_prompts=1, max_context_len=256),
-        num_cpus_per_deployment=0.05,  # the module's 4 CPUs are mostly taken
+        num_cpus_per_deployment=0.05,  # the test instance's 4 CPUs are mostly taken
         deployment_resources={"generator": {"areno_test_absent": 1}},
     )
     target = serve.RunTarget(build_app(config), name="starting", route_prefix="/starting")
@@ -579,15 +562,6 @@ def test_overload_is_refused_with_429_and_the_server_keeps_serving(server):
     assert ask(client, "Fresh request after the burst.").choices[0].finish_reason
 
 
-PET_SCHEMA = {
-    "type": "object",
-    "properties": {
-        "label": {"enum": ["cat", "dog"]},
-        "count": {"type": "integer", "minimum": 0, "maximum": 9},
-    },
-    "required": ["label", "count"],
-    "additionalProperties": False,
-}
 STRICT_PAN = {
     "type": "function",
     "function": {
