@@ -14,7 +14,7 @@ from areno.serve.config import ServeConfig
 APP_NAME = "areno"
 # Seconds between Serve's health checks of each replica. A replica that died is noticed at its
 # next check and only then replaced: Serve's default of 10 s added up to 10 s to every recovery
-# (tests/serve/test_faults.py measures it); a check is one cheap RPC.
+# (tests/serve/live/test_faults.py measures it); a check is one cheap RPC.
 HEALTH_CHECK_PERIOD_S = 2.0
 
 

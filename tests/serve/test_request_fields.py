@@ -80,20 +80,23 @@ EFFECTS = {
 # field -> (module, test) that shows its effect on a live server
 LIVE = {
     "model": (
-        "tests.serve.test_openai_server",
+        "tests.serve.live.openai_server.test_lora",
         "test_an_adapter_answers_as_the_merged_model_and_unlike_the_base",
     ),
-    "stream": ("tests.serve.test_openai_server", "test_streaming_matches_the_full_response"),
+    "stream": (
+        "tests.serve.live.openai_server.test_chat_media",
+        "test_streaming_matches_the_full_response",
+    ),
     "stream_options": (
-        "tests.serve.test_openai_server",
+        "tests.serve.live.openai_server.test_chat_media",
         "test_streaming_matches_the_full_response",
     ),
     "user": (
-        "tests.serve.test_openai_server",
+        "tests.serve.live.openai_server.test_tools_and_logging",
         "test_completions_are_logged_with_areno_log_completions",
     ),
     "metadata": (
-        "tests.serve.test_openai_server",
+        "tests.serve.live.openai_server.test_tools_and_logging",
         "test_completions_are_logged_with_areno_log_completions",
     ),
 }

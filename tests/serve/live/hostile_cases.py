@@ -1,5 +1,5 @@
-"""The hostile-input table of tests/serve/test_hostile_inputs.py: each case is one request, the
-status it must get, and the OpenAI error code and message words that must name the cause.
+"""The hostile-input table of tests/serve/live/test_hostile_inputs.py: each case is one request,
+the status it must get, and the OpenAI error code and message words that must name the cause.
 
 A case's request is a JSON body (a dict), a `Req` (raw bytes, headers, another route), or a
 function of the test's context returning either. Strings in JSON bodies may name context fields
@@ -10,7 +10,7 @@ which the app treats as a public host).
 
 from __future__ import annotations
 
-from tests.serve.hostile_requests import (
+from tests.serve.live.hostile_requests import (
     API_KEY,
     JINJA_LOOP,
     UNKNOWN_TYPE,

@@ -1,6 +1,6 @@
-"""Request builders and the case type of the hostile-input table (tests/serve/hostile_cases.py):
-bodies, raw requests, media parts, data URLs, tool definitions, and the wrong-type case of every
-top-level field of ChatCompletionRequest."""
+"""Request builders and the case type of the hostile-input table
+(tests/serve/live/hostile_cases.py): bodies, raw requests, media parts, data URLs, tool
+definitions, and the wrong-type case of every top-level field of ChatCompletionRequest."""
 
 from __future__ import annotations
 

@@ -4,7 +4,8 @@ video from a local path and a data URL, audio refused with 400, streaming, n wit
 usage, real parsed tool calls under every tool_choice, whole and streamed, and Qwen3.5's
 reasoning split into `reasoning_content`.
 
-One Ray instance for the module; each family's app is deployed, tested and deleted in turn.
+Each family's app is deployed into the Ray instance of tests/serve/live (conftest.py), tested
+and deleted in turn.
 The tiny checkpoints have random weights and never write a well-formed call, so each family's
 app serves a copy warm-started with `areno sft` on one conversation whose reply is a call in
 the family's own format, as its chat template renders it: greedy decoding then reproduces it.
@@ -16,25 +17,21 @@ from __future__ import annotations
 
 import base64
 import json
-import os
-import socket
 from dataclasses import dataclass
 from pathlib import Path
 
 import jsonschema
 import openai
 import pytest
-import ray
-from ray import serve
 
 from areno.engine.config import EngineConfig
 from areno.media.samples import write_audio, write_image, write_video
-from areno.serve.app import build_app
 from areno.serve.chat import forced_prompt_text
 from areno.serve.config import ServeConfig
 from areno.tools import opens_reasoning
 from areno.train.sft import SFTConfig, sft
-from tests.serve.test_openai_server import PET_SCHEMA as SCHEMA
+from tests.serve.live.apps import PET_SCHEMA as SCHEMA
+from tests.serve.live.apps import deployed
 from tests.tools.test_round_trip import render_assistant_turn
 
 FAMILIES = ("qwen3_5", "minicpmv4_6", "qwen3_vl")
@@ -65,12 +62,6 @@ class Served:
     family: str
     model: str
     client: openai.OpenAI
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _part(modality: str, url: str) -> dict:
@@ -134,22 +125,8 @@ def warm_start(family: str, source: Path, media: dict[str, str], root: Path) -> 
     return sft(config, log=lambda _: None)
 
 
-@pytest.fixture(scope="module")
-def http_port():
-    """One Ray instance and Serve HTTP proxy on loopback for the whole module."""
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    port = _free_port()
-    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
-    try:
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
-        yield port
-    finally:
-        serve.shutdown()
-        ray.shutdown()
-
-
 @pytest.fixture(scope="module", params=FAMILIES)
-def server(request, http_port, tiny_path, media, tmp_path_factory):
+def server(request, serve_port, tiny_path, media, tmp_path_factory):
     """The family's warm-started app under /<family>; deleted before the next family's."""
     family = request.param
     checkpoint = warm_start(
@@ -158,20 +135,17 @@ def server(request, http_port, tiny_path, media, tmp_path_factory):
     config = ServeConfig(
         model_path=str(checkpoint),
         served_model_name=f"tiny-{family}",
-        port=http_port,
+        port=serve_port,
         engine=EngineConfig(max_running_prompts=2, max_context_len=1024),
     )
-    serve.run(build_app(config), name=family, route_prefix=f"/{family}")
     client = openai.OpenAI(
-        base_url=f"http://127.0.0.1:{http_port}/{family}/v1",
+        base_url=f"http://127.0.0.1:{serve_port}/{family}/v1",
         api_key="unused",
         max_retries=0,  # a 5xx must fail the test, not be retried into a pass
         timeout=120,
     )
-    try:
+    with deployed((family, f"/{family}", config)):
         yield Served(family, config.model_name, client)
-    finally:
-        serve.delete(family)
 
 
 def ask(server: Served, content, **kwargs):

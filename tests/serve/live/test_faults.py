@@ -7,17 +7,16 @@ within a bounded time. The recovery time is measured and printed (the
 figures go to docs/faults-and-load.md); the only timed assertion is a generous bound that turns
 a hang into a failure.
 
-One Serve app (tiny Gemma 4) serves the module. The MediaDecoder's in-flight requests are made
-deterministic with a loopback HTTP server that holds its image responses until the replica is
-dead, so the decode is provably in progress when the kill lands.
+One Serve app (tiny Gemma 4) serves the module, in the Ray instance of tests/serve/live
+(conftest.py); the kills name this app's replicas only. The MediaDecoder's in-flight requests
+are made deterministic with a loopback HTTP server that holds its image responses until the
+replica is dead, so the decode is provably in progress when the kill lands.
 """
 
 from __future__ import annotations
 
 import asyncio
 import http.server
-import os
-import socket
 import threading
 import time
 from collections.abc import Awaitable, Callable
@@ -35,6 +34,7 @@ from areno.engine.tp_executor import FOLLOWER_NAME_PREFIX
 from areno.media.samples import write_image
 from areno.serve.app import build_app
 from areno.serve.config import ServeConfig
+from tests.serve.live.apps import deployed
 
 APP = "faults"
 TP_APP = "faults-tp"
@@ -46,12 +46,6 @@ END_LIMIT_S = 60.0
 RECOVERY_LIMIT_S = 180.0
 # What a request held by a dying replica gets: 503, retryable (areno.serve.errors).
 LOST = (503, "replica_unavailable")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class _HeldMedia(http.server.BaseHTTPRequestHandler):
@@ -89,7 +83,7 @@ class Outcome:
 
 
 @pytest.fixture(scope="module")
-def app(tiny_path, tmp_path_factory):
+def app(serve_port, tiny_path, tmp_path_factory):
     media_dir = tmp_path_factory.mktemp("fault-media")
     image = write_image(media_dir / "small.png", 64, 48)
     held = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _HeldMedia)
@@ -99,30 +93,26 @@ def app(tiny_path, tmp_path_factory):
     held_thread = threading.Thread(target=held.serve_forever, args=(0.05,), daemon=True)
     held_thread.start()
 
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    port = _free_port()
     config = ServeConfig(
         model_path=str(tiny_path("gemma4")),
         served_model_name=MODEL,
-        port=port,
+        port=serve_port,
         engine=EngineConfig(max_running_prompts=2, max_context_len=MAX_CONTEXT_LEN),
         allow_remote_media=True,
         allow_private_network_media=True,  # the held-media server is on loopback
     )
-    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
     try:
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
-        serve.run(build_app(config), name=APP, route_prefix="/")
-        yield SimpleNamespace(
-            base_url=f"http://127.0.0.1:{port}/v1",
-            image=str(image),
-            held=held,
-            held_url=f"http://127.0.0.1:{held.server_address[1]}/held.png",
-        )
+        with deployed((APP, "/", config)):
+            try:
+                yield SimpleNamespace(
+                    base_url=f"http://127.0.0.1:{serve_port}/v1",
+                    image=str(image),
+                    held=held,
+                    held_url=f"http://127.0.0.1:{held.server_address[1]}/held.png",
+                )
+            finally:
+                held.release.set()  # no replica is left waiting on it when the app is deleted
     finally:
-        held.release.set()
-        serve.shutdown()
-        ray.shutdown()
         held.shutdown()
         held.server_close()
         held_thread.join(timeout=10)

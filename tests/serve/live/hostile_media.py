@@ -1,5 +1,6 @@
-"""Hand-made hostile media for tests/serve/test_hostile_inputs.py: bombs, lying headers, broken
-containers. Each builder returns bytes; `write_hostile_files` lays them out in a media root."""
+"""Hand-made hostile media for tests/serve/live/test_hostile_inputs.py: bombs, lying headers,
+broken containers. Each builder returns bytes; `write_hostile_files` lays them out in a media
+root."""
 
 from __future__ import annotations
 

@@ -4,12 +4,12 @@ error body naming the cause, and the server keeps serving with bounded memory af
 One Ray Serve app (tiny Gemma 4) serves the whole module, configured as a hardened deployment
 would be: an API key, one allowed local media root, remote media on, private networks off,
 --max-prompt-tokens. Two loopback HTTP servers stand in for the outside world: 127.0.0.1 (a
-private address the app must refuse) and 127.0.0.2, which every Ray worker of this session treats
-as a public host (`_public_stand_in`, a worker setup hook), so a redirect from an
+private address the app must refuse) and 127.0.0.2, which every Ray worker of tests/serve/live
+treats as a public host (`apps.public_stand_in`, a worker setup hook), so a redirect from an
 allowed-looking server to loopback is tested end to end.
 
-`CASES` (tests/serve/hostile_cases.py) is the table; docs/hostile-inputs.md is generated from it
-(`ARENO_UPDATE_DOCS=1 pytest tests/serve/test_hostile_inputs.py -k doc`).
+`CASES` (tests/serve/live/hostile_cases.py) is the table; docs/hostile-inputs.md is generated
+from it (`ARENO_UPDATE_DOCS=1 pytest tests/serve/live/test_hostile_inputs.py -k doc`).
 """
 
 from __future__ import annotations
@@ -23,7 +23,6 @@ import json
 import os
 import re
 import socket
-import sys
 import threading
 import time
 from pathlib import Path
@@ -33,15 +32,14 @@ from typing import Any
 import psutil
 import pytest
 import ray
-from ray import serve
 
 from areno.engine.config import EngineConfig
-from areno.serve.app import build_app
 from areno.serve.config import ServeConfig
 from tests.media.conftest import _Handler as MediaHTTPHandler
-from tests.serve.hostile_cases import CASES
-from tests.serve.hostile_media import SECRET, png_with_text, write_hostile_files
-from tests.serve.hostile_requests import (
+from tests.serve.live.apps import PUBLIC_STAND_IN, deployed
+from tests.serve.live.hostile_cases import CASES
+from tests.serve.live.hostile_media import SECRET, png_with_text, write_hostile_files
+from tests.serve.live.hostile_requests import (
     API_KEY,
     MODEL,
     UNSUPPORTED_VALUES,
@@ -56,29 +54,12 @@ from tests.serve.hostile_requests import (
 APP = "hostile"
 MAX_PROMPT_TOKENS = 900
 MAX_CONTEXT_LEN = 2048
-PUBLIC_STAND_IN = "127.0.0.2"
 MAX_RSS_GROWTH = 1536 * 1024 * 1024  # all app processes together, after the whole table
-DOC = Path(__file__).resolve().parents[2] / "docs" / "hostile-inputs.md"
+DOC = Path(__file__).resolve().parents[3] / "docs" / "hostile-inputs.md"
 MiB = 1024 * 1024
 
 
-def _public_stand_in() -> None:
-    """Ray worker setup hook: 127.0.0.2 counts as a public address, every other check stays."""
-    import ipaddress
-
-    from areno.media import remote
-
-    original, stand_in = remote.is_public_address, ipaddress.ip_address(PUBLIC_STAND_IN)
-    remote.is_public_address = lambda ip: ip == stand_in or original(ip)
-
-
 # --- the live server ---------------------------------------------------------------------------
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _http_server(host: str, files: dict[str, bytes]):
@@ -108,7 +89,7 @@ def _total_rss(processes: list) -> int:
 
 
 @pytest.fixture(scope="module")
-def ctx(tiny_path, tmp_path_factory):
+def ctx(serve_port, tiny_path, tmp_path_factory):
     root = tmp_path_factory.mktemp("hostile-root")
     outside = tmp_path_factory.mktemp("hostile-outside")
     paths = write_hostile_files(root, outside)
@@ -117,49 +98,31 @@ def ctx(tiny_path, tmp_path_factory):
     loopback, loopback_thread = _http_server("127.0.0.1", served)
     public, public_thread = _http_server(PUBLIC_STAND_IN, served)
 
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    os.environ["ARENO_LOG_COMPLETIONS"] = "1"  # inherited by the replicas
-    port = _free_port()
     config = ServeConfig(
         model_path=str(tiny_path("gemma4")),
         served_model_name=MODEL,
-        port=port,
+        port=serve_port,
         api_key=API_KEY,
         engine=EngineConfig(max_running_prompts=2, max_context_len=MAX_CONTEXT_LEN),
         max_prompt_tokens=MAX_PROMPT_TOKENS,
         allowed_local_media_paths=(str(root),),
         allow_remote_media=True,
     )
-    # Workers cannot import this test module: the hook travels by value.
-    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
     try:
-        ray.init(
-            address="local",  # never a cluster another process started on this machine
-            num_cpus=4,
-            include_dashboard=False,
-            log_to_driver=False,
-            runtime_env={"worker_process_setup_hook": _public_stand_in},
-        )
+        with deployed((APP, "/", config)):
+            loopback_port = loopback.server_address[1]
+            yield SimpleNamespace(
+                port=serve_port,
+                root=str(root),
+                outside=str(outside),
+                outside_name=outside.name,
+                files=files,
+                loopback=f"http://127.0.0.1:{loopback_port}",
+                loopback_port=loopback_port,
+                public=f"http://{PUBLIC_STAND_IN}:{public.server_address[1]}",
+                baseline_rss={},
+            )
     finally:
-        ray.cloudpickle.unregister_pickle_by_value(sys.modules[__name__])
-    try:
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
-        serve.run(build_app(config), name=APP, route_prefix="/")
-        loopback_port = loopback.server_address[1]
-        yield SimpleNamespace(
-            port=port,
-            root=str(root),
-            outside=str(outside),
-            outside_name=outside.name,
-            files=files,
-            loopback=f"http://127.0.0.1:{loopback_port}",
-            loopback_port=loopback_port,
-            public=f"http://{PUBLIC_STAND_IN}:{public.server_address[1]}",
-            baseline_rss={},
-        )
-    finally:
-        serve.shutdown()
-        ray.shutdown()
         for httpd, thread in ((loopback, loopback_thread), (public, public_thread)):
             httpd.shutdown()
             httpd.server_close()
@@ -325,16 +288,17 @@ def render_doc() -> str:
         "# Hostile inputs",
         "",
         "Every row is a request a test sends to a live `areno serve` app "
-        "(`tests/serve/test_hostile_inputs.py`, tiny Gemma 4 checkpoint, an API key, one allowed "
-        "local media root, remote media on and private networks off, `--max-prompt-tokens 900`, "
-        "`--max-context-len 2048`, 2 cache slots). Each must be answered with the status below and "
+        "(`tests/serve/live/test_hostile_inputs.py`, tiny Gemma 4 checkpoint, an API key, one "
+        "allowed local media root, remote media on and private networks off, "
+        "`--max-prompt-tokens 900`, `--max-context-len 2048`, 2 cache slots). Each must be "
+        "answered with the status below and "
         'an OpenAI error body (`{"error": {"message", "type", "param", "code"}}`) whose '
         "message names the cause; after the whole table the server still answers normal "
         "requests and its processes' memory has stayed bounded. `<root>` is the allowed media "
         "root, `<outside>` a directory next to it.",
         "",
         "This file is generated from the test's table: after changing it run "
-        "`ARENO_UPDATE_DOCS=1 pytest tests/serve/test_hostile_inputs.py -k doc`.",
+        "`ARENO_UPDATE_DOCS=1 pytest tests/serve/live/test_hostile_inputs.py -k doc`.",
         "",
         f"{len(CASES)} cases.",
         "",
@@ -354,5 +318,5 @@ def test_doc_lists_every_case():
     current = DOC.read_text() if DOC.exists() else ""
     assert current == expected, (
         "docs/hostile-inputs.md is out of date: run "
-        "ARENO_UPDATE_DOCS=1 pytest tests/serve/test_hostile_inputs.py -k doc"
+        "ARENO_UPDATE_DOCS=1 pytest tests/serve/live/test_hostile_inputs.py -k doc"
     )
