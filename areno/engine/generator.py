@@ -36,7 +36,13 @@ from areno.engine.executor import Executor, LocalExecutor
 from areno.engine.ipc import CudaIpcWeights
 from areno.engine.lora import POLICY_ADAPTER, LoraWeights
 from areno.engine.openmp import release_thread_pool
-from areno.engine.outputs import AbortCause, RequestOutput, TokenScores, merge_outputs
+from areno.engine.outputs import (
+    AbortCause,
+    EngineDeadError,
+    RequestOutput,
+    TokenScores,
+    merge_outputs,
+)
 from areno.engine.parallel import load_model_for_rank
 from areno.engine.sampling import MAX_TOP_LOGPROBS, SamplingParams
 from areno.engine.scheduler import DuplicateRequestError, SchedulerConfig
@@ -50,10 +56,6 @@ PAUSE_MODES = ("keep", "drain", "abort")
 SHUTDOWN_ABORT_S = 10.0
 
 log = logging.getLogger(__name__)
-
-
-class EngineDeadError(RuntimeError):
-    """The engine thread hit an internal error or was shut down; requests cannot proceed."""
 
 
 # Engines alive in this process: the objects alive when one started stay frozen out of garbage

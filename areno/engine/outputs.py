@@ -6,6 +6,12 @@ import enum
 from dataclasses import dataclass, field
 
 
+class EngineDeadError(RuntimeError):
+    """The engine thread hit an internal error or was shut down; requests cannot proceed. Here
+    rather than beside the Generator, so the serving layer can tell it without importing the
+    engine (torch's compiler and the model code: seconds of every replica's start)."""
+
+
 class AbortCause(enum.StrEnum):
     """Why a request ended with finish_reason "abort": who cut it off. Callers tell their own
     aborts (nothing to report) from the engine's (the request was cut off: report it)."""

@@ -10,8 +10,7 @@ import logging
 from ray.exceptions import RayActorError
 from ray.serve.exceptions import BackPressureError
 
-from areno.engine.generator import EngineDeadError
-from areno.engine.outputs import AbortCause, RequestOutput
+from areno.engine.outputs import AbortCause, EngineDeadError, RequestOutput
 from areno.errors import ArenoError
 from areno.serve.admission import RETRY_AFTER_S, EngineUnavailableError
 

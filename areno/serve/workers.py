@@ -14,7 +14,6 @@ from typing import Any
 
 from ray import serve
 
-from areno.engine.generator import Generator
 from areno.engine.sampling import SamplingParams
 from areno.media import MediaDecoder, MediaPolicy
 from areno.processing import Processor
@@ -101,6 +100,10 @@ class GeneratorServer:
         # (areno/engine/openmp.py), and the processor runs torch ops.
         limits = PromptLimits(config.max_prompt_tokens, config.engine.max_context_len)
         start_up_prompts = warm_up_prompts(Processor(config.model_path, limits=limits))
+        # Imported here: the engine (torch's compiler, the model code) costs seconds of a
+        # replica's start, and the other deployments of this module never use it.
+        from areno.engine.generator import Generator
+
         self.generator = Generator.from_config(config.model_path, config.engine)
         self.generator.add_adapters(config.lora_adapters)  # --lora
         # Each media tower's first forward, here rather than in a user's first request of it.

@@ -9,8 +9,7 @@ import asyncio
 import pytest
 
 from areno.engine.config import EngineConfig
-from areno.engine.generator import EngineDeadError
-from areno.engine.outputs import AbortCause, RequestOutput, SampleDelta
+from areno.engine.outputs import AbortCause, EngineDeadError, RequestOutput, SampleDelta
 from areno.engine.sampling import SamplingParams
 from areno.errors import ConfigError
 from areno.serve.admission import Admission, EngineUnavailableError, QueueFullError
