@@ -5,8 +5,9 @@
   first 257-384 (the runner's per-row mask), at 64 and 256 rows (Qwen3-1.7B, Qwen3-8B and
   Qwen3.5-2B heads). Baseline: the engine's packed SDPA call with that mask (memory-efficient
   attention). Floor: the valid keys and values read once. Rows: every row's keys in 128-key
-  splits and a combine (the launch before the split plan), the engine's plan, then the plan at
-  other targets of programs per multiprocessor and pipelining stages.
+  splits and a combine (the launch before the split plan), the engine's plan, the plan at other
+  targets of programs per multiprocessor, and the engine's split at other launches (keys a
+  block, warps, software-pipelining stages).
 - gated delta, decode: one token per row through the recurrent state (16 heads of 128 x 128
   fp32). Baseline: the engine's four-pass PyTorch update. Floor: the state read and written once.
 - gated delta, prefill: 32 prompts x 256 tokens from a zero state. Baseline: transformers'
@@ -25,6 +26,7 @@ replay); the prefill eagerly. Prints a table and writes JSON.
 from __future__ import annotations
 
 import argparse
+import itertools
 import sys
 from pathlib import Path
 
@@ -53,7 +55,8 @@ ATTENTION_SHAPES = {  # heads, kv heads, head dim
 }
 LINEAR_HEADS, LINEAR_DIM = 16, 128
 PROGRAMS_PER_SM = (1, 2, 4, 8)  # the split plan's target (the engine's: in decode_attention.py)
-STAGES = (1, 2, 3)  # pipelining of a split of several blocks
+STAGES = (1, 2, 3)  # software-pipelining stages of a split's loop
+WARPS = (4, 8)
 
 
 def graph_ms(fn, calls: int = 10, replays: int = 20) -> float:
@@ -140,14 +143,20 @@ def _attention_rows(model, heads, kv_heads, dim, mask, bandwidth: float) -> list
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     for per_sm in PROGRAMS_PER_SM:
         keys = attention_kernel.split_keys(batch, kv_heads, CACHED, per_sm * sms)
-        for stages in STAGES:
-            options = attention_kernel.split_launch(dim, keys)
-            if "num_stages" in options:
-                options["num_stages"] = stages if keys > options["BLOCK_N"] else 1
-            elif stages != STAGES[0]:
-                continue  # wide heads keep Triton's pipelining: one row
-            name = f"attention {per_sm}/SM: {keys}-key splits, {options.get('num_stages', '-')} st"
+        name = f"attention {per_sm}/SM: {keys}-key splits"
+        rows.append(_row(name, shape, sdpa_ms, kernel(keys), floor_ms))
+    # The launch of the engine's split: keys a block, warps, pipeline stages.
+    keys = attention_kernel.split_keys(
+        batch, kv_heads, CACHED, attention_kernel.PROGRAMS_PER_SM * sms
+    )
+    blocks = (32, 64, 128) if dim <= 128 else (16, 32, 64)
+    for block, warps, stages in itertools.product(blocks, WARPS, STAGES):
+        options = {"BLOCK_N": block, "num_warps": warps, "num_stages": stages}
+        name = f"attention {keys}-key splits: {block} a block, {warps} warps, {stages} st"
+        try:
             rows.append(_row(name, shape, sdpa_ms, kernel(keys, options), floor_ms))
+        except OutOfResources:
+            print(f"{name}: does not launch (shared memory)")
     return rows
 
 
