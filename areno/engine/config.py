@@ -256,3 +256,29 @@ def resolve_dtype(dtype: str, device: str):
     if dtype == "auto":
         return torch.bfloat16 if device.startswith("cuda") else torch.float32
     return getattr(torch, dtype)
+
+
+def resolve_step_modes(
+    graphs: str, compile: str, prefill_compile: str, device_type: str
+) -> tuple[str, str, str]:
+    """A runner's (graphs, compile, prefill_compile) with "auto" resolved: graphs are captured
+    on CUDA and off on CPU, where an explicit compile runs the padded step uncaptured
+    ("static"); the decode step compiles with inductor where graphs are captured; the batched
+    prefill compiles as the decode step does. Raises ValueError for an unknown mode, or a
+    compiled decode without the padded step."""
+    if graphs not in GRAPH_MODES:
+        raise ValueError(f"graphs must be one of {GRAPH_MODES}; got {graphs!r}")
+    for name, mode in (("compile", compile), ("prefill_compile", prefill_compile)):
+        if mode not in COMPILE_MODES:
+            raise ValueError(f"{name} must be one of {COMPILE_MODES}; got {mode!r}")
+    if graphs == "auto":
+        graphs = "capture" if device_type == "cuda" else "off"
+        if graphs == "off" and compile not in ("auto", "off"):
+            graphs = "static"
+    if compile == "auto":
+        compile = "inductor" if graphs == "capture" else "off"
+    if compile != "off" and graphs == "off":
+        raise ValueError("a compiled decode needs the padded step: graphs 'static' or 'capture'")
+    if prefill_compile == "auto":
+        prefill_compile = compile
+    return graphs, compile, prefill_compile

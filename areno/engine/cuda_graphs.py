@@ -140,7 +140,7 @@ class DecodeGraphs:
         self._inputs_4R.copy_(host, non_blocking=True)
         tables = self._host_tables_RN
         tables[:rows] = SINK_BLOCK
-        tables[index, : self.runner.max_blocks] = self.runner.tables_SN[index]
+        tables[index, : self.runner.max_blocks] = self.runner.tables.tables_SN[index]
         self.tables_RN[:rows].copy_(tables[:rows], non_blocking=True)
         if self._copied is not None:
             self._copied.record()
@@ -171,11 +171,11 @@ class DecodeGraphs:
         runner.cache.bind(binding, is_prefill=False)
         inputs = {
             "input_ids": self.token_ids_B[:rows, None],
-            "position_ids": runner.position_ids(pos_B, self.rope_delta_B[:rows]),
-            "attention_mask": runner.masks(pos_B, kv_len),
+            "position_ids": runner.row_inputs.position_ids(pos_B, self.rope_delta_B[:rows]),
+            "attention_mask": runner.row_inputs.masks(pos_B, kv_len),
             "past_key_values": runner.cache,
             "use_cache": True,
-            BLOCK_TABLES_KWARG: runner.attention_tables(tables, slots_B),
+            BLOCK_TABLES_KWARG: runner.row_inputs.attention_tables(tables, slots_B),
             KV_LENGTHS_KWARG: (pos_B + 1).int(),
         }
         out = self._model(**inputs)

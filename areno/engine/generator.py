@@ -165,13 +165,19 @@ class Generator:
         *,
         eos_token_ids: Collection[int] = (),
     ) -> Generator:
-        """A single-process Generator over an already loaded model (tests, benchmarks)."""
+        """A single-process Generator over an already loaded model (tests, benchmarks); its
+        compiles use AReno's compile cache as `from_config`'s do."""
+        cache = compile_cache.use(next(model.parameters()).device)
+        cached_files = compile_cache.num_entries(cache)
         max_len = resolve_max_context_len(config, model.config)
         worker = Worker.from_config(model, config, max_len=max_len)
         eos = set(eos_token_ids) | set(model_eos_token_ids(model))
-        return cls(
+        generator = cls(
             LocalExecutor(worker), tokenizer, config, max_context_len=max_len, eos_token_ids=eos
         )
+        generator.compile_cache = cache
+        generator.compile_cache_files = cached_files
+        return generator
 
     @classmethod
     def from_config(cls, model_path: str | os.PathLike, config: EngineConfig) -> Generator:

@@ -20,17 +20,16 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from areno.engine import kernels
 from areno.engine.attention import BLOCK_TABLES_KWARG, KV_LENGTHS_KWARG, EngineAttention
 from areno.engine.batched_prefill import last_real_positions, pad_tokens
-from areno.engine.block_manager import SINK_BLOCK, blocks_for
+from areno.engine.block_manager import blocks_for
 from areno.engine.cache import (
     BatchBinding,
     PagedCache,
     copy_blocks,
     copy_rows,
     fork,
-    ring_tables,
 )
 from areno.engine.compiled import CompiledForward
-from areno.engine.config import COMPILE_MODES, GRAPH_MODES
+from areno.engine.config import resolve_step_modes
 from areno.engine.cpu_linear import PackedLinears, can_pack
 from areno.engine.cuda_graphs import DecodeGraphs
 from areno.engine.encoder_cache import EncoderCache
@@ -46,6 +45,8 @@ from areno.engine.prompt_chunks import (
     stack_inputs,
     staging,
 )
+from areno.engine.row_inputs import RowInputs
+from areno.engine.slot_tables import SlotTables
 from areno.engine.transfer import to_device
 from areno.processing.types import PromptInputs
 
@@ -91,11 +92,6 @@ class ModelRunner:
         `encoder_cache_bytes`: media tower outputs kept by content (encoder_cache.py).
         `max_loras`, `max_lora_rank`: LoRA adapter slots beside the text stack's linear layers
         (areno/engine/lora.py); a slot runs the adapter `assign_adapter` gave it."""
-        if graphs not in GRAPH_MODES:
-            raise ValueError(f"graphs must be one of {GRAPH_MODES}; got {graphs!r}")
-        for name, mode in (("compile", compile), ("prefill_compile", prefill_compile)):
-            if mode not in COMPILE_MODES:
-                raise ValueError(f"{name} must be one of {COMPILE_MODES}; got {mode!r}")
         self.model = model.eval()
         self.kernels = EngineKernels(model)
         self.attention = EngineAttention(model)
@@ -124,9 +120,7 @@ class ModelRunner:
         if num_blocks is None:
             num_blocks = num_slots * self.max_blocks
         self.cache = self._new_cache(num_blocks, self.num_rows)
-        # Each slot's block table (SINK_BLOCK past its blocks) and how many blocks it lists.
-        self.tables_SN = torch.full((num_slots, self.max_blocks), SINK_BLOCK, dtype=torch.long)
-        self._table_lens = [0] * num_slots
+        self.tables = SlotTables(num_slots, self.max_blocks, block_size)
         # The kept stack inputs of each slot whose prompt is prefilled in chunks.
         self._staged: dict[int, StagedPrompt] = {}
         self._text_stack = model.get_decoder()
@@ -137,19 +131,16 @@ class ModelRunner:
         self._text_names = {n for n, p in model.named_parameters() if id(p) in text}
         # Qwen-style multimodal rope: text positions after media are offset by a per-request delta.
         self.uses_mrope = hasattr(model.model, "rope_deltas")
+        self.row_inputs = RowInputs(
+            uses_mrope=self.uses_mrope,
+            sliding_window=self._window,
+            ring_blocks=self.ring_blocks,
+            device=self.device,
+        )
         self.rope_delta = [0] * num_slots
-        if graphs == "auto":
-            graphs = "capture" if self.device.type == "cuda" else "off"
-            if graphs == "off" and compile not in ("auto", "off"):
-                graphs = "static"  # an explicit compile on CPU runs the padded step uncaptured
-        if compile == "auto":
-            compile = "inductor" if graphs == "capture" else "off"
-        if compile != "off" and graphs == "off":
-            raise ValueError(
-                "a compiled decode needs the padded step: graphs 'static' or 'capture'"
-            )
-        if prefill_compile == "auto":
-            prefill_compile = compile
+        graphs, compile, prefill_compile = resolve_step_modes(
+            graphs, compile, prefill_compile, self.device.type
+        )
         self._prefill_stack = CompiledForward(
             self._text_stack.forward,
             None if prefill_compile == "off" else prefill_compile,
@@ -279,47 +270,22 @@ class ModelRunner:
             self.set_tables([0], [[]], new=True)
 
     def default_table(self, slot: int) -> list[int]:
-        """The blocks a slot holds when the caller sends no tables (tests, benchmarks of the
-        runner alone): `max_blocks` of its own, in order."""
-        first = 1 + slot * self.max_blocks
-        assert first + self.max_blocks - 1 <= self.num_blocks, "the pool has no default tables"
-        return list(range(first, first + self.max_blocks))
+        """The blocks a slot holds when the caller sends no tables (`SlotTables.default`)."""
+        return self.tables.default(slot, self.num_blocks)
 
     def set_tables(self, slots: list[int], tables: list[list[int]] | None, *, new: bool) -> None:
-        """Record each slot's block table. `new`: the slot starts a sequence (a prefill); else
-        its table has only grown since it was last set, and only its new blocks are written."""
-        for i, slot in enumerate(slots):
-            table = tables[i] if tables is not None else self.default_table(slot)
-            known = 0 if new else self._table_lens[slot]
-            if new:
+        """Record each slot's block table (`SlotTables.set`); a new one drops what the slot had
+        staged of a chunked prompt."""
+        if new:
+            for slot in slots:
                 self._staged.pop(slot, None)
-                self.tables_SN[slot, len(table) :] = SINK_BLOCK
-            if len(table) > known:
-                self.tables_SN[slot, known : len(table)] = torch.tensor(table[known:])
-            self._table_lens[slot] = len(table)
-
-    def _device_tables(self, slots: list[int], num_tokens: int) -> torch.Tensor:
-        """The slots' tables as (B, blocks for num_tokens + 1) on the device.
-
-        NOTE: one column more than the tokens need: a compiled prefill's first tables were one
-        block wide, and torch.compile specializes a size-1 dimension (a compile for each)."""
-        num = min(blocks_for(num_tokens, self.block_size) + 1, self.max_blocks)
-        return to_device(self.tables_SN[torch.tensor(slots), :num], self.device)
+        self.tables.set(slots, tables, new=new, num_blocks=self.num_blocks)
 
     def _fork(self, slots: list[int], num_tokens: int) -> None:
         """Give slots[1:] the prefilled state of slots[0]: linear-attention state, and the
         blocks of their tables that differ from slots[0]'s (their own last, partial block)."""
-        if len(slots) < 2:
-            return
-        num = blocks_for(num_tokens, self.block_size)
-        source = self.tables_SN[slots[0], :num].tolist()
-        copies = [
-            (src, dst)
-            for slot in slots[1:]
-            for src, dst in zip(source, self.tables_SN[slot, :num].tolist(), strict=True)
-            if src != dst
-        ]
-        fork(self.cache, slots[0], slots[1:], copies)
+        if len(slots) >= 2:
+            fork(self.cache, slots[0], slots[1:], self.tables.fork_copies(slots, num_tokens))
 
     @torch.inference_mode()
     def prefill(
@@ -349,7 +315,7 @@ class ModelRunner:
             staging = self._staging(slots[0], inputs, n)
         positions = torch.arange(n, device=self.device)[None]
         first_slot = to_device(torch.tensor(slots[:1]), self.device)
-        tables = self._device_tables(slots[:1], n)
+        tables = self.tables.on_device(slots[:1], n, self.device)
         self.cache.bind(BatchBinding(first_slot, positions, n, tables), is_prefill=True)
         if self.uses_mrope:
             self.model.model.rope_deltas = None
@@ -405,7 +371,7 @@ class ModelRunner:
         positions = torch.arange(num_tokens, device=self.device).expand(len(prompts), -1)
         # NOTE: lengths travel even when all are equal, so that one compiled graph serves both.
         lengths_B = to_device(torch.tensor(lengths), self.device)
-        tables = self._device_tables(first, num_tokens)
+        tables = self.tables.on_device(first, num_tokens, self.device)
         binding = BatchBinding(first_slots, positions, num_tokens, tables, lengths_B=lengths_B)
         self.cache.bind(binding, is_prefill=True)
         if self.uses_mrope:
@@ -470,7 +436,9 @@ class ModelRunner:
         delta = torch.tensor([self.rope_delta[slot]], device=self.device)
         # The model's own positions for its forward (the stack takes the kept ones): (4, 1, L)
         # or (1, L), one row of L positions.
-        position_ids = self.position_ids(pos_Q, delta.expand(len(pos_Q))).transpose(-1, -2)
+        position_ids = self.row_inputs.position_ids(pos_Q, delta.expand(len(pos_Q))).transpose(
+            -1, -2
+        )
         self._adapter_rows([slot])
         with self._engine_context(), stack_inputs(self._text_stack, staged.cut(start, end)):
             out = self.model(
@@ -481,7 +449,7 @@ class ModelRunner:
                 use_cache=True,
                 logits_to_keep=1,
                 # sliding layers return their ring's keys and the chunk's, in order (cache.py)
-                **{BLOCK_TABLES_KWARG: self.attention_tables(tables, None)},
+                **{BLOCK_TABLES_KWARG: self.row_inputs.attention_tables(tables, None)},
             )
         self.cache.commit()
         return out.logits[0, -1].float()
@@ -498,7 +466,7 @@ class ModelRunner:
             pos_Q, tables = self._bind_chunk(slot, start, end)
             return {
                 "attention_mask": self._chunk_masks(pos_Q, end, staged.groups),
-                BLOCK_TABLES_KWARG: self.attention_tables(tables, None),
+                BLOCK_TABLES_KWARG: self.row_inputs.attention_tables(tables, None),
             }
 
         n = inputs.num_prompt_tokens
@@ -508,7 +476,7 @@ class ModelRunner:
         """Bind the cache to tokens start..end-1 of `slot` over its cached keys before them;
         returns their positions (Q,) and the slot's tables (1, blocks)."""
         pos_Q = torch.arange(start, end, device=self.device)
-        tables = self._device_tables([slot], end)
+        tables = self.tables.on_device([slot], end, self.device)
         slot_B = to_device(torch.tensor([slot]), self.device)
         binding = BatchBinding(
             slot_B, pos_Q[None], end, tables, num_cached=start, paged=True, chunk=True
@@ -563,9 +531,15 @@ class ModelRunner:
             return None
         return to_device(bidirectional_groups(types[0]), self.device)
 
+    @property
+    def _window(self) -> int | None:
+        """The sliding layers' window, None without sliding layers."""
+        if self.sliding_window and "sliding_attention" in self.layer_types:
+            return self.sliding_window
+        return None
+
     def _chunk_masks(self, pos_Q: torch.Tensor, kv_len: int, groups: torch.Tensor | None):
-        window = self.sliding_window if "sliding_attention" in self.layer_types else None
-        return chunk_masks(pos_Q, kv_len, window, groups)
+        return chunk_masks(pos_Q, kv_len, self._window, groups)
 
     @property
     def can_pad_prefill(self) -> bool:
@@ -607,7 +581,7 @@ class ModelRunner:
         kv_len = max(positions) + 1
         lo = slots[0]
         slot_range = (lo, lo + len(slots)) if slots == list(range(lo, lo + len(slots))) else None
-        tables = self._device_tables(slots, kv_len)
+        tables = self.tables.on_device(slots, kv_len, self.device)
         binding = BatchBinding(
             slots_B, pos_B[:, None], kv_len, tables, min(positions), slot_range, paged=True
         )
@@ -619,12 +593,12 @@ class ModelRunner:
             ids_B = torch.tensor(token_ids, device=self.device)
         out = self.model(
             input_ids=ids_B[:, None],
-            position_ids=self.position_ids(pos_B, delta_B),
-            attention_mask=self.masks(pos_B, kv_len),
+            position_ids=self.row_inputs.position_ids(pos_B, delta_B),
+            attention_mask=self.row_inputs.masks(pos_B, kv_len),
             past_key_values=self.cache,
             use_cache=True,
             **{
-                BLOCK_TABLES_KWARG: self.attention_tables(tables, slots_B),
+                BLOCK_TABLES_KWARG: self.row_inputs.attention_tables(tables, slots_B),
                 KV_LENGTHS_KWARG: (pos_B + 1).int(),
             },
         )
@@ -641,34 +615,6 @@ class ModelRunner:
         """Row i of the next forward runs with the adapter of `slots[i]`."""
         if self.lora is not None:
             self.lora.set_rows([self.adapter_of[slot] for slot in slots])
-
-    def attention_tables(self, tables_BN: torch.Tensor, slots_B: torch.Tensor | None):
-        """The block tables a forward's attention reads through: `tables_BN`, or with
-        sliding-window layers a mapping by layer kind whose sliding tables are the rows' rings
-        (`slots_B`; None where those layers return their keys in order, a chunk's)."""
-        if self.ring_blocks is None:
-            return tables_BN
-        rings = None
-        if slots_B is not None:
-            rings = ring_tables(slots_B, self.ring_blocks, tables_BN.shape[1])
-        return {"full_attention": tables_BN, "sliding_attention": rings}
-
-    def position_ids(self, pos_B: torch.Tensor, rope_delta_B: torch.Tensor) -> torch.Tensor:
-        """Decode position ids: (B, 1), or Qwen's (4, B, 1) multimodal rope positions."""
-        if not self.uses_mrope:
-            return pos_B[:, None]
-        shifted = pos_B + rope_delta_B
-        # (text, temporal, height, width) positions; a text token has the same value in all three.
-        return torch.stack([pos_B, shifted, shifted, shifted])[:, :, None]
-
-    def masks(self, pos_B: torch.Tensor, kv_len: int) -> torch.Tensor | dict[str, torch.Tensor]:
-        """Per-row masks over `kv_len` cached keys: causal, and windowed for sliding layers."""
-        keys = torch.arange(kv_len, device=self.device)[None, :]
-        full = (keys <= pos_B[:, None])[:, None, None, :]
-        if not self.sliding_window or "sliding_attention" not in self.layer_types:
-            return full
-        recent = (keys > pos_B[:, None] - self.sliding_window)[:, None, None, :]
-        return {"full_attention": full, "sliding_attention": full & recent}
 
     @torch.inference_mode()
     def score(

@@ -96,3 +96,22 @@ def test_a_compiled_start_up_reports_its_phases_and_cache(env, tiny_path):
         assert generator.compile_cache == Path(os.environ["TORCHINDUCTOR_CACHE_DIR"])
     finally:
         generator.shutdown()
+
+
+def test_an_engine_over_a_loaded_model_uses_the_cache_too(env, tiny_path, tmp_path):
+    """`Generator.from_model` (tests, benchmarks) points Inductor at the directory
+    `from_config` uses."""
+    from transformers import AutoModelForImageTextToText, AutoTokenizer
+
+    from areno.engine.config import EngineConfig
+    from areno.engine.generator import Generator
+
+    path = tiny_path("qwen3_5")
+    model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32)
+    config = EngineConfig(max_running_prompts=1, max_context_len=32, device="cpu")
+    generator = Generator.from_model(model, AutoTokenizer.from_pretrained(path), config)
+    try:
+        assert generator.compile_cache == Path(os.environ["TORCHINDUCTOR_CACHE_DIR"])
+        assert generator.compile_cache.parent == tmp_path / "xdg" / "areno" / "compile"
+    finally:
+        generator.shutdown()
