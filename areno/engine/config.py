@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from areno.errors import ConfigError
 
@@ -282,3 +283,18 @@ def resolve_step_modes(
     if prefill_compile == "auto":
         prefill_compile = compile
     return graphs, compile, prefill_compile
+
+
+def resolve_max_context_len(config: EngineConfig, model_config: Any) -> int:
+    """The configured max_context_len, or the model's limit capped at DEFAULT_MAX_CONTEXT_LEN."""
+    text_config = model_config.get_text_config()
+    model_limit = getattr(text_config, "max_position_embeddings", None) or DEFAULT_MAX_CONTEXT_LEN
+    if config.max_context_len is None:
+        return min(model_limit, DEFAULT_MAX_CONTEXT_LEN)
+    if config.max_context_len > model_limit:
+        raise ConfigError(
+            f"--max-context-len {config.max_context_len} exceeds the model's "
+            f"max_position_embeddings ({model_limit})",
+            param="max_context_len",
+        )
+    return config.max_context_len

@@ -25,10 +25,10 @@ import torch
 
 from areno.engine import compile_cache, startup
 from areno.engine.config import (
-    DEFAULT_MAX_CONTEXT_LEN,
     EngineConfig,
     resolve_device,
     resolve_dtype,
+    resolve_max_context_len,
     resolve_overlap,
 )
 from areno.engine.core import EngineCore
@@ -587,21 +587,6 @@ def _resolve(weights: Any) -> Any:
 
         return ray.get(weights)
     return weights
-
-
-def resolve_max_context_len(config: EngineConfig, model_config: Any) -> int:
-    """The configured max_context_len, or the model's limit capped at DEFAULT_MAX_CONTEXT_LEN."""
-    text_config = model_config.get_text_config()
-    model_limit = getattr(text_config, "max_position_embeddings", None) or DEFAULT_MAX_CONTEXT_LEN
-    if config.max_context_len is None:
-        return min(model_limit, DEFAULT_MAX_CONTEXT_LEN)
-    if config.max_context_len > model_limit:
-        raise ConfigError(
-            f"--max-context-len {config.max_context_len} exceeds the model's "
-            f"max_position_embeddings ({model_limit})",
-            param="max_context_len",
-        )
-    return config.max_context_len
 
 
 def model_eos_token_ids(model: torch.nn.Module) -> list[int]:

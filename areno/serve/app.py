@@ -24,7 +24,7 @@ def check_config(config: ServeConfig) -> None:
     the family cannot take."""
     from transformers import AutoConfig
 
-    from areno.engine.generator import resolve_max_context_len
+    from areno.engine.config import resolve_max_context_len
     from areno.engine.parallel import tp_plan_for
     from areno.models.registry import adapter_for_checkpoint
 
