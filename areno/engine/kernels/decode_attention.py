@@ -161,11 +161,11 @@ def split_launch(dim: int, keys: int = SPLIT_KEYS) -> dict:
     """The split kernel's key block (BLOCK_N) and launch options for head dim `dim` and `keys`
     keys a split.
 
-    Up to head dim 128 a block is 128 keys on four warps: at 64 rows of 257-384 keys a split of
-    one block took 32.8-33.4 us a call on an H200 against 35.0-35.6 with the earlier 64-key
-    blocks (benchmarks/engine_kernels.py); a split of several blocks pipelines them over STAGES.
-    Wider heads keep 8192 // dim keys a block and Triton's pipelining (32 at 256: 15.1-15.6 us
-    there in a sweep of launches, against 15.7-16.0 with 64-key blocks)."""
+    Up to head dim 128 a block is 128 keys on four warps, and a split of several blocks
+    pipelines them over STAGES; wider heads keep 8192 // dim keys a block (32 at 256) and
+    Triton's pipelining. Of the launches benchmarks/engine_kernels.py sweeps at the plan's
+    splits on an H200 (16-128 keys a block, 4 or 8 warps, 1-3 stages; 64 and 256 rows of
+    257-384 keys) these were the fastest or within 1 us of it on every row."""
     if dim <= 128:
         return {"BLOCK_N": 128, "num_warps": 4, "num_stages": 1 if keys <= 128 else STAGES}
     return {"BLOCK_N": max(16, 8192 // dim)}
