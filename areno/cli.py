@@ -64,6 +64,7 @@ def _serve(args: argparse.Namespace) -> None:
         fuse_projections=args.fuse_projections,
         max_loras=args.max_loras,
         max_lora_rank=args.max_lora_rank,
+        linear_state_dtype=args.linear_state_dtype,
     )
     config = ServeConfig(
         model_path=model_path,
@@ -211,6 +212,13 @@ def _add_serve_parser(sub) -> None:
     )
     serve.add_argument(
         "--max-lora-rank", type=int, default=16, help="the largest LoRA rank the engine takes"
+    )
+    serve.add_argument(
+        "--linear-state-dtype",
+        default="float32",
+        choices=["float32", "bfloat16"],
+        help="stored dtype of linear-attention (Qwen3.5) recurrent states; bfloat16 halves "
+        "their bytes per decode step (computed in fp32 either way)",
     )
     serve.add_argument(
         "--fuse-projections",

@@ -246,9 +246,10 @@ def matmul_tflops(device: torch.device, dtype: torch.dtype, repeats: int = 5) ->
 # --- byte floor -----------------------------------------------------------------------------------
 
 
-def linear_state_bytes(config) -> int:
+def linear_state_bytes(config, state_itemsize: int = 4) -> int:
     """One sequence's conv and recurrent state over every linear-attention layer: the recurrent
-    state in float32 (heads x key dim x value dim), the conv state in the model's dtype."""
+    state (heads x key dim x value dim) at `state_itemsize` bytes an element (4: float32, the
+    engine's default `linear_state_dtype`), the conv state in the model's dtype."""
     layers = sum(t == "linear_attention" for t in getattr(config, "layer_types", None) or [])
     if not layers:
         return 0
@@ -258,7 +259,9 @@ def linear_state_bytes(config) -> int:
         config.linear_value_head_dim,
     )
     conv_dim = 2 * config.linear_num_key_heads * key_dim + heads * value_dim
-    per_layer = heads * key_dim * value_dim * 4 + conv_dim * config.linear_conv_kernel_dim * 2
+    per_layer = (
+        heads * key_dim * value_dim * state_itemsize + conv_dim * config.linear_conv_kernel_dim * 2
+    )
     return layers * per_layer
 
 
@@ -276,9 +279,16 @@ class ByteFloor:
       scores are left out: short prompts).
 
     Bytes go at the measured copy bandwidth (`bandwidth_gb_s`, counting bytes read and written),
-    FLOPs at the measured matrix-product rate (`tflops`)."""
+    FLOPs at the measured matrix-product rate (`tflops`); the linear-attention states at
+    `state_itemsize` bytes an element (the engine's `linear_state_dtype`)."""
 
-    def __init__(self, model: torch.nn.Module, bandwidth_gb_s: float, tflops: float):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        bandwidth_gb_s: float,
+        tflops: float,
+        state_itemsize: int = 4,
+    ):
         from areno.engine.kv_pool import block_bytes
 
         config = model.config.get_text_config()
@@ -291,7 +301,7 @@ class ByteFloor:
         self.weight_bytes = weight_bytes(model) - (0 if tied else embedding_bytes)
         self.prefill_params = sum(p.numel() for p in model.parameters()) - embedding.numel()
         self.kv_bytes_per_token = block_bytes(model, layer_types, 1)
-        self.state_bytes_per_seq = linear_state_bytes(config)
+        self.state_bytes_per_seq = linear_state_bytes(config, state_itemsize)
         self.bandwidth = bandwidth_gb_s * 1e9
         self.flops = tflops * 1e12
 

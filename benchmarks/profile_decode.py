@@ -12,6 +12,7 @@ to --out.
 
     python benchmarks/profile_decode.py --model small                        # CPU, fp32, 16 rows
     python benchmarks/profile_decode.py --model qwen3-8b --rows 64 256       # GPU, bf16
+    python benchmarks/profile_decode.py --model qwen3.5-2b --linear-state-dtype bfloat16
 """
 
 from __future__ import annotations
@@ -162,6 +163,12 @@ def main() -> None:
     parser.add_argument(
         "--fuse-projections", choices=["auto", "on", "off"], default="auto", help="auto: on CUDA"
     )
+    parser.add_argument(
+        "--linear-state-dtype",
+        choices=["float32", "bfloat16"],
+        default="float32",
+        help="stored dtype of linear-attention states (the engine's linear_state_dtype)",
+    )
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--top", type=int, default=15)
@@ -185,13 +192,15 @@ def main() -> None:
         packed_linear=True,
         fuse_projections=args.fuse_projections == "on"
         or (args.fuse_projections == "auto" and on_cuda),
+        linear_state_dtype=getattr(torch, args.linear_state_dtype),
     )
     prefill_ms = fill(runner, args, vocab)
     results = [profile_steps(runner, args, rows) for rows in args.rows]
     num_bytes = weight_bytes(model)
     bandwidth = copy_bandwidth_gb_s(runner.device, min(num_bytes, 1 << 30))
     tflops = matmul_tflops(runner.device, getattr(torch, args.dtype))
-    floor = ByteFloor(model, bandwidth, tflops)
+    state_itemsize = getattr(torch, args.linear_state_dtype).itemsize
+    floor = ByteFloor(model, bandwidth, tflops, state_itemsize)
     for result in results:
         result["floor_ms"] = floor.step_ms(result["rows"], args.prompt_len)
         result["pct_floor"] = 100 * result["floor_ms"] / result["step_ms"]
@@ -213,7 +222,8 @@ def main() -> None:
     }
     print(
         f"\n{args.model} on {report['meta']['device']}, prompt {args.prompt_len}, graphs "
-        f"{args.graphs}, compile {args.compile}; prefill {prefill_ms:.1f} ms per prompt"
+        f"{args.graphs}, compile {args.compile}, linear state {args.linear_state_dtype}; "
+        f"prefill {prefill_ms:.1f} ms per prompt"
     )
     for result in results:
         print_result(result, result["floor_ms"])

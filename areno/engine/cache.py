@@ -138,10 +138,17 @@ class CacheAllocator:
         self.headroom = headroom
         self.num_bytes = 0
 
-    def zeros(self, shape: tuple[int, ...], like: torch.Tensor, what: str) -> torch.Tensor:
-        """A zeroed static storage tensor of `like`'s dtype and device; raises CacheMemoryError
-        naming `what` where it does not fit."""
-        num_bytes = math.prod(shape) * like.element_size()
+    def zeros(
+        self,
+        shape: tuple[int, ...],
+        like: torch.Tensor,
+        what: str,
+        dtype: torch.dtype | None = None,
+    ) -> torch.Tensor:
+        """A zeroed static storage tensor of `dtype` (None: `like`'s) on `like`'s device; raises
+        CacheMemoryError naming `what` where it does not fit."""
+        dtype = dtype or like.dtype
+        num_bytes = math.prod(shape) * dtype.itemsize
         # NOTE: not while tracing (a compiled prefill that allocates): dynamo cannot trace the
         # file read, and the Generator's eager start-up prefill has allocated everything by then.
         free = None
@@ -151,7 +158,7 @@ class CacheAllocator:
         if free is not None and num_bytes > free:
             raise self._error(what, num_bytes, free, like.device)
         try:
-            storage = torch.zeros(shape, dtype=like.dtype, device=like.device)
+            storage = torch.zeros(shape, dtype=dtype, device=like.device)
         except torch.OutOfMemoryError:
             raise self._error(what, num_bytes, free, like.device) from None
         self.num_bytes += num_bytes
@@ -285,9 +292,18 @@ class PagedAttentionLayer(CacheLayerMixin):
 class SlotLinearState:
     """Conv / recurrent state storage for one linear-attention layer, one row per slot."""
 
-    def __init__(self, num_slots: int, allocator: CacheAllocator, what: str):
+    def __init__(
+        self,
+        num_slots: int,
+        allocator: CacheAllocator,
+        what: str,
+        state_dtype: torch.dtype | None = None,
+    ):
+        """`state_dtype`: the recurrent state's storage dtype (None: the dtype the layer's
+        first prefill produced, fp32)."""
         self.num_slots = num_slots
         self.allocator, self.what = allocator, what
+        self.state_dtype = state_dtype
         self.conv: torch.Tensor | None = None
         self.recurrent: torch.Tensor | None = None
         self.kernel_size: int | None = None
@@ -312,12 +328,15 @@ class SlotLinearState:
             zeros = self.allocator.zeros
             self.conv = zeros((self.num_slots, *conv.shape[1:]), conv, f"{self.what}'s conv state")
             self.recurrent = zeros(
-                (self.num_slots, *recurrent.shape[1:]), recurrent, f"{self.what}'s state"
+                (self.num_slots, *recurrent.shape[1:]),
+                recurrent,
+                f"{self.what}'s state",
+                self.state_dtype,
             )
         if binding.slot_range is not None and not is_prefill:
             return  # the layer worked on views of our storage
         self.conv[binding.slots_B] = conv
-        self.recurrent[binding.slots_B] = recurrent
+        self.recurrent[binding.slots_B] = recurrent.to(self.recurrent.dtype)
 
 
 class PagedCache(Cache):
@@ -333,11 +352,13 @@ class PagedCache(Cache):
         max_len: int,
         headroom: float = HEADROOM_FRACTION,
         ring_blocks: int | None = None,
+        linear_state_dtype: torch.dtype | None = None,
     ):
         """`headroom`: the share of the device's memory the cache leaves free (module
         docstring); 0 where the pool was sized from measured memory (kv_pool.py).
         `ring_blocks`: the blocks of each slot's ring in sliding-window layers (None: they page
-        like full-attention layers)."""
+        like full-attention layers). `linear_state_dtype`: the storage dtype of the
+        linear-attention layers' recurrent states (None: fp32, as computed)."""
         self.layer_types = list(layer_types)
         self.block_size = block_size
         self.ring_blocks = ring_blocks
@@ -353,7 +374,7 @@ class PagedCache(Cache):
             if t != "linear_attention"
         }
         self.linear = {
-            i: SlotLinearState(num_slots, self.allocator, f"layer {i}")
+            i: SlotLinearState(num_slots, self.allocator, f"layer {i}", linear_state_dtype)
             for i, t in enumerate(layer_types)
             if t == "linear_attention"
         }

@@ -8,6 +8,7 @@ from typing import Any
 from areno.errors import ConfigError
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+LINEAR_STATE_DTYPES = ("float32", "bfloat16")
 DEVICES = ("auto", "cpu", "cuda")
 GRAPH_MODES = ("auto", "off", "static", "capture")
 COMPILE_MODES = ("auto", "off", "inductor", "aot_eager", "eager")
@@ -93,6 +94,11 @@ class EngineConfig:
     max_loras: LoRA adapters the engine can hold beside its base weights (`--max-loras`);
         0: none, and no low-rank path runs (areno/engine/lora.py). Needs tp_size 1.
     max_lora_rank: the largest adapter rank it takes (`--max-lora-rank`).
+    linear_state_dtype: the stored dtype of linear-attention (Qwen3.5 gated-delta-net)
+        recurrent states (`--linear-state-dtype`): "float32", or "bfloat16", which halves the
+        bytes a decode step reads and writes for them; they are computed in fp32 either way
+        (areno/engine/kernels/gated_delta.py). Its effect on greedy parity and step time is in
+        docs/performance.md ("Linear-attention state in bf16").
     """
 
     tp_size: int = 1
@@ -116,6 +122,7 @@ class EngineConfig:
     fuse_projections: str = "auto"
     max_loras: int = 0
     max_lora_rank: int = 16
+    linear_state_dtype: str = "float32"
 
     def __post_init__(self) -> None:
         names = ("tp_size", "max_running_prompts", "max_prefill_tokens_per_step", "block_size")
@@ -210,6 +217,12 @@ class EngineConfig:
                 "overlap_steps needs tp_size 1: the followers of a tensor-parallel group take "
                 "each step's input tokens from the host",
                 param="overlap_steps",
+            )
+        if self.linear_state_dtype not in LINEAR_STATE_DTYPES:
+            raise ConfigError(
+                f"linear_state_dtype must be one of {LINEAR_STATE_DTYPES}; got "
+                f"{self.linear_state_dtype!r}",
+                param="linear_state_dtype",
             )
         if self.dtype not in DTYPES:
             raise ConfigError(f"dtype must be one of {DTYPES}; got {self.dtype!r}", param="dtype")

@@ -214,8 +214,9 @@ def decode_step(
 ) -> torch.Tensor:
     """One token per row through a gated-delta-net layer; updates both states in place.
 
-    conv_state_BCK: the last K inputs of the causal conv per channel. state_BNKV: the fp32
-    recurrent state per value head, (d_k, d_v). Returns the layer output (B, 1, hidden).
+    conv_state_BCK: the last K inputs of the causal conv per channel. state_BNKV: the recurrent
+    state per value head, (d_k, d_v), fp32 or bf16 (computed in fp32 either way). Returns the
+    layer output (B, 1, hidden).
     """
     batch = hidden_B1H.shape[0]
     hidden_BH = hidden_B1H[:, 0]
@@ -311,12 +312,17 @@ def recurrent_update(
     batch, num_v, dk, dv = state_BNKV.shape
     query_BNK, key_BNK = _expand_heads(query_BNK, num_v), _expand_heads(key_BNK, num_v)
     state = state_BNKV.view(batch * num_v, dk, dv)
+    if state.dtype != torch.float32:  # a bf16 state: computed in fp32, rounded once
+        state = state.float()
     state.mul_(decay_BN.reshape(-1, 1, 1))
     key_col = key_BNK.reshape(-1, dk, 1)
     recalled = torch.bmm(key_col.transpose(1, 2), state)  # (BN, 1, dv)
     delta = (value_BNV.reshape(-1, 1, dv) - recalled) * beta_BN.reshape(-1, 1, 1)
     state.baddbmm_(key_col, delta)
-    return torch.bmm(query_BNK.reshape(-1, 1, dk), state).reshape(batch, num_v, dv)
+    out = torch.bmm(query_BNK.reshape(-1, 1, dk), state).reshape(batch, num_v, dv)
+    if state.dtype != state_BNKV.dtype:
+        state_BNKV.copy_(state.view(state_BNKV.shape))
+    return out
 
 
 @recurrent_update.register_fake

@@ -75,6 +75,7 @@ class ModelRunner:
         encoder_cache_bytes: int = 0,
         max_loras: int = 0,
         max_lora_rank: int = 16,
+        linear_state_dtype: torch.dtype | None = None,
     ):
         """`num_blocks` KV blocks of `block_size` tokens (None: as many as give every slot
         `max_len` tokens, the blocks a slot's default table lists: see `default_table`).
@@ -91,11 +92,14 @@ class ModelRunner:
         in (areno/engine/state_cache.py); none where every layer keeps only keys.
         `encoder_cache_bytes`: media tower outputs kept by content (encoder_cache.py).
         `max_loras`, `max_lora_rank`: LoRA adapter slots beside the text stack's linear layers
-        (areno/engine/lora.py); a slot runs the adapter `assign_adapter` gave it."""
+        (areno/engine/lora.py); a slot runs the adapter `assign_adapter` gave it.
+        `linear_state_dtype`: the stored dtype of linear-attention recurrent states (None:
+        fp32); they are computed in fp32 either way."""
         self.model = model.eval()
         self.kernels = EngineKernels(model)
         self.attention = EngineAttention(model)
         self.num_slots, self.max_len = num_slots, max_len
+        self.linear_state_dtype = linear_state_dtype
         self.device = next(model.parameters()).device
         self.text_config = model.config.get_text_config()
         num_layers = self.text_config.num_hidden_layers
@@ -224,6 +228,7 @@ class ModelRunner:
             num_slots=num_rows,
             max_len=self.max_len,
             ring_blocks=self.ring_blocks,
+            linear_state_dtype=self.linear_state_dtype,
             **kwargs,
         )
 

@@ -85,6 +85,7 @@ class Worker:
         encoder_cache_bytes: int = 0,
         max_loras: int = 0,
         max_lora_rank: int = 16,
+        linear_state_dtype: torch.dtype | None = None,
     ):
         """`pool`: how the KV block pool is sized (areno/engine/kv_pool.py); `num_blocks` sets
         its size directly (None: every slot `max_len` tokens). `packed_linear`: on CPU in
@@ -95,7 +96,8 @@ class Worker:
         fuses on CUDA without tensor parallelism, whose shards cannot be concatenated.
         `state_rows`, `encoder_cache_bytes`: saved slot states and media tower outputs for the
         prefix cache (ModelRunner's). `max_loras`, `max_lora_rank`: LoRA adapter slots
-        (areno/engine/lora.py)."""
+        (areno/engine/lora.py). `linear_state_dtype`: the stored dtype of linear-attention
+        recurrent states (None: fp32)."""
         if prefill_compile == "auto" and tensor_parallel:
             prefill_compile = "off"
         if fuse_projections == "auto":
@@ -116,6 +118,7 @@ class Worker:
             encoder_cache_bytes=encoder_cache_bytes,
             max_loras=max_loras,
             max_lora_rank=max_lora_rank,
+            linear_state_dtype=linear_state_dtype,
         )
         # The adapter of requests that name none: an RL weight sync's policy adapter, or None
         # (the base model).
@@ -171,6 +174,7 @@ class Worker:
             else 0,
             max_loras=config.max_loras,
             max_lora_rank=config.max_lora_rank,
+            linear_state_dtype=getattr(torch, config.linear_state_dtype),
         )
 
     @property

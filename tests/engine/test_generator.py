@@ -195,3 +195,33 @@ def test_more_requests_than_slots_queue_and_all_finish(setups, overlap):
     for x, output in zip(inputs, outputs, strict=True):
         assert output.finished
         assert output.samples[0].token_ids == setup.reference(x, GREEDY.max_tokens)
+
+
+@pytest.mark.parametrize("graphs", ["off", "static"])
+def test_a_bf16_linear_state_keeps_greedy_parity(setups, media, graphs):
+    """`linear_state_dtype="bfloat16"` stores the gated-delta-net states in bf16 (computed in
+    fp32): on the tiny Qwen3.5, staggered mixed requests still decode transformers' greedy
+    tokens (its fp32 states)."""
+    setup = setups("qwen3_5")
+    inputs = mixed_requests(setup, media)
+    expected = [setup.reference(x, GREEDY.max_tokens) for x in inputs]
+    gen = setup.generator(
+        max_running_prompts=3, decode_graphs=graphs, linear_state_dtype="bfloat16"
+    )
+
+    async def one(x):
+        tokens = []
+        async for output in gen.generate(x, GREEDY):
+            tokens += output.samples[0].token_ids
+        return tokens
+
+    async def main():
+        return await asyncio.gather(*(one(x) for x in inputs))
+
+    try:
+        got = run(main())
+        states = gen.core.executor.worker.runner.cache.linear.values()
+        assert {state.recurrent.dtype for state in states} == {torch.bfloat16}
+    finally:
+        gen.shutdown()
+    assert got == expected

@@ -479,3 +479,9 @@ def test_a_cache_too_large_for_memory_fails_at_start_up_naming_the_flags(setups)
     finally:
         gen.shutdown()
     assert out.samples[0].token_ids
+
+
+def test_a_linear_state_dtype_other_than_fp32_or_bf16_is_refused() -> None:
+    with pytest.raises(ConfigError, match=r"linear_state_dtype must be one of .*; got 'float16'"):
+        EngineConfig(linear_state_dtype="float16")
+    assert EngineConfig().linear_state_dtype == "float32"

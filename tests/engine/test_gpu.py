@@ -168,6 +168,30 @@ def test_generator_on_cuda_bf16(tiny_path):
     assert all(lp <= 0 for s in out.samples for lp in s.logprobs)
 
 
+def test_a_bf16_linear_state_decodes_the_fp32_states_greedy_tokens_on_cuda(tiny_path):
+    """Qwen3.5's gated-delta-net states stored in bf16 (`linear_state_dtype`), read and written
+    by the Triton kernel through captured, compiled steps: the same greedy tokens as fp32."""
+    prompts = [PromptInputs(list(range(10 + i, 40 + 3 * i)), {}) for i in range(4)]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    tokens = {}
+    for state_dtype in ("float32", "bfloat16"):
+        config = EngineConfig(
+            max_running_prompts=4, max_context_len=256, linear_state_dtype=state_dtype
+        )
+        gen = Generator.from_config(tiny_path("qwen3_5"), config)
+
+        async def run_all(gen=gen):
+            return await asyncio.gather(*(gen.generate_all(p, params) for p in prompts))
+
+        try:
+            tokens[state_dtype] = [out.samples[0].token_ids for out in asyncio.run(run_all())]
+            states = gen.core.executor.worker.runner.cache.linear.values()
+            assert {s.recurrent.dtype for s in states} == {getattr(torch, state_dtype)}
+        finally:
+            gen.shutdown()
+    assert tokens["bfloat16"] == tokens["float32"]
+
+
 def test_overlapped_steps_give_the_steps_own_outputs(tiny_path):
     """A step launched before the host reads the previous one's tokens (`overlap_steps`) gives
     what reading each step first gives: greedy and seeded rows, n > 1, staggered lengths, and

@@ -179,6 +179,27 @@ def test_gated_delta_matches_its_reference_and_updates_the_state_in_place(
     torch.testing.assert_close(fresh_state, want_state, atol=1e-4, rtol=1e-4)
 
 
+@needs_kernels
+@pytest.mark.parametrize("num_tokens", [1, 5 if INTERPRETED else 37])
+def test_gated_delta_keeps_a_bf16_state_in_bf16_and_computes_in_fp32(num_tokens):
+    """A bf16 stored state (`linear_state_dtype`) is read into fp32, run through every token in
+    fp32 and rounded once when written back: the result is the fp32 rule's from the same start,
+    within one bf16 step (the interpreter truncates where a GPU rounds to nearest)."""
+    torch.manual_seed(0)
+    batch, num_k, num_v, dk, dv = 2, 2, 4, 128, 64
+    query = F.normalize(torch.randn(batch, num_tokens, num_k, dk, device=DEVICE), dim=-1) * dk**-0.5
+    key = F.normalize(torch.randn(batch, num_tokens, num_k, dk, device=DEVICE), dim=-1)
+    value = torch.randn(batch, num_tokens, num_v, dv, device=DEVICE).to(torch.bfloat16)
+    beta = torch.rand(batch, num_tokens, num_v, device=DEVICE).to(torch.bfloat16)
+    decay = torch.rand(batch, num_tokens, num_v, device=DEVICE) * 0.5 + 0.5
+    state = torch.randn(batch, num_v, dk, dv, device=DEVICE).to(torch.bfloat16)
+    want_out, want_state = gated_delta_reference(state.float(), query, key, value, beta, decay)
+    have_out, have_state = gated_delta(state, query, key, value, beta, decay)
+    assert have_state is state and state.dtype == torch.bfloat16
+    torch.testing.assert_close(have_out, want_out, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(state.float(), want_state, atol=1e-6, rtol=2**-7)
+
+
 CHUNKED_CASES = [
     (37, 16, 2, 4, 128, 64),
     (64, 32, 1, 2, 32, 128),

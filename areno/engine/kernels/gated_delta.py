@@ -1,11 +1,13 @@
 """The gated delta rule of Qwen3.5's linear-attention layers, token by token, in one Triton kernel.
 
 For each token:  S <- decay * S;  delta = beta * (v - k^T S);  S <- S + k delta^T;  out = q^T S,
-with S the fp32 (d_k, d_v) state of one value head. Each program keeps a (d_k, block of d_v)
-slice of one row's state in registers for all the tokens it runs, so a decode step reads and
+with S the (d_k, d_v) state of one value head. Each program keeps a (d_k, block of d_v) slice
+of one row's state in registers, in fp32, for all the tokens it runs, so a decode step reads and
 writes the state once, where the PyTorch step makes four passes (six reads or writes) over it:
-at 64 rows of the Qwen3.5-2B shape that state is 1.2 GB per step. A prefill runs the same kernel
-over the prompt from a zero state.
+at 64 rows of the Qwen3.5-2B shape an fp32 state is 1.2 GB per step. A stored state is fp32 or
+bf16 (the engine's `linear_state_dtype`): it is read into fp32 and rounded to its own dtype only
+when written back, once per launch. A prefill runs the same kernel over the prompt from a zero
+state.
 """
 
 from __future__ import annotations
@@ -13,6 +15,9 @@ from __future__ import annotations
 import torch
 
 from areno.engine.kernels import triton
+
+# The dtypes a stored state may have (it is computed in fp32 either way).
+STATE_DTYPES = (torch.float32, torch.bfloat16)
 
 if triton is not None:
     import triton.language as tl
@@ -38,7 +43,7 @@ if triton is not None:
         offs_v = tl.program_id(1) * BV + tl.arange(0, BV)
         s_ptrs = S + b * stride_sb + n * stride_sn + offs_k[:, None] * DV + offs_v[None, :]
         if HAS_STATE:  # noqa: SIM108 (a constexpr branch of the kernel)
-            state = tl.load(s_ptrs)
+            state = tl.load(s_ptrs).to(tl.float32)
         else:
             state = tl.zeros([DK, BV], tl.float32)
         q_ptrs = Q + b * stride_qb + kh * stride_qn + offs_k
@@ -76,7 +81,7 @@ if triton is not None:
             tl.store(o_ptrs + t * stride_ot, tl.sum(state * q[:, None], 0))
             if PREFETCH:
                 q, k, v, beta, decay = q_next, k_next, v_next, beta_next, decay_next
-        tl.store(s_ptrs, state)
+        tl.store(s_ptrs, state.to(S.dtype.element_ty))
 
 
 def fits(key_BTNK: torch.Tensor, value_BTNV: torch.Tensor) -> bool:
@@ -126,8 +131,8 @@ def gated_delta(
     num_warps: int | None = None,
     prefetch: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`gated_delta_reference`'s arithmetic in one kernel, except that a given state is updated
-    in place (and returned); None starts from zero and returns a new state.
+    """`gated_delta_reference`'s arithmetic in one kernel, except that a given state (fp32 or
+    bf16) is updated in place (and returned); None starts from zero and returns a new fp32 state.
 
     `block_v` (value columns per program), `num_warps` and `prefetch` (each token's inputs
     loaded a token ahead) are the launch's choices, for the kernel benchmark; None takes the
@@ -137,7 +142,7 @@ def gated_delta(
     fresh = state_BNKV is None
     if fresh:
         state_BNKV = value_BTNV.new_empty((batch, num_v, dk, dv), dtype=torch.float32)
-    assert state_BNKV.dtype == torch.float32 and state_BNKV.stride(-1) == 1
+    assert state_BNKV.dtype in STATE_DTYPES and state_BNKV.stride(-1) == 1
     assert state_BNKV.stride(-2) == dv, "each head's (d_k, d_v) state is contiguous"
     query_BTNK, key_BTNK, value_BTNV, beta_BTN, decay_BTN = (
         t if t.stride(-1) == 1 else t.contiguous()
