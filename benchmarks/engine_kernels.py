@@ -175,13 +175,35 @@ def gated_delta_rows(bandwidth: float) -> list[dict]:
     def triton_step():
         gated_delta(state, *(t[:, None] for t in (query, key, value, beta, decay)))
 
+    torch_ms = graph_ms(torch_step)
     decode = _row(
         "gated delta decode",
         "qwen3.5-2b",
-        graph_ms(torch_step),
+        torch_ms,
         graph_ms(triton_step),
         state.numel() * 4 * 2 / bandwidth / 1e6,
     )
+    decode_rows = [decode]
+    # A bf16 stored state (`linear_state_dtype`): half the bytes; the engine's launch first,
+    # then the columns and warps around it.
+    half = state.to(torch.bfloat16)
+    engine = launch_choices(1, dim, half.dtype)
+    for block_v, num_warps in [
+        (engine["block_v"], engine["num_warps"]),
+        *[(bv, w) for bv in (32, 64, 128) for w in (2, 4, 8)],
+    ]:
+        launch = {"block_v": block_v, "num_warps": num_warps}
+        name = f"gated delta decode bf16 state v{block_v} w{num_warps}"
+        if launch == {k: engine[k] for k in launch}:
+            if len(decode_rows) > 1:
+                continue  # measured first
+            name += " (engine)"
+
+        def half_step(launch=launch):
+            gated_delta(half, *(t[:, None] for t in (query, key, value, beta, decay)), **launch)
+
+        floor_ms = half.numel() * 2 * 2 / bandwidth / 1e6
+        decode_rows.append(_row(name, "qwen3.5-2b", torch_ms, graph_ms(half_step), floor_ms))
 
     from transformers.models.qwen3_5.modeling_qwen3_5 import torch_chunk_gated_delta_rule
 
@@ -201,7 +223,8 @@ def gated_delta_rows(bandwidth: float) -> list[dict]:
 
     nq = F.normalize(q.float(), dim=-1, eps=1e-6) * dim**-0.5
     nk = F.normalize(k.float(), dim=-1, eps=1e-6)
-    rows = [decode]
+    rows = list(decode_rows)
+    first_prefill = len(rows)
     engine = launch_choices(PROMPT, dim)
     # The engine's launch first, then the launch choices around it (the kernel's docstring).
     for block_v, num_warps, prefetch in [
@@ -211,7 +234,7 @@ def gated_delta_rows(bandwidth: float) -> list[dict]:
         launch = {"block_v": block_v, "num_warps": num_warps, "prefetch": prefetch}
         name = f"gated delta prefill v{block_v} w{num_warps}" + (" ahead" if prefetch else "")
         if launch == engine:
-            if len(rows) > 1:
+            if len(rows) > first_prefill:
                 continue  # measured first
             name += " (engine)"
         kernel_ms = _timed(lambda la=launch: gated_delta(None, nq, nk, v, b, g.exp(), **la), 5)
