@@ -172,8 +172,8 @@ def gated_delta(
 def launch_choices(num_tokens: int, dv: int, state_dtype: torch.dtype = torch.float32) -> dict:
     """The engine's launch of the kernel. A decode step: 32 value columns per program and 4
     warps, which read and write an fp32 state at its copy bandwidth; a bf16 state, half the
-    bytes, 64 columns and 2 warps: at 64 rows of the Qwen3.5-2B shape 16.6 us a layer, 97% of
-    its copy floor, where the fp32 state's launch took 22.9 us (39.4 us for an fp32 state;
+    bytes, 64 columns and 2 warps: at 64 rows of the Qwen3.5-2B shape 16.7 us a layer, 99% of
+    its copy floor, where the fp32 state's launch took 23.1 us (39.4 us for an fp32 state;
     benchmarks/engine_kernels.py --kernels gated-delta, a sweep of 32-128 columns and 2-8
     warps). A prefill: 16 columns, one
     warp, each token's inputs loaded a token ahead. On an H200, 32 prompts x 256 tokens of the
