@@ -252,6 +252,9 @@ def _run_engine(model, tokenizer, requests, concurrency, config: EngineConfig) -
     generator = Generator.from_model(model, tokenizer, config)
     try:
         run_requests(generator, [dict(r, max_tokens=2) for r in requests[:concurrency]])  # warm-up
+        # NOTE: else the timed run's first prompts start from the warm-up's cached blocks, and
+        # such prompts prefill one at a time (HF, beside it, recomputes them all).
+        asyncio.run(generator.reset_prefix_cache())
         synchronize(model.device)
         warmup_s = time.perf_counter() - start
         runner = generator.core.executor.worker.runner

@@ -12,6 +12,7 @@ waits for it anyway when it copies the sampled tokens to the host).
 from __future__ import annotations
 
 import argparse
+import asyncio
 import collections
 import cProfile
 import json
@@ -121,6 +122,7 @@ def profile_one(
 
     try:
         run_requests(generator, [dict(r, max_tokens=2) for r in requests[:concurrency]])
+        asyncio.run(generator.reset_prefix_cache())  # the timed prompts prefill whole
         warmup_s = time.perf_counter() - start
         timer.seconds.clear()
         timer.calls.clear()
@@ -193,6 +195,7 @@ def kernel_profile(generator, requests, device) -> dict:
     a first sampling only), each per step."""
     if device.type != "cuda":
         return {}
+    asyncio.run(generator.reset_prefix_cache())
     decode = _profiled(generator, [dict(r, max_tokens=40) for r in requests], 40)
     worker = generator.core.executor.worker
     calls = {"prefill": 0}
@@ -203,6 +206,7 @@ def kernel_profile(generator, requests, device) -> dict:
         return inner(*args, **kwargs)
 
     worker._prefill = counted
+    asyncio.run(generator.reset_prefix_cache())  # else the decode profile's prompts are cached
     try:
         prefill = _profiled(generator, [dict(r, max_tokens=1) for r in requests], None, calls)
     finally:

@@ -328,6 +328,11 @@ class Generator:
 
         return await self._call(load)
 
+    async def reset_prefix_cache(self) -> None:
+        """Forget the cached prompt blocks and saved states between two steps, as new weights
+        do: the next prompts prefill whole. Running requests keep their keys."""
+        await self._call(self.core.scheduler.forget_cached)
+
     async def load_adapter(
         self, name: str, weights: LoraWeights | str | os.PathLike, *, version: int | None = None
     ) -> int:

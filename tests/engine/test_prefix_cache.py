@@ -310,6 +310,21 @@ def test_new_weights_forget_the_cached_blocks(setups):
         gen.shutdown()
 
 
+def test_a_reset_prefix_cache_prefills_the_next_prompt_whole(setups):
+    setup = setups("qwen3_vl")
+    x = setup.encode(text("Once upon a time there was a river that ran to the sea."))
+    gen = setup.generator(block_size=4, enable_prefix_caching=True)
+    try:
+        tokens, _ = _cached_tokens(gen, x)
+        again, cached = _cached_tokens(gen, x)
+        assert cached > 0 and again == tokens
+        run(gen.reset_prefix_cache())
+        assert gen.core.scheduler.blocks.num_cached == 0
+        assert _cached_tokens(gen, x) == (tokens, 0)
+    finally:
+        gen.shutdown()
+
+
 def test_passes_over_the_same_media_share_one_tower_call_and_give_the_same_logprobs(setups, media):
     """What the trainer does with frozen towers (`Learner.features`): the policy's and the
     reference's passes over a trajectory, and the trajectories of a group, encode their media
