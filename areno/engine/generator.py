@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
-import gc
 import logging
 import os
 import threading
@@ -23,7 +22,7 @@ from typing import Any
 
 import torch
 
-from areno.engine import compile_cache, startup
+from areno.engine import compile_cache, gc_freeze, startup
 from areno.engine.config import (
     EngineConfig,
     resolve_device,
@@ -56,28 +55,6 @@ PAUSE_MODES = ("keep", "drain", "abort")
 SHUTDOWN_ABORT_S = 10.0
 
 log = logging.getLogger(__name__)
-
-
-# Engines alive in this process: the objects alive when one started stay frozen out of garbage
-# collection until the last one shuts down (see Generator.__init__).
-_live_engines = 0
-_live_engines_lock = threading.Lock()
-
-
-def _freeze_garbage_collection() -> None:
-    global _live_engines
-    with _live_engines_lock:
-        gc.collect()
-        gc.freeze()
-        _live_engines += 1
-
-
-def _release_garbage_collection() -> None:
-    global _live_engines
-    with _live_engines_lock:
-        _live_engines -= 1
-        if _live_engines == 0:
-            gc.unfreeze()
 
 
 class StartupRunError(RuntimeError):
@@ -141,12 +118,7 @@ class Generator:
         except BaseException:
             executor.shutdown()  # a tensor-parallel group's follower actors too
             raise
-        # A full garbage collection walks every object the process tracks, and torch.compile
-        # leaves many (740,000 after the 2B hybrid's): on the H200 one collection stalled a step
-        # for 0.5 to 1.2 s, with the GIL held. What lives now (model, compiled code, graphs) is
-        # frozen out of collections; the garbage of earlier engines is collected first, and the
-        # last engine of the process to shut down unfreezes.
-        _freeze_garbage_collection()
+        gc_freeze.hold()  # what lives now stays out of collections (gc_freeze.py)
         self._holds_gc_freeze = True
         if executor.worker.device.type == "cpu":
             # The engine thread must own the process's only OpenMP pool (areno/engine/openmp.py).
@@ -473,7 +445,7 @@ class Generator:
         self.core.executor.shutdown()
         if self._holds_gc_freeze:
             self._holds_gc_freeze = False
-            _release_garbage_collection()
+            gc_freeze.release()
 
     # ---- the engine thread ----------------------------------------------------------------
 

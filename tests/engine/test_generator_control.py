@@ -10,6 +10,7 @@ import gc
 import pytest
 import torch
 
+from areno.engine import gc_freeze
 from areno.engine import generator as generator_module
 from areno.engine.config import EngineConfig, resolve_overlap
 from areno.engine.generator import Generator
@@ -217,7 +218,7 @@ def test_the_engine_freezes_what_lives_at_start_out_of_garbage_collection(setups
     """A full collection walks every tracked object, and a compiled step leaves millions: the
     engine freezes what lives once it has started (a step stalled ~0.5 s on the H200 without);
     the last engine of the process to shut down unfreezes, so later garbage is collected."""
-    assert generator_module._live_engines == 0, "an earlier test left an engine running"
+    assert gc_freeze.live_engines() == 0, "an earlier test left an engine running"
     setup = setups("qwen3_5")
     first = setup.generator()
     try:
