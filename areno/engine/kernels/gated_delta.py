@@ -175,11 +175,10 @@ def launch_choices(num_tokens: int, dv: int, state_dtype: torch.dtype = torch.fl
     bytes, 64 columns and 2 warps: at 64 rows of the Qwen3.5-2B shape 16.7 us a layer, 99% of
     its copy floor, where the fp32 state's launch took 23.1 us (39.4 us for an fp32 state;
     benchmarks/engine_kernels.py --kernels gated-delta, a sweep of 32-128 columns and 2-8
-    warps). A prefill: 16 columns, one
-    warp, each token's inputs loaded a token ahead. On an H200, 32 prompts x 256 tokens of the
-    Qwen3.5-2B shape took 0.69-0.70 ms so, against 1.06-1.09 ms with the decode's launch
-    (benchmarks/engine_kernels.py, two runs; its sweep of columns, warps and loading ahead gave
-    0.69 to 31.9 ms)."""
+    warps). A prefill: 16 columns, one warp, each token's inputs loaded a token ahead. On an
+    H200, 32 prompts x 256 tokens of the Qwen3.5-2B shape took 0.69-0.70 ms so, against
+    1.06-1.09 ms with the decode's launch (benchmarks/engine_kernels.py, two runs; its sweep of
+    columns, warps and loading ahead gave 0.69 to 31.9 ms)."""
     if num_tokens == 1 and state_dtype == torch.bfloat16:
         return {"block_v": min(dv, 64), "num_warps": 2, "prefetch": False}
     if num_tokens == 1:
