@@ -39,13 +39,21 @@ def _demo(args: argparse.Namespace) -> None:
     run_demo(args.model_path, family=args.family, verbose=args.verbose)
 
 
+def _default_checkpoint() -> str:
+    """The embedded tiny checkpoint (built on first use). Imported only without --model-path:
+    it loads torch and transformers, which the serving driver otherwise never needs (2.3 s on
+    2 CPU cores before Ray could start)."""
+    from areno.models.tiny import DEFAULT_FAMILY, tiny_checkpoint
+
+    return str(tiny_checkpoint(DEFAULT_FAMILY))
+
+
 def _serve(args: argparse.Namespace) -> None:
     from areno.engine.config import EngineConfig
-    from areno.models.tiny import DEFAULT_FAMILY, tiny_checkpoint
     from areno.serve.app import run_server
     from areno.serve.config import ServeConfig
 
-    model_path = args.model_path or str(tiny_checkpoint(DEFAULT_FAMILY))
+    model_path = args.model_path or _default_checkpoint()
     engine = EngineConfig(
         tp_size=args.tp_size,
         max_running_prompts=args.max_running_prompts,

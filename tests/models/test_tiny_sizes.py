@@ -83,10 +83,10 @@ def test_cli_prints_size_and_parameter_count(tmp_path, capsys):
 @pytest.mark.parametrize("family", ["qwen3_5", "gemma4", "minicpmv4_6", "qwen3_vl"])
 def test_2b_has_the_real_text_stack(family):
     # Built on the meta device: shapes only, no 5 GB of random weights.
-    from areno.models.tiny import BUILDERS
+    from areno.models.tiny import builders
 
     with torch.device("meta"):
-        model = BUILDERS[family]("2b").model
+        model = builders()[family]("2b").model
     num_params = sum(p.numel() for p in model.parameters())
     assert 0.9e9 <= num_params <= 1.5e9, num_params
     text = model.config.get_text_config()
