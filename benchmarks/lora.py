@@ -107,6 +107,7 @@ def run(generator: Generator, requests: list[dict], adapter: str | None) -> list
 
 def decode(generator: Generator, requests: list[dict], concurrency: int, adapter: str | None):
     run(generator, [dict(r, max_tokens=2) for r in requests[:concurrency]], adapter)  # warm-up
+    asyncio.run(generator.reset_prefix_cache())  # the timed prompts prefill whole
     synchronize(torch.device("cuda"))
     compiles = _TimedRunCompiles(generator.core.executor.worker.runner)
     start = time.perf_counter()
