@@ -4,7 +4,8 @@ The same random-id prompts are decoded greedily by transformers' `generate` (its
 states: the reference) and by the engine once per stored state dtype (float32, bfloat16), all
 at once (`--prompts` rows decoding together, as the engine serves them). For each engine run the
 table gives: the prompts whose tokens equal the reference's all through, the mean and shortest
-agreeing prefix, and the same against the engine's float32 run. Random weights make greedy
+agreeing prefix, and how far the chosen tokens' logprobs part over that prefix (each prompt's
+largest gap: their mean and maximum); and the same against the engine's float32 run. Random weights make greedy
 decoding fragile (near-equal logits), so the float32 row is the baseline the bf16 row is read
 against. Default: the small Qwen3.5 on CPU; on a GPU, `--model qwen3.5-2b` (bf16 weights,
 compiled and captured as served). Fixed seed; prints a table and writes JSON (default
@@ -31,21 +32,32 @@ from areno.engine.generator import Generator  # noqa: E402
 from areno.engine.sampling import SamplingParams  # noqa: E402
 from areno.processing.types import PromptInputs  # noqa: E402
 
+Decoded = tuple[list[int], list[float]]  # a prompt's greedy tokens and their logprobs
 
-def reference(model: torch.nn.Module, prompts: torch.Tensor, new_tokens: int) -> list[list[int]]:
-    """transformers' greedy tokens, never stopping early (no EOS: the engine ignores it too)."""
+
+def reference(model: torch.nn.Module, prompts: torch.Tensor, new_tokens: int) -> list[Decoded]:
+    """transformers' greedy tokens and their logprobs, never stopping early (no EOS: the engine
+    ignores it too)."""
     config = copy.deepcopy(model.generation_config)
     config.update(max_new_tokens=new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0)
     out = model.generate(
-        input_ids=prompts, attention_mask=torch.ones_like(prompts), generation_config=config
+        input_ids=prompts,
+        attention_mask=torch.ones_like(prompts),
+        generation_config=config,
+        output_logits=True,
+        return_dict_in_generate=True,
     )
-    return out[:, prompts.shape[1] :].tolist()
+    tokens_BT = out.sequences[:, prompts.shape[1] :]
+    logprobs_BTV = torch.stack(out.logits, dim=1).float().log_softmax(-1)
+    chosen_BT = logprobs_BTV.gather(-1, tokens_BT[..., None])[..., 0]
+    return list(zip(tokens_BT.tolist(), chosen_BT.tolist(), strict=True))
 
 
 def engine(
     model: torch.nn.Module, prompts: torch.Tensor, new_tokens: int, state_dtype: str, compile: str
-) -> list[list[int]]:
-    """The engine's greedy tokens with linear-attention states stored as `state_dtype`."""
+) -> list[Decoded]:
+    """The engine's greedy tokens and logprobs with linear-attention states stored as
+    `state_dtype`."""
     config = EngineConfig(
         max_running_prompts=prompts.shape[0],
         max_context_len=prompts.shape[1] + new_tokens + 1,
@@ -53,7 +65,9 @@ def engine(
         decode_compile=compile,
         linear_state_dtype=state_dtype,
     )
-    params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True, detokenize=False)
+    params = SamplingParams(
+        temperature=0, max_tokens=new_tokens, ignore_eos=True, detokenize=False, logprobs=True
+    )
     generator = Generator.from_model(model, None, config)
 
     async def run_all() -> list:
@@ -62,21 +76,28 @@ def engine(
         )
 
     try:
-        return [out.samples[0].token_ids for out in asyncio.run(run_all())]
+        samples = [out.samples[0] for out in asyncio.run(run_all())]
+        return [(s.token_ids, s.logprobs) for s in samples]
     finally:
         generator.shutdown()
 
 
-def agreement(have: list[list[int]], want: list[list[int]]) -> dict:
-    """Prompts equal all through, and the agreeing prefix's mean and least length."""
-    prefixes = []
-    for h, w in zip(have, want, strict=True):
+def agreement(have: list[Decoded], want: list[Decoded]) -> dict:
+    """Prompts equal all through, the agreeing prefix's mean and least length, and how far the
+    chosen tokens' logprobs part over it (the largest difference in a prompt's prefix: its mean
+    and its maximum over the prompts), which near-tied random logits do not hide."""
+    prefixes, gaps = [], []
+    for (h, h_lp), (w, w_lp) in zip(have, want, strict=True):
         same = next((i for i, (a, b) in enumerate(zip(h, w, strict=True)) if a != b), len(w))
         prefixes.append(same)
+        pairs = zip(h_lp[:same], w_lp[:same], strict=True)
+        gaps.append(max((abs(a - b) for a, b in pairs), default=0.0))
     return {
-        "equal": sum(p == len(w) for p, w in zip(prefixes, want, strict=True)),
+        "equal": sum(p == len(w) for p, (w, _) in zip(prefixes, want, strict=True)),
         "mean_prefix": sum(prefixes) / len(prefixes),
         "min_prefix": min(prefixes),
+        "mean_max_logprob_gap": sum(gaps) / len(gaps),
+        "max_logprob_gap": max(gaps),
     }
 
 
@@ -122,11 +143,15 @@ def main() -> None:
         f"\n{args.model} on {device}: {args.prompts} prompts of {args.prompt_len} random ids, "
         f"{args.new_tokens} greedy tokens, decoded together"
     )
-    print(f"{'state':<10} {'against':<16} {'equal':>7} {'mean prefix':>12} {'least':>6}")
+    print(
+        f"{'state':<10} {'against':<16} {'equal':>7} {'mean prefix':>12} {'least':>6} "
+        f"{'logprob gap: mean':>18} {'max':>8}"
+    )
     for row in rows:
         print(
             f"{row['state']:<10} {row['against']:<16} {row['equal']:>3}/{args.prompts:<3} "
-            f"{row['mean_prefix']:>12.1f} {row['min_prefix']:>6}"
+            f"{row['mean_prefix']:>12.1f} {row['min_prefix']:>6} "
+            f"{row['mean_max_logprob_gap']:>18.4f} {row['max_logprob_gap']:>8.4f}"
         )
     write_results(args.out, vars(args), {"rows": rows})
 
