@@ -5,7 +5,9 @@ Each start is the command a user runs, in a fresh Ray of its own: `areno serve -
 --decode-compile D --prefill-compile D --port P`, with ARENO_COMPILE_CACHE pointing at a
 directory the benchmark owns (empty before the first start). Timed from the command's launch to
 the first 200 of GET /health; the engine's own start-up phases (load, cache, compile, warm-up) are
-read from the banner `areno serve` prints. Default: the tiny Qwen3.5 on CPU with Inductor; on a
+read from the banner `areno serve` prints, and a timeline of the start's milestones (Ray up,
+Serve up, the replicas asked for, the Generator replica's first line, its engine up, the app
+running) from when the output lines arrive. Default: the tiny Qwen3.5 on CPU with Inductor; on a
 GPU machine pass a 2B-shaped checkpoint and `--device cuda`. Prints a table and writes JSON
 (default benchmarks/results/serve_startup.json).
 
@@ -34,6 +36,17 @@ import torch
 
 START_UP_LINE = re.compile(r"engine start-up: (.*)")
 PHASE = re.compile(r"([a-z-]+) ([0-9.]+) s")
+# Milestones of a start, by the first output line that matches (Ray forwards the replicas' lines
+# to the driver's output, a fraction of a second late): seconds from the command's launch.
+MILESTONES = {
+    "ray up": re.compile(r"Started a local Ray instance"),
+    "serve up": re.compile(r"Started Serve in namespace"),
+    "replicas asked": re.compile(r"Adding 1 replica to Deployment\(name='GeneratorServer'"),
+    # its first line: on a start it is transformers' "Loading weights", after the imports
+    "generator prints": re.compile(r"ServeReplica:[^ ]*GeneratorServer"),
+    "engine up": re.compile(r"ServeReplica:[^ ]*GeneratorServer.*start-up: load"),
+    "app running": START_UP_LINE,
+}
 
 
 def _free_port() -> int:
@@ -71,7 +84,14 @@ def start_once(args: argparse.Namespace, cache: Path, timeout: float) -> dict:
         start_new_session=True,
     )
     lines: list[str] = []
-    reader = threading.Thread(target=lambda: lines.extend(process.stdout), daemon=True)
+    arrived: list[float] = []  # each line's seconds from the launch
+
+    def read() -> None:
+        for line in process.stdout:
+            arrived.append(time.perf_counter() - started)
+            lines.append(line)
+
+    reader = threading.Thread(target=read, daemon=True)
     reader.start()
     try:
         while not _healthy(port):
@@ -95,7 +115,21 @@ def start_once(args: argparse.Namespace, cache: Path, timeout: float) -> dict:
             process.wait()
     line = next(m.group(1) for m in map(START_UP_LINE.search, lines) if m)
     phases = {name: float(seconds) for name, seconds in PHASE.findall(line.split("(total")[0])}
-    return {"healthy_s": round(healthy, 2), "phases_s": phases, "start_up": line.strip()}
+    timeline = {}
+    for name, pattern in MILESTONES.items():
+        seconds = next(
+            # strict=False: the reader may be between its two appends
+            (t for t, text in zip(arrived, lines, strict=False) if pattern.search(text)),
+            None,
+        )
+        if seconds is not None:
+            timeline[name] = round(seconds, 2)
+    return {
+        "healthy_s": round(healthy, 2),
+        "phases_s": phases,
+        "timeline_s": timeline,
+        "start_up": line.strip(),
+    }
 
 
 def main() -> None:
@@ -130,6 +164,11 @@ def main() -> None:
     for row in rows:
         cells = "".join(f"{row['phases_s'].get(n, 0.0):>9.1f}s" for n in names)
         print(f"{row['start']:<28}{row['healthy_s']:>15.1f}s{cells}")
+    print(f"\n{'seconds from the command to':<28}" + "".join(f"{n:>18}" for n in MILESTONES))
+    for row in rows:
+        marks = row["timeline_s"]
+        cells = "".join(f"{marks[n]:>15.1f}s" if n in marks else f"{'-':>16}" for n in MILESTONES)
+        print(f"{row['start']:<28}{cells}")
     report = {
         "benchmark": "serve_startup",
         "model_path": args.model_path,
