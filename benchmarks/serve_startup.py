@@ -4,8 +4,9 @@ then starts of the same command that find it warm (areno/engine/compile_cache.py
 Each start is the command a user runs, in a fresh Ray of its own: `areno serve --model-path M
 --decode-compile D --prefill-compile D --port P`, with ARENO_COMPILE_CACHE pointing at a
 directory the benchmark owns (empty before the first start). Timed from the command's launch to
-the first 200 of GET /health; the engine's own start-up phases (load, cache, compile, warm-up) are
-read from the banner `areno serve` prints, and a timeline of the start's milestones (Ray up,
+the first 200 of GET /health; the Generator replica's start-up phases (its processor and
+warm-up prompts, its engine imports, then the engine's load, cache, compile, warm-up) are read
+from the banner `areno serve` prints, and a timeline of the start's milestones (Ray up,
 Serve up, the replicas asked for, the Generator replica's first line, its engine up, the app
 running) from when the output lines arrive. Default: the tiny Qwen3.5 on CPU with Inductor; on a
 GPU machine pass a 2B-shaped checkpoint and `--device cuda`. Prints a table and writes JSON
@@ -44,7 +45,7 @@ MILESTONES = {
     "replicas asked": re.compile(r"Adding 1 replica to Deployment\(name='GeneratorServer'"),
     # its first line: on a start it is transformers' "Loading weights", after the imports
     "generator prints": re.compile(r"ServeReplica:[^ ]*GeneratorServer"),
-    "engine up": re.compile(r"ServeReplica:[^ ]*GeneratorServer.*start-up: load"),
+    "engine up": re.compile(r"ServeReplica:[^ ]*GeneratorServer.*start-up: "),
     "app running": START_UP_LINE,
 }
 

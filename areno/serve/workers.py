@@ -98,13 +98,22 @@ class GeneratorServer:
     def __init__(self, config: ServeConfig):
         # Encoded before the engine starts: its thread must stay this process's only OpenMP user
         # (areno/engine/openmp.py), and the processor runs torch ops.
+        start = time.perf_counter()
         limits = PromptLimits(config.max_prompt_tokens, config.engine.max_context_len)
         start_up_prompts = warm_up_prompts(Processor(config.model_path, limits=limits))
+        processor_s, start = time.perf_counter() - start, time.perf_counter()
         # Imported here: the engine (torch's compiler, the model code) costs seconds of a
         # replica's start, and the other deployments of this module never use it.
         from areno.engine.generator import Generator
 
+        imports_s = time.perf_counter() - start
         self.generator = Generator.from_config(config.model_path, config.engine)
+        # The replica's own phases lead the engine's in its start-up line (and the banner).
+        self.generator.start_up = {
+            "processor": processor_s,
+            "imports": imports_s,
+            **self.generator.start_up,
+        }
         self.generator.add_adapters(config.lora_adapters)  # --lora
         # Each media tower's first forward, here rather than in a user's first request of it.
         self.generator.warm_up(start_up_prompts)
