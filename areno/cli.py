@@ -118,6 +118,8 @@ def _json_flag(flag: str, text: str | None):
 
 
 def _add_serve_parser(sub) -> None:
+    from areno.engine.config import LINEAR_STATE_DTYPES
+
     serve = sub.add_parser("serve", help="serve a checkpoint behind an OpenAI-compatible API")
     serve.add_argument(
         "--model-path", help="checkpoint directory (default: the embedded tiny Gemma 4)"
@@ -224,7 +226,7 @@ def _add_serve_parser(sub) -> None:
     serve.add_argument(
         "--linear-state-dtype",
         default="float32",
-        choices=["float32", "bfloat16"],
+        choices=LINEAR_STATE_DTYPES,
         help="stored dtype of linear-attention (Qwen3.5) recurrent states; bfloat16 halves "
         "their bytes per decode step (computed in fp32 either way)",
     )

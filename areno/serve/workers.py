@@ -101,7 +101,8 @@ class GeneratorServer:
         start = time.perf_counter()
         limits = PromptLimits(config.max_prompt_tokens, config.engine.max_context_len)
         start_up_prompts = warm_up_prompts(Processor(config.model_path, limits=limits))
-        processor_s, start = time.perf_counter() - start, time.perf_counter()
+        processor_s = time.perf_counter() - start
+        start = time.perf_counter()
         # Imported here: the engine (torch's compiler, the model code) costs seconds of a
         # replica's start, and the other deployments of this module never use it.
         from areno.engine.generator import Generator
