@@ -1,9 +1,12 @@
-"""Prompts without media prefilled together in one forward (`ModelRunner.prefill_batch`): which
-prompts may share one, their padding, and each row's last real position."""
+"""Prompts without media prefilled together in one forward: whole prompts
+(`ModelRunner.prefill_batch`), and parts of prompts over the keys their slots already hold
+(`ModelRunner.prefill_parts`: prompts resuming from the prefix cache, a long prompt's chunks);
+which prompts may share one, their padding, and each row's last real position."""
 
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 
 import torch
 
@@ -44,3 +47,36 @@ def last_real_positions(text_stack: torch.nn.Module, run_stack, positions_B: tor
 
     with patched_forward(text_stack, forward):
         yield
+
+
+@dataclass
+class PromptPart:
+    """Tokens start..end-1 of a prompt without media, to prefill into `slot` (its blocks
+    `table`; None: its default one) over the keys of its tokens before `start`, which the
+    table's blocks hold (its earlier parts, or the prefix cache's). `first`: the slot starts
+    the prompt here (at 0 from zero states; past 0 from a state restored into it)."""
+
+    inputs: PromptInputs
+    slot: int
+    table: list[int] | None
+    start: int
+    end: int
+    first: bool
+
+    @property
+    def ends_prompt(self) -> bool:
+        return self.end == self.inputs.num_prompt_tokens
+
+
+def part_masks(pos_BQ: torch.Tensor, kv_len: int) -> torch.Tensor:
+    """Causal masks (B, 1, Q, kv_len) of right-padded parts of prompts at positions `pos_BQ`
+    over their cached and own keys."""
+    keys_K = torch.arange(kv_len, device=pos_BQ.device)
+    return (keys_K <= pos_BQ[:, :, None])[:, None]
+
+
+def part_token_ids(parts: list[PromptPart], width: int) -> torch.Tensor:
+    """The parts' token ids (B, width), right-padded with 0."""
+    return torch.tensor(
+        [p.inputs.input_ids[p.start : p.end] + [0] * (width - p.end + p.start) for p in parts]
+    )

@@ -54,10 +54,10 @@ class BatchBinding:
     # (lo, hi) when the rows are exactly slots lo..hi-1 in order: state is then read and written
     # through views of the slot storage, without gathering copies.
     slot_range: tuple[int, int] | None = None
-    # A prefill of prompts of unequal lengths, right-padded to the longest: each row's real
-    # token count (B,). Pad positions write keys that no query reads (past each row's blocks
-    # they land in the sink); linear-attention layers keep each row's state at its last real
-    # token.
+    # A prefill of prompts (or of parts of prompts) of unequal lengths, right-padded to the
+    # longest: each row's real new-token count (B,). Pad positions write keys that no query
+    # reads (past each row's last real position, or in the sink); linear-attention layers keep
+    # each row's state at its last real token.
     lengths_B: torch.Tensor | None = None
     # Attention layers return their block storage, read through `block_tables_BN` by the
     # engine's attention function (the runner passes it the tables); else a prefill's own keys.
@@ -258,7 +258,9 @@ class PagedAttentionLayer(CacheLayerMixin):
             assert b.num_cached == 0, "a forward over cached keys reads them paged"
             return key_states, value_states
         ring = self.ring_blocks
-        last_B = positions_BQ[:, -1] if b.lengths_B is None else b.lengths_B - 1
+        last_B = (
+            positions_BQ[:, -1] if b.lengths_B is None else positions_BQ[:, 0] + b.lengths_B - 1
+        )
         newest_BQ = (positions_BQ <= last_B[:, None]) & (
             positions_BQ > last_B[:, None] - ring * block_size
         )
@@ -448,6 +450,16 @@ def copy_rows(cache: PagedCache, src_rows: list[int], dst_rows: list[int]) -> No
             src, dst = to_device(src, state.conv.device), to_device(dst, state.conv.device)
             state.conv[dst] = state.conv[src]
             state.recurrent[dst] = state.recurrent[src]
+
+
+def clear_rows(cache: PagedCache, slots: list[int]) -> None:
+    """Zero the linear-attention conv and recurrent states of `slots`: a prompt's first part,
+    prefilled over bound slot states (`ModelRunner.prefill_rows`), starts from zero states."""
+    for state in cache.linear.values():
+        if state.conv is not None:
+            rows = to_device(torch.tensor(slots), state.conv.device)
+            state.conv[rows] = 0
+            state.recurrent[rows] = 0
 
 
 def save_rows(cache: PagedCache, slots: range) -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -89,19 +89,30 @@ class EngineKernels:
             conv_state = cache_params.get_conv_state(module.layer_idx, state_idx=0)
             recurrent_state = cache_params.get_recurrent_state(module.layer_idx, state_idx=0)
             if conv_state is None or recurrent_state is None:
-                binding = getattr(cache_params, "binding", None)
-                lengths_B = binding.lengths_B if binding is not None else None
+                lengths_B = _row_lengths(cache_params)
                 return prefill_step(module, hidden_states, cache_params, attention_mask, lengths_B)
             if hidden_states.shape[1] == 1 and attention_mask is None:
                 return decode_step(module, hidden_states, conv_state, recurrent_state)
             if attention_mask is None and not isinstance(hidden_states, DTensor):
-                # a prompt's later chunk: both states continue
+                # a prompt's later chunk, or several rows' parts (right-padded): states continue
                 return prefill_step(
-                    module, hidden_states, cache_params, None, states=(conv_state, recurrent_state)
+                    module,
+                    hidden_states,
+                    cache_params,
+                    None,
+                    _row_lengths(cache_params),
+                    states=(conv_state, recurrent_state),
                 )
             return original(hidden_states, cache_params, attention_mask, **kwargs)
 
         return forward
+
+
+def _row_lengths(cache_params) -> torch.Tensor | None:
+    """The real token count of each right-padded row of the forward (the engine's cache's
+    binding), None without padding."""
+    binding = getattr(cache_params, "binding", None)
+    return binding.lengths_B if binding is not None else None
 
 
 def prefill_step(
@@ -117,7 +128,8 @@ def prefill_step(
     `cache_params` (when given). `padding_mask_BL` zeroes padded positions (left padding), as
     transformers does.
 
-    `lengths_B`: right-padded prompts, row b real up to `lengths_B[b]`. Every operation is causal,
+    `lengths_B`: right-padded prompts (or parts of prompts, with `states`), row b real up to
+    `lengths_B[b]`. Every operation is causal,
     so the real positions' outputs ignore the pads; the states are taken at each row's last real
     token: the conv keeps that token's last K inputs, and at pad positions the delta rule gets
     beta 0 and decay 1, which leaves the recurrent state as it was."""
@@ -129,14 +141,17 @@ def prefill_step(
     kernel = weight_CK.shape[-1]
     if states is not None:  # the conv sees the inputs before the chunk
         conv_state_BCK = states[0]
-        earlier = conv_state_BCK[:, :, conv_state_BCK.shape[-1] - (kernel - 1) :]
-        joined_BCL = torch.cat([earlier.to(mixed_BCL.dtype), mixed_BCL], dim=-1)
-        conv_state_BCK.copy_(
-            torch.cat([conv_state_BCK, mixed_BCL.to(conv_state_BCK.dtype)], dim=-1)[
-                :, :, -conv_state_BCK.shape[-1] :
-            ]
+        width = conv_state_BCK.shape[-1]
+        joined_BCL = torch.cat([conv_state_BCK.to(mixed_BCL.dtype), mixed_BCL], dim=-1)
+        if lengths_B is None:
+            kept_BCK = joined_BCL[:, :, -width:]
+        else:  # the `width` inputs up to each row's last real one
+            kept_BCK = _last_inputs(joined_BCL, lengths_B + width, width)
+        conv_BCL = _causal_conv(
+            joined_BCL[:, :, width - (kernel - 1) :], weight_CK, module.conv1d.bias
         )
-        conv_BCL = _causal_conv(joined_BCL, weight_CK, module.conv1d.bias)[:, :, kernel - 1 :]
+        conv_BCL = conv_BCL[:, :, kernel - 1 :]
+        conv_state_BCK.copy_(kept_BCK.to(conv_state_BCK.dtype))
     else:
         if cache_params is not None:
             last_inputs = mixed_BCL

@@ -47,6 +47,13 @@ class RowInputs:
         # (text, temporal, height, width) positions; a text token has the same value in all three.
         return torch.stack([pos_B, shifted, shifted, shifted])[:, :, None]
 
+    def part_position_ids(self, pos_BQ: torch.Tensor, rope_delta_B: torch.Tensor) -> torch.Tensor:
+        """Position ids of Q tokens a row: (B, Q), or Qwen's (4, B, Q) multimodal rope
+        positions."""
+        batch, width = pos_BQ.shape
+        ids = self.position_ids(pos_BQ.reshape(-1), rope_delta_B.repeat_interleave(width))
+        return ids.reshape(*ids.shape[:-2], batch, width)
+
     def masks(self, pos_B: torch.Tensor, kv_len: int) -> torch.Tensor | dict[str, torch.Tensor]:
         """Per-row masks over `kv_len` cached keys: causal, and windowed for sliding layers."""
         keys = torch.arange(kv_len, device=self.device)[None, :]

@@ -8,6 +8,8 @@ sliding-window mask for Gemma 4's sliding layers).
 Every sequence runs in a slot (0..num_slots-1: its linear-attention state, its rope delta, its
 last token on the device) and keeps its keys and values in the blocks its table lists. The engine
 sends each row's table with the step; the runner keeps them, by slot, in one host tensor.
+Prefills of part of a prompt over keys its blocks already hold (a long prompt's later chunks, a
+resumption from the prefix cache) are in areno/engine/part_prefill.py.
 """
 
 from __future__ import annotations
@@ -19,7 +21,10 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from areno.engine import kernels
 from areno.engine.attention import BLOCK_TABLES_KWARG, KV_LENGTHS_KWARG, EngineAttention
-from areno.engine.batched_prefill import last_real_positions, pad_tokens
+from areno.engine.batched_prefill import (
+    last_real_positions,
+    pad_tokens,
+)
 from areno.engine.block_manager import blocks_for
 from areno.engine.cache import (
     BatchBinding,
@@ -37,13 +42,9 @@ from areno.engine.fused_linear import FusedLinears
 from areno.engine.kernels.decode_attention import fits_heads
 from areno.engine.linear_attention import EngineKernels
 from areno.engine.lora import LoraLayers
+from areno.engine.part_prefill import PartPrefills
 from areno.engine.prompt_chunks import (
     StagedPrompt,
-    bidirectional_groups,
-    chunk_masks,
-    runs_of,
-    stack_inputs,
-    staging,
 )
 from areno.engine.row_inputs import RowInputs
 from areno.engine.slot_tables import SlotTables
@@ -55,7 +56,7 @@ from areno.processing.types import PromptInputs
 _CUDA_ATTENTION = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
-class ModelRunner:
+class ModelRunner(PartPrefills):
     """Runs one model over a fixed set of cache slots. Never decides policy."""
 
     def __init__(
@@ -127,6 +128,8 @@ class ModelRunner:
         self.tables = SlotTables(num_slots, self.max_blocks, block_size)
         # The kept stack inputs of each slot whose prompt is prefilled in chunks.
         self._staged: dict[int, StagedPrompt] = {}
+        # The slots whose prompts without media are between two of their parts (`prefill_parts`).
+        self._between_parts: set[int] = set()
         self._text_stack = model.get_decoder()
         self.encoders = EncoderCache(model, encoder_cache_bytes)
         # The parameters media features do not depend on: new values of these keep the cache.
@@ -207,11 +210,6 @@ class ModelRunner:
         )
 
     @property
-    def chunking_slots(self) -> list[int]:
-        """The slots whose prompts are between two of their prefill chunks."""
-        return list(self._staged)
-
-    @property
     def num_blocks(self) -> int:
         return self.cache.num_blocks
 
@@ -239,11 +237,13 @@ class ModelRunner:
         kwargs = {"headroom": 0.0} if measured else {}
         self.cache = self._new_cache(num_blocks, self.num_rows, **kwargs)
         self._staged.clear()
+        self._between_parts.clear()
 
     def release_cache(self) -> None:
         """Drop the cache's storage (a new, unallocated cache of one block takes its place)."""
         self.cache = self._new_cache(1, self.num_rows)
         self._staged.clear()
+        self._between_parts.clear()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
@@ -284,6 +284,7 @@ class ModelRunner:
         if new:
             for slot in slots:
                 self._staged.pop(slot, None)
+                self._between_parts.discard(slot)
         self.tables.set(slots, tables, new=new, num_blocks=self.num_blocks)
 
     def _fork(self, slots: list[int], num_tokens: int) -> None:
@@ -408,87 +409,6 @@ class ModelRunner:
             self._fork(row_slots, lengths[row])
         return out.logits[:, -1].float()
 
-    @torch.inference_mode()
-    def prefill_chunk(
-        self,
-        inputs: PromptInputs,
-        slot: int,
-        block_table: list[int] | None,
-        start: int,
-        end: int,
-        cached: int = 0,
-    ) -> torch.Tensor:
-        """Prefill tokens start..end-1 of a prompt into `slot`, whose blocks hold its tokens
-        before `start` (earlier chunks, or the prefix cache's first `cached`); returns the last
-        position's logits (V,).
-
-        The first chunk (start 0) runs the model's own forward over the whole prompt up to its
-        text stack: the media towers encode every item once, and the stack's inputs (embeddings
-        with the media features merged, Qwen's multimodal rope positions, Gemma's per-layer
-        inputs, Qwen3-VL's deepstack features) are kept for the slot; the stack runs on the
-        chunk's part of them. A later chunk runs the stack on its own part: its queries attend
-        to the cached keys through the block table and to their own causally (both ways within
-        a bidirectional run, which a chunk holds whole: `whole_runs`), and linear-attention
-        layers continue the slot's state. The last chunk drops what was kept."""
-        table = [block_table] if block_table else None
-        n = inputs.num_prompt_tokens
-        if start == cached:
-            return self.prefill(inputs, [slot], table, end, start)
-        staged = self._staged.pop(slot) if end == n else self._staged[slot]
-        self.set_tables([slot], table, new=False)
-        pos_Q, tables = self._bind_chunk(slot, start, end)
-        ids = to_device(torch.tensor([inputs.input_ids[start:end]]), self.device)
-        delta = torch.tensor([self.rope_delta[slot]], device=self.device)
-        # The model's own positions for its forward (the stack takes the kept ones): (4, 1, L)
-        # or (1, L), one row of L positions.
-        position_ids = self.row_inputs.position_ids(pos_Q, delta.expand(len(pos_Q))).transpose(
-            -1, -2
-        )
-        self._adapter_rows([slot])
-        with self._engine_context(), stack_inputs(self._text_stack, staged.cut(start, end)):
-            out = self.model(
-                input_ids=ids,
-                position_ids=position_ids,
-                attention_mask=self._chunk_masks(pos_Q, end, staged.groups),
-                past_key_values=self.cache,
-                use_cache=True,
-                logits_to_keep=1,
-                # sliding layers return their ring's keys and the chunk's, in order (cache.py)
-                **{BLOCK_TABLES_KWARG: self.row_inputs.attention_tables(tables, None)},
-            )
-        self.cache.commit()
-        return out.logits[0, -1].float()
-
-    def _staging(self, slot: int, inputs: PromptInputs, end: int, start: int = 0):
-        """Within the block, the text stack's inputs for the whole prompt are kept for `slot`
-        and the stack runs on their tokens start..end-1 (past 0: bound as a later chunk)."""
-        groups = self._bidirectional_groups(inputs)
-
-        def keep(staged: StagedPrompt) -> None:
-            self._staged[slot] = staged
-
-        def chunk(staged: StagedPrompt) -> dict:
-            pos_Q, tables = self._bind_chunk(slot, start, end)
-            return {
-                "attention_mask": self._chunk_masks(pos_Q, end, staged.groups),
-                BLOCK_TABLES_KWARG: self.row_inputs.attention_tables(tables, None),
-            }
-
-        n = inputs.num_prompt_tokens
-        return staging(self._text_stack, keep, n, end, groups, start, chunk if start else None)
-
-    def _bind_chunk(self, slot: int, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Bind the cache to tokens start..end-1 of `slot` over its cached keys before them;
-        returns their positions (Q,) and the slot's tables (1, blocks)."""
-        pos_Q = torch.arange(start, end, device=self.device)
-        tables = self.tables.on_device([slot], end, self.device)
-        slot_B = to_device(torch.tensor([slot]), self.device)
-        binding = BatchBinding(
-            slot_B, pos_Q[None], end, tables, num_cached=start, paged=True, chunk=True
-        )
-        self.cache.bind(binding, is_prefill=False)
-        return pos_Q, tables
-
     @property
     def keeps_slot_state(self) -> bool:
         """Whether some layers keep state per slot besides the pool's keys (linear-attention
@@ -522,29 +442,12 @@ class ModelRunner:
         """Copy KV block `src` into `dst` in every layer that pages (a resume point's tail)."""
         copy_blocks(self.cache, [(src, dst)])
 
-    def whole_runs(self, inputs: PromptInputs) -> list[tuple[int, int]]:
-        """The token runs (start, end) of `inputs` that one prefill chunk must hold whole: where
-        the model attends both ways, Gemma 4's runs of vision tokens (one image, one video
-        frame) in its sliding layers."""
-        return runs_of(self._bidirectional_groups(inputs))
-
-    def _bidirectional_groups(self, inputs: PromptInputs) -> torch.Tensor | None:
-        """Each token's bidirectional run (L,), -1 outside one, or None where the model has
-        none (`bidirectional_groups`)."""
-        types = inputs.mm_inputs.get("mm_token_type_ids")
-        if types is None or not self.bidirectional_vision:
-            return None
-        return to_device(bidirectional_groups(types[0]), self.device)
-
     @property
     def _window(self) -> int | None:
         """The sliding layers' window, None without sliding layers."""
         if self.sliding_window and "sliding_attention" in self.layer_types:
             return self.sliding_window
         return None
-
-    def _chunk_masks(self, pos_Q: torch.Tensor, kv_len: int, groups: torch.Tensor | None):
-        return chunk_masks(pos_Q, kv_len, self._window, groups)
 
     @property
     def can_pad_prefill(self) -> bool:

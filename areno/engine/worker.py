@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from areno.engine.batched_prefill import can_batch_prefill
+from areno.engine.batched_prefill import PromptPart, can_batch_prefill
 from areno.engine.config import EngineConfig, KVPoolOptions, pool_options
 from areno.engine.kv_pool import KVPool, agree_across_ranks, block_bytes, fraction_budget
 from areno.engine.lora import LoraError, LoraWeights
@@ -125,6 +125,12 @@ class Worker:
         self.default_adapter: str | None = None
         self.samples = sample
         self.tensor_parallel = tensor_parallel
+        # Parts of prompts without media (resumptions from the prefix cache, chunks) share
+        # forwards, except under tensor parallelism with linear-attention layers (whose
+        # sharded path continues one row's state only). A benchmark's baseline clears it.
+        self.shares_part_prefills = self.runner.can_prefill_parts and not (
+            tensor_parallel and self.runner.has_linear_state
+        )
         if pool is not None and num_blocks is None:
             self._size_pool(pool)
         runner = self.runner
@@ -272,10 +278,13 @@ class Worker:
         does not end its prompt has none). Whole prompts without media share forwards
         (`prefill_groups`)."""
         last: list[torch.Tensor | None] = [None] * len(items)
-        batchable = []
+        batchable, parts = [], []
         for i, item in enumerate(items):
             if item.is_chunk or item.save is not None:
-                last[i] = self._prefill_chunks(item)
+                if self._shares_part(item):
+                    parts.append(i)
+                else:
+                    last[i] = self._prefill_chunks(item)
             elif can_batch_prefill(item.inputs):
                 batchable.append(i)
             else:
@@ -295,11 +304,44 @@ class Worker:
             )
             for row, i in enumerate(indices):
                 last[i] = logits_BV[row]
+        for i, logits_V in zip(parts, self._prefill_parts([items[i] for i in parts]), strict=True):
+            last[i] = logits_V
         return [
             v.expand(len(item.slots), -1)
             for v, item in zip(last, items, strict=True)
             if item.is_final
         ]
+
+    def _shares_part(self, item: PrefillItem) -> bool:
+        """Whether a chunk or a resumption runs in a shared forward of parts (`_prefill_parts`):
+        a prompt without media, with no state to save midway."""
+        return self.shares_part_prefills and item.save is None and can_batch_prefill(item.inputs)
+
+    def _prefill_parts(self, items: list[PrefillItem]) -> list[torch.Tensor]:
+        """Each item's last logits (V,), its tokens start..end-1 prefilled over the keys its
+        blocks hold: items of lengths within MAX_PREFILL_PADDING of each other share a forward
+        (`ModelRunner.prefill_parts`); an item that ends its prompt is then forked into its
+        other slots."""
+        parts = [
+            PromptPart(
+                item.inputs,
+                item.slots[0],
+                item.block_tables[0] if item.block_tables else None,
+                item.start,
+                item.end if item.end is not None else item.inputs.num_prompt_tokens,
+                first=item.start == item.cached,
+            )
+            for item in items
+        ]
+        last: list[torch.Tensor | None] = [None] * len(items)
+        for group in prefill_groups([p.end - p.start for p in parts], pad=True):
+            logits_BV = self.runner.prefill_parts([parts[i] for i in group])
+            for row, i in enumerate(group):
+                last[i] = logits_BV[row]
+        for item, part in zip(items, parts, strict=True):
+            if len(item.slots) > 1 and part.ends_prompt:
+                self.runner.fork_prompt(item.slots, item.block_tables, part.end)
+        return last
 
     def _prefill_chunks(self, item: PrefillItem) -> torch.Tensor:
         """An item's tokens start..end as one chunk, or as two around its state save. A

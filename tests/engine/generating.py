@@ -89,16 +89,20 @@ def mixed_requests(setup: Setup, media) -> list:
 
 def run_chunked(gen, inputs: list) -> tuple[list, list[tuple[int, int, int]]]:
     """inputs[0] decoding, then the rest arriving; returns their outputs and every prefill
-    chunk the runner ran, as (prompt tokens, start, end)."""
+    chunk the runner ran, alone or in a forward of parts, as (prompt tokens, start, end)."""
     chunks: list[tuple[int, int, int]] = []
     runner = gen.core.executor.worker.runner
-    prefill_chunk = runner.prefill_chunk
+    prefill_chunk, prefill_parts = runner.prefill_chunk, runner.prefill_parts
 
     def recording(inputs, slot, table, start, end, cached=0):
         chunks.append((inputs.num_prompt_tokens, start, end))
         return prefill_chunk(inputs, slot, table, start, end, cached)
 
-    runner.prefill_chunk = recording
+    def recording_parts(parts):
+        chunks.extend((p.inputs.num_prompt_tokens, p.start, p.end) for p in parts)
+        return prefill_parts(parts)
+
+    runner.prefill_chunk, runner.prefill_parts = recording, recording_parts
 
     async def main():
         first = asyncio.create_task(gen.generate_all(inputs[0], GREEDY))

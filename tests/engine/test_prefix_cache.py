@@ -403,3 +403,56 @@ def test_saves_and_restores_beside_a_padded_graph_decode_keep_the_cold_tokens(
     for cold, warm in zip(results[False], results[True], strict=True):
         assert [t[0] for t in warm] == [t[0] for t in cold]
         assert warm[1][2] > 0  # the second turn resumed from the first's end
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_vl", "minicpmv4_6"])
+def test_text_turns_that_resume_together_share_forwards_and_keep_the_cold_tokens(
+    setups, family, overlap
+):
+    """Four text episodes take their turns together, as a GRPO group's do: every later turn
+    resumes from the cache where the turn before ended, the resumptions of a step share
+    forwards (`ModelRunner.prefill_parts`), and every token and logprob is the cold engine's
+    (fp32, 1e-4). Qwen3.5 and MiniCPM-V 4.6 continue their linear-attention states per row."""
+    setup = setups(family)
+    questions = [
+        "Name three rivers.",
+        "What is the capital of a small country, and why?",
+        "Count backwards from ten.",
+        "Say hello.",
+    ]
+    greedy = SamplingParams(temperature=0, max_tokens=5, logprobs=True, ignore_eos=True)
+    results = {}
+    for cache in (False, True):
+        gen = setup.generator(block_size=4, enable_prefix_caching=cache, overlap_steps=overlap)
+        runner = gen.core.executor.worker.runner
+        prefill_parts, shared = runner.prefill_parts, []
+
+        def recording(parts, prefill_parts=prefill_parts, shared=shared):
+            shared.append(len(parts))
+            return prefill_parts(parts)
+
+        runner.prefill_parts = recording
+        try:
+            prompts, turns = [setup.encode(text(q)) for q in questions], []
+            for turn in range(3):
+                outputs = run(arrive_together(gen, prompts, greedy))
+                samples = [o.samples[0] for o in outputs]
+                turns.append([(s.token_ids, s.logprobs) for s in samples])
+                reply = [{"role": "tool", "tool_call_id": "call_1", "content": f"Result {turn}."}]
+                more = setup.processor.encode_continuation(reply, [])
+                prompts = [
+                    setup.processor.extend(x, s.token_ids, more)
+                    for x, s in zip(prompts, samples, strict=True)
+                ]
+            cached = gen.stats()["num_prompt_tokens_cached"]
+        finally:
+            gen.shutdown()
+        results[cache] = turns, cached, shared
+    (cold, cold_cached, cold_shared), (warm, warm_cached, warm_shared) = results.values()
+    for cold_turn, warm_turn in zip(cold, warm, strict=True):
+        for (tokens, logprobs), (tokens_w, logprobs_w) in zip(cold_turn, warm_turn, strict=True):
+            assert tokens_w == tokens
+            assert logprobs_w == pytest.approx(logprobs, abs=1e-4)
+    assert cold_cached == 0 and cold_shared == []
+    assert warm_cached > 0
+    assert max(warm_shared) == len(questions)  # a later turn's four resumptions, one forward

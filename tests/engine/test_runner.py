@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from areno.engine.batched_prefill import can_batch_prefill
+from areno.engine.batched_prefill import PromptPart, can_batch_prefill
 from areno.engine.cuda_graphs import row_buckets
 from areno.engine.runner import ModelRunner
 from areno.engine.worker import MAX_PREFILL_PADDING, prefill_groups
@@ -262,6 +262,54 @@ def test_a_padded_prefill_of_unequal_lengths_equals_one_at_a_time(tiny_path, fam
         assert torch.allclose(forked[[0, 1, 3]], step, atol=1e-4)
         assert torch.allclose(forked[2], forked[1], atol=1e-5)
         positions = [n + 1 for n in positions]
+        tokens = step.argmax(-1).tolist()
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_parts_of_prompts_in_one_forward_equal_whole_prefills(tiny_path, family):
+    """Prompts without media prefilled in parts, several rows' parts of unequal lengths in one
+    forward over the keys their slots hold (`prefill_parts`, as chunks and resumptions from the
+    prefix cache run): each prompt's last logits and the decode steps after equal a whole
+    prefill's. The slots held another prompt before (a part from 0 starts from zero states),
+    and a part shorter than the conv continues the state of the part before it."""
+    processor, decoder, model = load(tiny_path, family)
+    chat = [{"role": "user", "content": "Count to ten, slowly, and then back down to one."}]
+    long = process_messages(processor, decoder, chat)
+
+    def first(n: int) -> PromptInputs:
+        return PromptInputs(long.input_ids[:n], {k: v[:, :n] for k, v in long.mm_inputs.items()})
+
+    together = ModelRunner(model, num_slots=6, max_len=256, block_size=4)
+    if family == "gemma4":  # its sliding rings are read one row at a time
+        assert not together.can_prefill_parts
+        return
+    assert together.can_prefill_parts
+    alone = ModelRunner(model, num_slots=6, max_len=256, block_size=4)
+    prompts = [first(long.num_prompt_tokens - 5), long, first(9)]
+    want = torch.stack([alone.prefill(p, [2 * i]) for i, p in enumerate(prompts)])
+    together.prefill_batch([first(12)] * 3, [[0], [2], [4]])  # earlier occupants' states
+    n = [p.num_prompt_tokens for p in prompts]
+    cuts = [7, n[1] - 2]
+
+    def part(i: int, start: int, end: int) -> PromptPart:
+        return PromptPart(prompts[i], 2 * i, None, start, end, first=start == 0)
+
+    have = together.prefill_parts([part(0, 0, cuts[0]), part(1, 0, cuts[1]), part(2, 0, n[2])])
+    assert torch.allclose(have[2], want[2], atol=1e-4)
+    assert together.chunking_slots == [0, 2]
+    have = together.prefill_parts([part(0, cuts[0], n[0]), part(1, cuts[1], n[1])])
+    assert torch.allclose(have, want[:2], atol=1e-4)
+    assert together.chunking_slots == []
+    together.fork_prompt([2, 3], None, n[1])
+    positions, tokens = n, want.argmax(-1).tolist()
+    for _ in range(3):
+        step = alone.decode([0, 2, 4], positions, tokens)
+        forked = together.decode(
+            [0, 2, 3, 4], positions[:2] + positions[1:], tokens[:2] + tokens[1:]
+        )
+        assert torch.allclose(forked[[0, 1, 3]], step, atol=1e-4)
+        assert torch.allclose(forked[2], forked[1], atol=1e-5)
+        positions = [p + 1 for p in positions]
         tokens = step.argmax(-1).tolist()
 
 

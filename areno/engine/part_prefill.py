@@ -1,0 +1,212 @@
+"""The runner's prefills of part of a prompt over the keys its slot's blocks already hold: a long
+prompt's chunks after its first, a prompt resuming from the prefix cache (`ModelRunner` takes
+them from `PartPrefills`).
+
+A prompt with media runs alone (`prefill_chunk`): its first chunk stages the text stack's inputs
+for the whole prompt (areno/engine/prompt_chunks.py) and every chunk runs the stack on its part.
+Parts of prompts without media share a forward (`prefill_parts`): right-padded rows, each
+attending to its own cached keys through its block table, linear-attention states continuing
+per row.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from areno.engine.attention import BLOCK_TABLES_KWARG
+from areno.engine.batched_prefill import (
+    PromptPart,
+    last_real_positions,
+    part_masks,
+    part_token_ids,
+)
+from areno.engine.cache import BatchBinding, clear_rows
+from areno.engine.prompt_chunks import (
+    StagedPrompt,
+    bidirectional_groups,
+    chunk_masks,
+    runs_of,
+    stack_inputs,
+    staging,
+)
+from areno.engine.transfer import to_device
+from areno.processing.types import PromptInputs
+
+
+class PartPrefills:
+    """ModelRunner's prefills of parts of prompts (see the module docstring); they use its cache,
+    tables, model and row inputs."""
+
+    @property
+    def chunking_slots(self) -> list[int]:
+        """The slots whose prompts are between two of their prefill chunks."""
+        return [*self._staged, *self._between_parts]
+
+    @property
+    def can_prefill_parts(self) -> bool:
+        """Whether parts of prompts without media may share a forward (`prefill_parts`): the
+        text stack is a module of its own (each row's last real position is read out of it),
+        and no layer keeps a sliding ring (whose chunk reads its ring in position order, one
+        row at a time)."""
+        return self.can_pad_prefill and self.ring_blocks is None
+
+    @torch.inference_mode()
+    def prefill_parts(self, parts: list[PromptPart]) -> torch.Tensor:
+        """Prefill a part of each of several prompts without media in one forward, part i's
+        tokens into its slot over the keys its blocks hold (`PromptPart`); returns each part's
+        last logits (B, V).
+
+        The parts are right-padded to the longest. Each row's queries attend to its cached keys
+        through its table and to its own keys causally; a pad position writes its key past the
+        row's last real one (its own block, or the sink past its table), where no real query
+        reads it, and linear-attention layers continue each row's states up to its last real
+        token (BatchBinding.lengths_B). A slot that starts its prompt at 0 starts from zero
+        states. The forward runs eagerly: its shapes vary with every step's parts."""
+        lengths = [p.end - p.start for p in parts]
+        width = max(lengths)
+        slots = [p.slot for p in parts]
+        for part in parts:
+            self.set_tables(
+                [part.slot], None if part.table is None else [part.table], new=part.first
+            )
+            self.rope_delta[part.slot] = 0  # text alone: the plain positions
+            if part.ends_prompt:
+                self._between_parts.discard(part.slot)
+            else:
+                self._between_parts.add(part.slot)
+        fresh = [p.slot for p in parts if p.start == 0]
+        if fresh:
+            clear_rows(self.cache, fresh)
+        # A pad's position stays within the table's columns (the last one's block is the row's
+        # own or the sink).
+        last_position = self.max_blocks * self.block_size - 1
+        starts_B1 = torch.tensor([p.start for p in parts])[:, None]
+        pos_BQ = (starts_B1 + torch.arange(width)).clamp(max=last_position)
+        kv_len = int(pos_BQ.max()) + 1
+        pos_BQ = to_device(pos_BQ, self.device)
+        slots_B = to_device(torch.tensor(slots), self.device)
+        lengths_B = to_device(torch.tensor(lengths), self.device)
+        tables = self.tables.on_device(slots, kv_len, self.device)
+        binding = BatchBinding(
+            slots_B,
+            pos_BQ,
+            kv_len,
+            tables,
+            min(p.start for p in parts),
+            paged=True,
+            lengths_B=lengths_B,
+        )
+        self.cache.bind(binding, is_prefill=False)
+        delta_B = torch.zeros(len(parts), dtype=torch.long, device=self.device)
+        self._adapter_rows(slots)
+        last = last_real_positions(self._text_stack, self._text_stack.forward, lengths_B - 1)
+        with self._engine_context(), last:
+            out = self.model(
+                input_ids=to_device(part_token_ids(parts, width), self.device),
+                position_ids=self.row_inputs.part_position_ids(pos_BQ, delta_B),
+                attention_mask=part_masks(pos_BQ, kv_len),
+                past_key_values=self.cache,
+                use_cache=True,
+                logits_to_keep=1,
+                **{BLOCK_TABLES_KWARG: self.row_inputs.attention_tables(tables, None)},
+            )
+        self.cache.commit()
+        return out.logits[:, -1].float()
+
+    @torch.inference_mode()
+    def prefill_chunk(
+        self,
+        inputs: PromptInputs,
+        slot: int,
+        block_table: list[int] | None,
+        start: int,
+        end: int,
+        cached: int = 0,
+    ) -> torch.Tensor:
+        """Prefill tokens start..end-1 of a prompt into `slot`, whose blocks hold its tokens
+        before `start` (earlier chunks, or the prefix cache's first `cached`); returns the last
+        position's logits (V,).
+
+        The first chunk (start 0) runs the model's own forward over the whole prompt up to its
+        text stack: the media towers encode every item once, and the stack's inputs (embeddings
+        with the media features merged, Qwen's multimodal rope positions, Gemma's per-layer
+        inputs, Qwen3-VL's deepstack features) are kept for the slot; the stack runs on the
+        chunk's part of them. A later chunk runs the stack on its own part: its queries attend
+        to the cached keys through the block table and to their own causally (both ways within
+        a bidirectional run, which a chunk holds whole: `whole_runs`), and linear-attention
+        layers continue the slot's state. The last chunk drops what was kept."""
+        table = [block_table] if block_table else None
+        n = inputs.num_prompt_tokens
+        if start == cached:
+            return self.prefill(inputs, [slot], table, end, start)
+        staged = self._staged.pop(slot) if end == n else self._staged[slot]
+        self.set_tables([slot], table, new=False)
+        pos_Q, tables = self._bind_chunk(slot, start, end)
+        ids = to_device(torch.tensor([inputs.input_ids[start:end]]), self.device)
+        delta = torch.tensor([self.rope_delta[slot]], device=self.device)
+        # The model's own positions for its forward (the stack takes the kept ones): (4, 1, L)
+        # or (1, L), one row of L positions.
+        position_ids = self.row_inputs.position_ids(pos_Q, delta.expand(len(pos_Q))).transpose(
+            -1, -2
+        )
+        self._adapter_rows([slot])
+        with self._engine_context(), stack_inputs(self._text_stack, staged.cut(start, end)):
+            out = self.model(
+                input_ids=ids,
+                position_ids=position_ids,
+                attention_mask=self._chunk_masks(pos_Q, end, staged.groups),
+                past_key_values=self.cache,
+                use_cache=True,
+                logits_to_keep=1,
+                # sliding layers return their ring's keys and the chunk's, in order (cache.py)
+                **{BLOCK_TABLES_KWARG: self.row_inputs.attention_tables(tables, None)},
+            )
+        self.cache.commit()
+        return out.logits[0, -1].float()
+
+    def _staging(self, slot: int, inputs: PromptInputs, end: int, start: int = 0):
+        """Within the block, the text stack's inputs for the whole prompt are kept for `slot`
+        and the stack runs on their tokens start..end-1 (past 0: bound as a later chunk)."""
+        groups = self._bidirectional_groups(inputs)
+
+        def keep(staged: StagedPrompt) -> None:
+            self._staged[slot] = staged
+
+        def chunk(staged: StagedPrompt) -> dict:
+            pos_Q, tables = self._bind_chunk(slot, start, end)
+            return {
+                "attention_mask": self._chunk_masks(pos_Q, end, staged.groups),
+                BLOCK_TABLES_KWARG: self.row_inputs.attention_tables(tables, None),
+            }
+
+        n = inputs.num_prompt_tokens
+        return staging(self._text_stack, keep, n, end, groups, start, chunk if start else None)
+
+    def _bind_chunk(self, slot: int, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Bind the cache to tokens start..end-1 of `slot` over its cached keys before them;
+        returns their positions (Q,) and the slot's tables (1, blocks)."""
+        pos_Q = torch.arange(start, end, device=self.device)
+        tables = self.tables.on_device([slot], end, self.device)
+        slot_B = to_device(torch.tensor([slot]), self.device)
+        binding = BatchBinding(
+            slot_B, pos_Q[None], end, tables, num_cached=start, paged=True, chunk=True
+        )
+        self.cache.bind(binding, is_prefill=False)
+        return pos_Q, tables
+
+    def whole_runs(self, inputs: PromptInputs) -> list[tuple[int, int]]:
+        """The token runs (start, end) of `inputs` that one prefill chunk must hold whole: where
+        the model attends both ways, Gemma 4's runs of vision tokens (one image, one video
+        frame) in its sliding layers."""
+        return runs_of(self._bidirectional_groups(inputs))
+
+    def _bidirectional_groups(self, inputs: PromptInputs) -> torch.Tensor | None:
+        """Each token's bidirectional run (L,), -1 outside one, or None where the model has
+        none (`bidirectional_groups`)."""
+        types = inputs.mm_inputs.get("mm_token_type_ids")
+        if types is None or not self.bidirectional_vision:
+            return None
+        return to_device(bidirectional_groups(types[0]), self.device)
+
+    def _chunk_masks(self, pos_Q: torch.Tensor, kv_len: int, groups: torch.Tensor | None):
+        return chunk_masks(pos_Q, kv_len, self._window, groups)
