@@ -108,6 +108,44 @@ def test_a_padded_prefill_equals_one_at_a_time_on_cuda(tiny_path, family, prefil
         tokens = step.argmax(-1).tolist()
 
 
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_vl"])
+def test_parts_of_prompts_in_one_forward_equal_whole_prefills_on_cuda(tiny_path, family):
+    """Parts of prompts of unequal lengths in one forward over their slots' cached keys
+    (`prefill_parts`; the Triton gated-delta kernel continuing each row's state) give each
+    prompt's own last logits and decode steps."""
+    from areno.engine.batched_prefill import PromptPart
+    from areno.models import get_adapter
+    from areno.models.registry import read_model_type
+
+    path = tiny_path(family)
+    model = get_adapter(read_model_type(path)).load_model(path, dtype=torch.float32).cuda()
+    torch.manual_seed(0)
+    prompts = [PromptInputs(torch.randint(5, 500, (n,)).tolist(), {}) for n in (9, 40, 17, 300, 3)]
+    cuts = [4, 33, 17, 100, 1]
+    alone = ModelRunner(model, num_slots=8, max_len=512, graphs="off")
+    together = ModelRunner(model, num_slots=8, max_len=512, graphs="off")
+    want = torch.stack([alone.prefill(p, [s]) for p, s in zip(prompts, SLOTS, strict=True)])
+    together.prefill_batch([prompts[1]] * len(SLOTS), [[s] for s in SLOTS])  # earlier states
+    first = [
+        PromptPart(p, s, None, 0, c, True) for p, s, c in zip(prompts, SLOTS, cuts, strict=True)
+    ]
+    together.prefill_parts(first)
+    rest = [
+        PromptPart(p, s, None, c, p.num_prompt_tokens, False)
+        for p, s, c in zip(prompts, SLOTS, cuts, strict=True)
+        if c < p.num_prompt_tokens
+    ]
+    have = together.prefill_parts(rest)
+    assert torch.allclose(have, want[[0, 1, 3, 4]], atol=1e-3)
+    positions = [p.num_prompt_tokens for p in prompts]
+    tokens = want.argmax(-1).tolist()
+    for _ in range(4):
+        step = alone.decode(SLOTS, positions, tokens)
+        assert torch.allclose(together.decode(SLOTS, positions, tokens), step, atol=1e-3)
+        positions = [n + 1 for n in positions]
+        tokens = step.argmax(-1).tolist()
+
+
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
 def test_cuda_graphs_on_a_second_gpu_after_the_first_captured(tiny_path):
     # torch.cuda.graph's default capture stream belongs to the GPU that captured first; a runner
