@@ -11,6 +11,8 @@ per row.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from areno.engine.attention import BLOCK_TABLES_KWARG
@@ -25,12 +27,17 @@ from areno.engine.prompt_chunks import (
     StagedPrompt,
     bidirectional_groups,
     chunk_masks,
+    patched_forward,
     runs_of,
     stack_inputs,
     staging,
 )
 from areno.engine.transfer import to_device
 from areno.processing.types import PromptInputs
+
+
+class _AtTextStack(Exception):
+    """Ends a forward where it reaches the text stack (`PartPrefills._rope_delta`)."""
 
 
 class PartPrefills:
@@ -69,9 +76,11 @@ class PartPrefills:
             self.set_tables(
                 [part.slot], None if part.table is None else [part.table], new=part.first
             )
-            self.rope_delta[part.slot] = 0  # text alone: the plain positions
+            if part.first:
+                self.rope_delta[part.slot] = self._rope_delta(part.inputs)
             if part.ends_prompt:
                 self._between_parts.discard(part.slot)
+                self._staged.pop(part.slot, None)  # a media prompt's first chunk staged it
             else:
                 self._between_parts.add(part.slot)
         fresh = [p.slot for p in parts if p.start == 0]
@@ -97,7 +106,7 @@ class PartPrefills:
             lengths_B=lengths_B,
         )
         self.cache.bind(binding, is_prefill=False)
-        delta_B = torch.zeros(len(parts), dtype=torch.long, device=self.device)
+        delta_B = torch.tensor([self.rope_delta[s] for s in slots], device=self.device)
         self._adapter_rows(slots)
         last = last_real_positions(self._text_stack, self._text_stack.forward, lengths_B - 1)
         with self._engine_context(), last:
@@ -112,6 +121,24 @@ class PartPrefills:
             )
         self.cache.commit()
         return out.logits[:, -1].float()
+
+    def _rope_delta(self, inputs: PromptInputs) -> int:
+        """The multimodal rope offset of the text after a prompt's media (0 without either): the
+        model's own forward over the whole prompt computes it before its text stack, where this
+        forward stops. The towers answer from the encoder cache where it holds the media."""
+        if not (self.uses_mrope and inputs.mm_spans):
+            return 0
+        self.model.model.rope_deltas = None
+
+        def stop(*args, **kwargs):
+            raise _AtTextStack
+
+        model_inputs = {k: to_device(v, self.device) for k, v in inputs.model_inputs().items()}
+        encoders = self.encoders.around(inputs.mm_spans)
+        stopped = contextlib.suppress(_AtTextStack)
+        with stopped, self._engine_context(), encoders, patched_forward(self._text_stack, stop):
+            self.model(**model_inputs, use_cache=False)
+        return int(self.model.model.rope_deltas[0, 0])
 
     @torch.inference_mode()
     def prefill_chunk(

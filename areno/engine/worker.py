@@ -314,33 +314,48 @@ class Worker:
 
     def _shares_part(self, item: PrefillItem) -> bool:
         """Whether a chunk or a resumption runs in a shared forward of parts (`_prefill_parts`):
-        a prompt without media, with no state to save midway."""
-        return self.shares_part_prefills and item.save is None and can_batch_prefill(item.inputs)
+        its prompt's media, if any, all lie in the tokens before it (a resumption's cached
+        prefix, a chunk's earlier ones)."""
+        return self.shares_part_prefills and all(
+            span.end <= item.start for span in item.inputs.mm_spans
+        )
 
     def _prefill_parts(self, items: list[PrefillItem]) -> list[torch.Tensor]:
         """Each item's last logits (V,), its tokens start..end-1 prefilled over the keys its
-        blocks hold: items of lengths within MAX_PREFILL_PADDING of each other share a forward
-        (`ModelRunner.prefill_parts`); an item that ends its prompt is then forked into its
-        other slots."""
-        parts = [
-            PromptPart(
-                item.inputs,
-                item.slots[0],
-                item.block_tables[0] if item.block_tables else None,
-                item.start,
-                item.end if item.end is not None else item.inputs.num_prompt_tokens,
-                first=item.start == item.cached,
+        blocks hold, in forwards shared by items of lengths within MAX_PREFILL_PADDING of each
+        other (`ModelRunner.prefill_parts`). An item with a state save runs up to it first,
+        saves, and runs the rest in a second round (as `_prefill_chunks`); an item that ends
+        its prompt is then forked into its other slots."""
+        rounds: list[list[tuple[int, PromptPart]]] = [[], []]
+        saves = []
+        for i, item in enumerate(items):
+            table = item.block_tables[0] if item.block_tables else None
+            end = item.end if item.end is not None else item.inputs.num_prompt_tokens
+            stop = end
+            if item.save is not None:
+                stop = item.save[0] if self.runner.has_linear_state else end
+                saves.append((item.slots[0], item.save[1]))
+            first = item.start == item.cached
+            rounds[0].append(
+                (i, PromptPart(item.inputs, item.slots[0], table, item.start, stop, first))
             )
-            for item in items
-        ]
+            if stop < end:
+                rounds[1].append(
+                    (i, PromptPart(item.inputs, item.slots[0], table, stop, end, False))
+                )
         last: list[torch.Tensor | None] = [None] * len(items)
-        for group in prefill_groups([p.end - p.start for p in parts], pad=True):
-            logits_BV = self.runner.prefill_parts([parts[i] for i in group])
-            for row, i in enumerate(group):
-                last[i] = logits_BV[row]
-        for item, part in zip(items, parts, strict=True):
-            if len(item.slots) > 1 and part.ends_prompt:
-                self.runner.fork_prompt(item.slots, item.block_tables, part.end)
+        for number, parts in enumerate(rounds):
+            for group in prefill_groups([p.end - p.start for _, p in parts], pad=True):
+                logits_BV = self.runner.prefill_parts([parts[g][1] for g in group])
+                for row, g in enumerate(group):
+                    last[parts[g][0]] = logits_BV[row]
+            if number == 0 and saves:
+                self.runner.save_states(saves)
+        for item in items:
+            if len(item.slots) > 1 and item.is_final:
+                self.runner.fork_prompt(
+                    item.slots, item.block_tables, item.inputs.num_prompt_tokens
+                )
         return last
 
     def _prefill_chunks(self, item: PrefillItem) -> torch.Tensor:
