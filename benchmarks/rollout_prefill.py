@@ -1,8 +1,9 @@
 """What the prefix cache saves a GRPO step of the AVE agent
 (examples/multimodal/ave_event_recognition): `--prompts` clips, each a group of `--group-size`
 episodes of `--turns` turns, all running at once as a rollout worker runs them, through the
-serving parts (MediaDecoder, Processor, Generator), with `enable_prefix_caching` off and on,
-side by side in one run.
+serving parts (MediaDecoder, Processor, Generator), with `enable_prefix_caching` off, on with
+each resumption prefilled in a forward of its own, and on as the engine runs it (resumptions
+and chunks sharing forwards of parts), side by side in one run.
 
 Each turn the policy samples `--max-tokens` tokens; a random policy writes no tool call, so the
 benchmark then appends the agent's calls itself (view_frames, listen; the last turn answers),
@@ -107,10 +108,13 @@ class Rollout:
         )
 
 
-def measure(path: str, samples: list[Sample], args, caching: bool) -> dict:
+def measure(path: str, samples: list[Sample], args, caching: bool, shared: bool) -> dict:
+    """One configuration's timed step; `shared`: resumptions and chunks share the forwards of
+    parts (the engine's default), else each runs its own."""
     rollout = Rollout(path, args, caching)
     calls = args.calls.split(",")
     gen = rollout.generator
+    gen.core.executor.worker.shares_part_prefills &= shared
     try:
         asyncio.run(rollout.step(samples, calls, args))  # warm-up: first forwards of each shape
         gen.core.scheduler.forget_cached()
@@ -125,6 +129,7 @@ def measure(path: str, samples: list[Sample], args, caching: bool) -> dict:
     cached = after["num_prompt_tokens_cached"] - before["num_prompt_tokens_cached"]
     return {
         "prefix_caching": caching,
+        "shared_resumptions": caching and gen.core.executor.worker.shares_part_prefills,
         "prompt_tokens_requested": requested,
         "prompt_tokens_cached": cached,
         "prompt_tokens_computed": requested - cached,
@@ -169,27 +174,38 @@ def main() -> None:
             progress=False,
         )
         samples = [Sample.from_json(line) for line in data.read_text().splitlines()]
-        rows = [measure(path, samples, args, caching) for caching in (False, True)]
-    off, on = rows
+        rows = [
+            measure(path, samples, args, caching, shared)
+            for caching, shared in ((False, True), (True, False), (True, True))
+        ]
+    off, alone, on = rows
     print(
         f"\n{Path(path).name}: {args.prompts} clips x {args.group_size} episodes x "
         f"{args.turns} turns ({args.calls}), {args.max_tokens} sampled tokens a turn"
     )
-    header = f"{'prefix cache':<13}{'requested':>10}{'cached':>9}{'computed':>10}{'rollout s':>11}"
+    header = f"{'prefix cache':<24}{'requested':>10}{'cached':>9}{'computed':>10}{'rollout s':>11}"
     print(header)
     print("-" * len(header))
     for row in rows:
+        name = "off"
+        if row["prefix_caching"]:
+            name = "on, shared forwards" if row["shared_resumptions"] else "on, one at a time"
         print(
-            f"{'on' if row['prefix_caching'] else 'off':<13}{row['prompt_tokens_requested']:>10}"
+            f"{name:<24}{row['prompt_tokens_requested']:>10}"
             f"{row['prompt_tokens_cached']:>9}{row['prompt_tokens_computed']:>10}"
             f"{row['rollout_s']:>11.2f}"
         )
     fewer = off["prompt_tokens_computed"] / max(on["prompt_tokens_computed"], 1)
     faster = off["rollout_s"] / on["rollout_s"]
-    print(f"prefill tokens computed {fewer:.2f}x fewer, rollout {faster:.2f}x shorter")
+    sharing = alone["rollout_s"] / on["rollout_s"]
+    print(
+        f"prefill tokens computed {fewer:.2f}x fewer, rollout {faster:.2f}x shorter "
+        f"({sharing:.2f}x from shared forwards)"
+    )
     meta = {key: value for key, value in vars(args).items() if key != "out"}
     meta["model"] = Path(path).name
-    write_results(args.out, meta, {"rows": rows, "fewer_tokens": fewer, "speedup": faster})
+    results = {"rows": rows, "fewer_tokens": fewer, "speedup": faster, "sharing_speedup": sharing}
+    write_results(args.out, meta, results)
 
 
 if __name__ == "__main__":

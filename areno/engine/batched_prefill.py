@@ -1,4 +1,4 @@
-"""Prompts without media prefilled together in one forward: whole prompts
+"""Prompts prefilled together in one forward: whole prompts without media
 (`ModelRunner.prefill_batch`), and parts of prompts over the keys their slots already hold
 (`ModelRunner.prefill_parts`: prompts resuming from the prefix cache, a long prompt's chunks);
 which prompts may share one, their padding, and each row's last real position."""
@@ -51,10 +51,10 @@ def last_real_positions(text_stack: torch.nn.Module, run_stack, positions_B: tor
 
 @dataclass
 class PromptPart:
-    """Tokens start..end-1 of a prompt without media, to prefill into `slot` (its blocks
-    `table`; None: its default one) over the keys of its tokens before `start`, which the
-    table's blocks hold (its earlier parts, or the prefix cache's). `first`: the slot starts
-    the prompt here (at 0 from zero states; past 0 from a state restored into it)."""
+    """Tokens start..end-1 of a prompt, to prefill into `slot` (its blocks `table`; None: its
+    default one) over the keys of its tokens before `start`, which the table's blocks hold (its
+    earlier parts, or the prefix cache's). `first`: the slot starts the prompt here (at 0 from
+    zero states; past 0 from a state restored into it)."""
 
     inputs: PromptInputs
     slot: int
@@ -80,3 +80,28 @@ def part_token_ids(parts: list[PromptPart], width: int) -> torch.Tensor:
     return torch.tensor(
         [p.inputs.input_ids[p.start : p.end] + [0] * (width - p.end + p.start) for p in parts]
     )
+
+
+def stack_rows(cuts: list[dict], width: int) -> dict:
+    """Several rows' shares of their prompts' staged text-stack inputs (`StagedPrompt.cut`) as
+    one batch right-padded to `width` tokens: per-token tensors (1, Q, ...) padded with zeros,
+    position ids (..., 1, Q) with their last column, deepstack features joined in row order
+    (the order of the padded visual masks' True entries)."""
+    batch = {}
+    for key in cuts[0]:
+        values = [cut[key] for cut in cuts]
+        if key == "position_ids":
+            padded = [
+                torch.cat([v, v[..., -1:].expand(*v.shape[:-1], width - v.shape[-1])], dim=-1)
+                for v in values
+            ]
+            batch[key] = torch.cat(padded, dim=-2)
+        elif key == "deepstack_visual_embeds":
+            batch[key] = [torch.cat(layer) for layer in zip(*values, strict=True)]
+        else:
+            padded = [
+                torch.cat([v, v.new_zeros(1, width - v.shape[1], *v.shape[2:])], dim=1)
+                for v in values
+            ]
+            batch[key] = torch.cat(padded)
+    return batch

@@ -1,12 +1,16 @@
 """The runner's prefills of part of a prompt over the keys its slot's blocks already hold: a long
-prompt's chunks after its first, a prompt resuming from the prefix cache (`ModelRunner` takes
-them from `PartPrefills`).
+prompt's chunks, a prompt resuming from the prefix cache (`ModelRunner` takes them from
+`PartPrefills`).
 
-A prompt with media runs alone (`prefill_chunk`): its first chunk stages the text stack's inputs
-for the whole prompt (areno/engine/prompt_chunks.py) and every chunk runs the stack on its part.
-Parts of prompts without media share a forward (`prefill_parts`): right-padded rows, each
-attending to its own cached keys through its block table, linear-attention states continuing
-per row.
+Parts of several prompts share a forward (`prefill_parts`): right-padded rows, each attending to
+its own cached keys through its block table, linear-attention states continuing per row. A part
+past all of its prompt's media runs the model on its tokens (positions offset by the prompt's
+multimodal rope delta); a part before or inside a media item runs the text stack on its share of
+the stack inputs the model's own forward gave for the whole prompt (`StagedPrompt`), captured
+where that forward reaches the stack (the towers run there, or the encoder cache answers). The
+engine runs every chunk and resumption this way, except on models with sliding-window rings
+(read in position order one row at a time) and under tensor parallelism, where each runs alone
+(`prefill_chunk`).
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from areno.engine.batched_prefill import (
     last_real_positions,
     part_masks,
     part_token_ids,
+    stack_rows,
 )
 from areno.engine.cache import BatchBinding, clear_rows
 from areno.engine.prompt_chunks import (
@@ -37,7 +42,7 @@ from areno.processing.types import PromptInputs
 
 
 class _AtTextStack(Exception):
-    """Ends a forward where it reaches the text stack (`PartPrefills._rope_delta`)."""
+    """Ends a forward where it reaches the text stack (`PartPrefills._at_text_stack`)."""
 
 
 class PartPrefills:
@@ -47,11 +52,11 @@ class PartPrefills:
     @property
     def chunking_slots(self) -> list[int]:
         """The slots whose prompts are between two of their prefill chunks."""
-        return [*self._staged, *self._between_parts]
+        return sorted(self._staged.keys() | self._between_parts)
 
     @property
     def can_prefill_parts(self) -> bool:
-        """Whether parts of prompts without media may share a forward (`prefill_parts`): the
+        """Whether parts of prompts may share a forward (`prefill_parts`): the
         text stack is a module of its own (each row's last real position is read out of it),
         and no layer keeps a sliding ring (whose chunk reads its ring in position order, one
         row at a time)."""
@@ -59,33 +64,62 @@ class PartPrefills:
 
     @torch.inference_mode()
     def prefill_parts(self, parts: list[PromptPart]) -> torch.Tensor:
-        """Prefill a part of each of several prompts without media in one forward, part i's
-        tokens into its slot over the keys its blocks hold (`PromptPart`); returns each part's
-        last logits (B, V).
+        """Prefill a part of each of several prompts, part i's tokens into its slot over the
+        keys its blocks hold (`PromptPart`); returns each part's last logits (B, V).
 
         The parts are right-padded to the longest. Each row's queries attend to its cached keys
         through its table and to its own keys causally; a pad position writes its key past the
         row's last real one (its own block, or the sink past its table), where no real query
         reads it, and linear-attention layers continue each row's states up to its last real
         token (BatchBinding.lengths_B). A slot that starts its prompt at 0 starts from zero
-        states. The forward runs eagerly: its shapes vary with every step's parts."""
-        lengths = [p.end - p.start for p in parts]
-        width = max(lengths)
-        slots = [p.slot for p in parts]
+        states. Parts past all of their prompt's media run the model on their tokens, at
+        positions offset by the prompt's rope delta (`_at_text_stack` finds it); the others run
+        the text stack on their share of the stack inputs their prompt staged (`StagedPrompt`),
+        in a forward of their own. The forwards run eagerly: their shapes
+        vary with every step's parts."""
+        staged: list[StagedPrompt | None] = []
         for part in parts:
             self.set_tables(
                 [part.slot], None if part.table is None else [part.table], new=part.first
             )
-            if part.first:
-                self.rope_delta[part.slot] = self._rope_delta(part.inputs)
+            # The plain-token path holds for text after every media item (its positions are
+            # offset by the whole prompt's rope delta); a part before or inside one takes its
+            # share of the staged stack inputs.
+            stage = any(s.end > part.start for s in part.inputs.mm_spans)
+            prompt = self._staged.get(part.slot)
+            if part.first and (stage or (self.uses_mrope and part.inputs.mm_spans)):
+                prompt, self.rope_delta[part.slot] = self._at_text_stack(part.inputs)
+            elif part.first:
+                self.rope_delta[part.slot] = 0
+            staged.append(prompt if stage else None)
             if part.ends_prompt:
                 self._between_parts.discard(part.slot)
-                self._staged.pop(part.slot, None)  # a media prompt's first chunk staged it
+                self._staged.pop(part.slot, None)
             else:
                 self._between_parts.add(part.slot)
+                if stage:
+                    self._staged[part.slot] = prompt
         fresh = [p.slot for p in parts if p.start == 0]
         if fresh:
             clear_rows(self.cache, fresh)
+        logits: list[torch.Tensor | None] = [None] * len(parts)
+        for with_media in (False, True):
+            rows = [i for i, prompt in enumerate(staged) if (prompt is not None) == with_media]
+            if rows:
+                prompts = [staged[i] for i in rows] if with_media else None
+                out = self._parts_forward([parts[i] for i in rows], prompts)
+                for row, i in enumerate(rows):
+                    logits[i] = out[row]
+        return torch.stack(logits)
+
+    def _parts_forward(
+        self, parts: list[PromptPart], staged: list[StagedPrompt] | None
+    ) -> torch.Tensor:
+        """One forward of `prefill_parts`: the text stack on each part's share of its
+        prompt's `staged` inputs, or (None) the model on the parts' tokens."""
+        lengths = [p.end - p.start for p in parts]
+        width = max(lengths)
+        slots = [p.slot for p in parts]
         # A pad's position stays within the table's columns (the last one's block is the row's
         # own or the sink).
         last_position = self.max_blocks * self.block_size - 1
@@ -108,7 +142,16 @@ class PartPrefills:
         self.cache.bind(binding, is_prefill=False)
         delta_B = torch.tensor([self.rope_delta[s] for s in slots], device=self.device)
         self._adapter_rows(slots)
-        last = last_real_positions(self._text_stack, self._text_stack.forward, lengths_B - 1)
+        stack_class = type(self._text_stack).forward
+        inputs = {}
+        if staged is not None:
+            cuts = [prompt.cut(p.start, p.end) for prompt, p in zip(staged, parts, strict=True)]
+            inputs = stack_rows(cuts, width)
+
+        def run_stack(*args, **kwargs):
+            return stack_class(self._text_stack, *args, **(kwargs | inputs))
+
+        last = last_real_positions(self._text_stack, run_stack, lengths_B - 1)
         with self._engine_context(), last:
             out = self.model(
                 input_ids=to_device(part_token_ids(parts, width), self.device),
@@ -122,15 +165,17 @@ class PartPrefills:
         self.cache.commit()
         return out.logits[:, -1].float()
 
-    def _rope_delta(self, inputs: PromptInputs) -> int:
-        """The multimodal rope offset of the text after a prompt's media (0 without either): the
-        model's own forward over the whole prompt computes it before its text stack, where this
-        forward stops. The towers answer from the encoder cache where it holds the media."""
-        if not (self.uses_mrope and inputs.mm_spans):
-            return 0
-        self.model.model.rope_deltas = None
+    def _at_text_stack(self, inputs: PromptInputs) -> tuple[StagedPrompt, int]:
+        """The text stack's inputs for the whole prompt and its multimodal rope delta (the
+        offset of text positions after its media; 0 without), from the model's own forward over
+        it, stopped where it reaches the stack: the towers encode its media (or the encoder
+        cache answers), the stack never runs."""
+        if self.uses_mrope:
+            self.model.model.rope_deltas = None
+        captured = []
 
         def stop(*args, **kwargs):
+            captured.append(StagedPrompt.capture(kwargs, inputs.num_prompt_tokens, None))
             raise _AtTextStack
 
         model_inputs = {k: to_device(v, self.device) for k, v in inputs.model_inputs().items()}
@@ -138,7 +183,10 @@ class PartPrefills:
         stopped = contextlib.suppress(_AtTextStack)
         with stopped, self._engine_context(), encoders, patched_forward(self._text_stack, stop):
             self.model(**model_inputs, use_cache=False)
-        return int(self.model.model.rope_deltas[0, 0])
+        delta = 0
+        if self.uses_mrope and self.model.model.rope_deltas is not None:
+            delta = int(self.model.model.rope_deltas[0, 0])
+        return captured[0], delta
 
     @torch.inference_mode()
     def prefill_chunk(

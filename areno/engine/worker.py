@@ -125,12 +125,10 @@ class Worker:
         self.default_adapter: str | None = None
         self.samples = sample
         self.tensor_parallel = tensor_parallel
-        # Parts of prompts without media (resumptions from the prefix cache, chunks) share
-        # forwards, except under tensor parallelism with linear-attention layers (whose
-        # sharded path continues one row's state only). A benchmark's baseline clears it.
-        self.shares_part_prefills = self.runner.can_prefill_parts and not (
-            tensor_parallel and self.runner.has_linear_state
-        )
+        # Parts of prompts (resumptions from the prefix cache, chunks) share forwards; not yet
+        # under tensor parallelism, whose sharded linear-attention path continues one row's
+        # state only. A benchmark's baseline clears it.
+        self.shares_part_prefills = self.runner.can_prefill_parts and not tensor_parallel
         if pool is not None and num_blocks is None:
             self._size_pool(pool)
         runner = self.runner
@@ -281,7 +279,7 @@ class Worker:
         batchable, parts = [], []
         for i, item in enumerate(items):
             if item.is_chunk or item.save is not None:
-                if self._shares_part(item):
+                if self.shares_part_prefills:
                     parts.append(i)
                 else:
                     last[i] = self._prefill_chunks(item)
@@ -311,14 +309,6 @@ class Worker:
             for v, item in zip(last, items, strict=True)
             if item.is_final
         ]
-
-    def _shares_part(self, item: PrefillItem) -> bool:
-        """Whether a chunk or a resumption runs in a shared forward of parts (`_prefill_parts`):
-        its prompt's media, if any, all lie in the tokens before it (a resumption's cached
-        prefix, a chunk's earlier ones)."""
-        return self.shares_part_prefills and all(
-            span.end <= item.start for span in item.inputs.mm_spans
-        )
 
     def _prefill_parts(self, items: list[PrefillItem]) -> list[torch.Tensor]:
         """Each item's last logits (V,), its tokens start..end-1 prefilled over the keys its
