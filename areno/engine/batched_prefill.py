@@ -75,6 +75,32 @@ def part_masks(pos_BQ: torch.Tensor, kv_len: int) -> torch.Tensor:
     return (keys_K <= pos_BQ[:, :, None])[:, None]
 
 
+def part_sliding_masks(
+    pos_BQ: torch.Tensor,
+    starts_B: torch.Tensor,
+    width: int,
+    window: int,
+    groups_BQ: torch.Tensor | None,
+) -> torch.Tensor:
+    """Sliding-window masks (B, 1, Q, width + Q) of right-padded parts at positions `pos_BQ`
+    over the keys their sliding layers return in a windowed chunk: the `width` positions before
+    each row's first token (`starts_B`; those before 0 hidden), then the part's own. A query
+    sees the keys of its window, causally, and with `groups_BQ` (each token's bidirectional
+    run, -1 outside one) every key of its own run (a part holds its runs whole)."""
+    steps_W = torch.arange(width, device=pos_BQ.device)
+    keys_BK = torch.cat([starts_B[:, None] - width + steps_W, pos_BQ], dim=1)
+    valid_BK = keys_BK >= 0
+    seen = (
+        valid_BK[:, None, :]
+        & (keys_BK[:, None, :] <= pos_BQ[:, :, None])
+        & (keys_BK[:, None, :] > pos_BQ[:, :, None] - window)
+    )
+    if groups_BQ is not None:
+        same_BQQ = (groups_BQ[:, :, None] == groups_BQ[:, None, :]) & (groups_BQ[:, :, None] >= 0)
+        seen = seen | torch.cat([same_BQQ.new_zeros(*same_BQQ.shape[:2], width), same_BQQ], -1)
+    return seen[:, None]
+
+
 def part_token_ids(parts: list[PromptPart], width: int) -> torch.Tensor:
     """The parts' token ids (B, width), right-padded with 0."""
     return torch.tensor(

@@ -64,6 +64,10 @@ class BatchBinding:
     paged: bool = False
     # A chunk of a prompt after its first (its sliding-window layers return their keys in order).
     chunk: bool = False
+    # With `chunk`: each row's sliding-window layers return its ring's last `ring_window`
+    # positions before its first new token, then its new keys (rows starting at different
+    # positions: `ModelRunner.prefill_parts`).
+    windowed: bool = False
 
     def rows(self, storage: torch.Tensor) -> torch.Tensor:
         """The batch's rows of a per-slot `storage` tensor: a view when the slots are a range."""
@@ -213,6 +217,30 @@ def ring_tables(slots_B: torch.Tensor, ring_blocks: int, num_cols: int) -> torch
     return 1 + slots_B[:, None] * ring_blocks + cols[None, :]
 
 
+def ring_window(ring_blocks: int, block_size: int) -> int:
+    """How many positions before a chunk's first token its sliding layers read from the ring in
+    a windowed chunk (`BatchBinding.windowed`): all the ring holds intact, the window and more."""
+    return (ring_blocks - 1) * block_size
+
+
+def ring_keys_before(
+    storage: torch.Tensor, slots_B: torch.Tensor, starts_B: torch.Tensor, ring_blocks: int
+) -> torch.Tensor:
+    """Each row's keys (or values) at positions starts_B[b] - W .. starts_B[b] - 1 (W =
+    `ring_window`) out of its slot's ring, in position order, (B, H, W, D); a position before 0
+    reads whatever the ring holds there (masked)."""
+    blocks_BR = (
+        1 + slots_B[:, None] * ring_blocks + torch.arange(ring_blocks, device=slots_B.device)
+    )
+    rows = storage[blocks_BR]  # (B, ring, H, block, D)
+    batch, _, heads, block_size, dim = rows.shape
+    rows = rows.transpose(1, 2).reshape(batch, heads, ring_blocks * block_size, dim)
+    width = ring_window(ring_blocks, block_size)
+    pos_BW = starts_B[:, None] - width + torch.arange(width, device=starts_B.device)
+    index_BW = (pos_BW // block_size) % ring_blocks * block_size + pos_BW % block_size
+    return rows.gather(2, index_BW[:, None, :, None].expand(batch, heads, width, dim))
+
+
 class PagedAttentionLayer(CacheLayerMixin):
     """KV block storage (num_blocks + 1, kv_heads, block_size, head_dim), allocated on first
     write.
@@ -222,7 +250,8 @@ class PagedAttentionLayer(CacheLayerMixin):
     more, and a position overwrites the one `ring_blocks` blocks before it (`ring_tables`).
     A forward writes only each row's newest ring of positions (older ones, read by nobody
     after, go to the sink, so that no two writes share a place). A chunk of a prompt reads the
-    ring's keys before it writes its own, and returns both, in position order."""
+    ring's keys before it writes its own, and returns both, in position order (a windowed
+    chunk: only each row's `ring_window` positions before it)."""
 
     is_sliding = False
     is_compileable = False
@@ -267,7 +296,13 @@ class PagedAttentionLayer(CacheLayerMixin):
         blocks_BQ = 1 + b.slots_B[:, None] * ring + (positions_BQ // block_size) % ring
         blocks_BQ = torch.where(newest_BQ, blocks_BQ, 0)
         older = None
-        if b.chunk:  # the ring's keys before the chunk writes its own
+        if b.chunk and b.windowed:  # each row's window before its first new token
+            starts_B = positions_BQ[:, 0]
+            older = (
+                ring_keys_before(self.keys, b.slots_B, starts_B, ring),
+                ring_keys_before(self.values, b.slots_B, starts_B, ring),
+            )
+        elif b.chunk:  # the ring's keys before the chunk writes its own
             tables = ring_tables(b.slots_B, ring, -(-b.num_cached // block_size))
             older = (
                 gather_keys(self.keys, tables, b.num_cached),

@@ -24,10 +24,11 @@ from areno.engine.batched_prefill import (
     PromptPart,
     last_real_positions,
     part_masks,
+    part_sliding_masks,
     part_token_ids,
     stack_rows,
 )
-from areno.engine.cache import BatchBinding, clear_rows
+from areno.engine.cache import BatchBinding, clear_rows, ring_window
 from areno.engine.prompt_chunks import (
     StagedPrompt,
     bidirectional_groups,
@@ -56,11 +57,9 @@ class PartPrefills:
 
     @property
     def can_prefill_parts(self) -> bool:
-        """Whether parts of prompts may share a forward (`prefill_parts`): the
-        text stack is a module of its own (each row's last real position is read out of it),
-        and no layer keeps a sliding ring (whose chunk reads its ring in position order, one
-        row at a time)."""
-        return self.can_pad_prefill and self.ring_blocks is None
+        """Whether parts of prompts may share a forward (`prefill_parts`): the text stack is a
+        module of its own (each row's last real position is read out of it)."""
+        return self.can_pad_prefill
 
     @torch.inference_mode()
     def prefill_parts(self, parts: list[PromptPart]) -> torch.Tensor:
@@ -138,6 +137,8 @@ class PartPrefills:
             min(p.start for p in parts),
             paged=True,
             lengths_B=lengths_B,
+            chunk=self.ring_blocks is not None,
+            windowed=True,
         )
         self.cache.bind(binding, is_prefill=False)
         delta_B = torch.tensor([self.rope_delta[s] for s in slots], device=self.device)
@@ -156,7 +157,7 @@ class PartPrefills:
             out = self.model(
                 input_ids=to_device(part_token_ids(parts, width), self.device),
                 position_ids=self.row_inputs.part_position_ids(pos_BQ, delta_B),
-                attention_mask=part_masks(pos_BQ, kv_len),
+                attention_mask=self._part_masks(parts, pos_BQ, kv_len),
                 past_key_values=self.cache,
                 use_cache=True,
                 logits_to_keep=1,
@@ -164,6 +165,24 @@ class PartPrefills:
             )
         self.cache.commit()
         return out.logits[:, -1].float()
+
+    def _part_masks(self, parts: list[PromptPart], pos_BQ: torch.Tensor, kv_len: int):
+        """The parts' causal masks over their cached and own keys, and with sliding layers a
+        mapping by layer kind whose sliding masks cover what a windowed chunk's sliding layers
+        return (`part_sliding_masks`)."""
+        full = part_masks(pos_BQ, kv_len)
+        if self._window is None:
+            return full
+        groups = [self._bidirectional_groups(p.inputs) for p in parts]
+        groups_BQ = None
+        if any(g is not None for g in groups):
+            groups_BQ = torch.full(pos_BQ.shape, -1, dtype=torch.long, device=self.device)
+            for row, (g, part) in enumerate(zip(groups, parts, strict=True)):
+                if g is not None:
+                    groups_BQ[row, : part.end - part.start] = g[part.start : part.end]
+        width = ring_window(self.ring_blocks, self.block_size)
+        sliding = part_sliding_masks(pos_BQ, pos_BQ[:, 0], width, self._window, groups_BQ)
+        return {"full_attention": full, "sliding_attention": sliding}
 
     def _at_text_stack(self, inputs: PromptInputs) -> tuple[StagedPrompt, int]:
         """The text stack's inputs for the whole prompt and its multimodal rope delta (the

@@ -437,7 +437,7 @@ def test_saves_and_restores_beside_a_padded_graph_decode_keep_the_cold_tokens(
 
 
 @pytest.mark.parametrize("image", [False, True], ids=["text", "image"])
-@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_vl", "minicpmv4_6"])
+@pytest.mark.parametrize("family", FAMILIES)
 def test_turns_that_resume_together_share_forwards_and_keep_the_cold_tokens(
     setups, media, family, image, overlap
 ):
@@ -446,8 +446,8 @@ def test_turns_that_resume_together_share_forwards_and_keep_the_cold_tokens(
     ended, the resumptions of a step share forwards (`ModelRunner.prefill_parts`: the image in
     the cached prefix, Qwen's rope offset after it taken from the model's forward), and every
     token and logprob is the cold engine's (fp32, 1e-4). Qwen3.5 and MiniCPM-V 4.6 continue
-    their linear-attention states per row; with an image, Qwen3.5's turns save their state at
-    their last full block midway through the shared forwards."""
+    their linear-attention states per row, Gemma 4 its sliding rings; with an image, Qwen3.5's
+    turns save their state at their last full block midway through the shared forwards."""
     setup = setups(family)
 
     def ask(question: str) -> list[dict]:
