@@ -7,9 +7,9 @@ its own cached keys through its block table, linear-attention states continuing 
 past all of its prompt's media runs the model on its tokens (positions offset by the prompt's
 multimodal rope delta); a part before or inside a media item runs the text stack on its share of
 the stack inputs the model's own forward gave for the whole prompt (`StagedPrompt`), captured
-where that forward reaches the stack (the towers run there, or the encoder cache answers). The
-engine runs every chunk and resumption this way, except on models with sliding-window rings
-(read in position order one row at a time) and under tensor parallelism, where each runs alone
+where that forward reaches the stack (the towers run there, or the encoder cache answers).
+Sliding-window layers read each row's ring window before its first new token. The engine runs
+every chunk and resumption this way, except under tensor parallelism, where each runs alone
 (`prefill_chunk`).
 """
 
