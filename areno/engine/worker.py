@@ -125,9 +125,9 @@ class Worker:
         self.default_adapter: str | None = None
         self.samples = sample
         self.tensor_parallel = tensor_parallel
-        # Parts of prompts (resumptions from the prefix cache, chunks) share forwards; not yet
-        # under tensor parallelism, whose sharded linear-attention path continues one row's
-        # state only. A benchmark's baseline clears it.
+        # Parts of prompts (resumptions from the prefix cache, chunks) share forwards; not under
+        # tensor parallelism (its sharded linear-attention path continues one row's state, and
+        # shared parts have not run there yet). A benchmark's baseline clears it.
         self.shares_part_prefills = self.runner.can_prefill_parts and not tensor_parallel
         if pool is not None and num_blocks is None:
             self._size_pool(pool)
@@ -274,7 +274,8 @@ class Worker:
     def _prefill(self, items: list[PrefillItem]) -> list[torch.Tensor]:
         """Each final item's last logits, repeated for its n rows, in item order (a chunk that
         does not end its prompt has none). Whole prompts without media share forwards
-        (`prefill_groups`)."""
+        (`prefill_groups`); so do chunks and resumptions from the prefix cache
+        (`_prefill_parts`)."""
         last: list[torch.Tensor | None] = [None] * len(items)
         batchable, parts = [], []
         for i, item in enumerate(items):
