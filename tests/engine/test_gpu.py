@@ -56,6 +56,16 @@ def staggered_greedy(
     return [done[i] for i in range(len(prompts))]
 
 
+def decode_alike(alone: ModelRunner, together: ModelRunner, prompts, tokens: list[int]) -> None:
+    """Four greedy decode steps of SLOTS after `prompts` give both runners the same logits."""
+    positions = [p.num_prompt_tokens for p in prompts]
+    for _ in range(4):
+        step = alone.decode(SLOTS, positions, tokens)
+        assert torch.allclose(together.decode(SLOTS, positions, tokens), step, atol=1e-3)
+        positions = [n + 1 for n in positions]
+        tokens = step.argmax(-1).tolist()
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_cuda_graph_decode_equals_eager(tiny_path, family):
     from areno.models import get_adapter
@@ -99,13 +109,7 @@ def test_a_padded_prefill_equals_one_at_a_time_on_cuda(tiny_path, family, prefil
     have = together.prefill_batch(prompts, slots)
     assert torch.allclose(have, want, atol=1e-3)
     assert together.prefill_compiled == (prefill_compile != "off")
-    positions = [p.num_prompt_tokens for p in prompts]
-    tokens = want.argmax(-1).tolist()
-    for _ in range(4):
-        step = alone.decode(SLOTS, positions, tokens)
-        assert torch.allclose(together.decode(SLOTS, positions, tokens), step, atol=1e-3)
-        positions = [n + 1 for n in positions]
-        tokens = step.argmax(-1).tolist()
+    decode_alike(alone, together, prompts, want.argmax(-1).tolist())
 
 
 @pytest.mark.parametrize("family", ["qwen3_5", "qwen3_vl"])
@@ -137,13 +141,7 @@ def test_parts_of_prompts_in_one_forward_equal_whole_prefills_on_cuda(tiny_path,
     ]
     have = together.prefill_parts(rest)
     assert torch.allclose(have, want[[0, 1, 3, 4]], atol=1e-3)
-    positions = [p.num_prompt_tokens for p in prompts]
-    tokens = want.argmax(-1).tolist()
-    for _ in range(4):
-        step = alone.decode(SLOTS, positions, tokens)
-        assert torch.allclose(together.decode(SLOTS, positions, tokens), step, atol=1e-3)
-        positions = [n + 1 for n in positions]
-        tokens = step.argmax(-1).tolist()
+    decode_alike(alone, together, prompts, want.argmax(-1).tolist())
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")

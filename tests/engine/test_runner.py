@@ -231,6 +231,20 @@ def test_batched_prefill_equals_one_at_a_time(tiny_path, family):
     assert torch.allclose(forked[2], forked[1], atol=1e-5)
 
 
+def decode_alike(alone: ModelRunner, together: ModelRunner, positions: list[int], tokens):
+    """Three greedy decode steps of slots 0, 2, 4 alone and of 0, 2, 3, 4 together (slot 3 a
+    fork of slot 2) give the same logits."""
+    for _ in range(3):
+        step = alone.decode([0, 2, 4], positions, tokens)
+        forked = together.decode(
+            [0, 2, 3, 4], positions[:2] + positions[1:], tokens[:2] + tokens[1:]
+        )
+        assert torch.allclose(forked[[0, 1, 3]], step, atol=1e-4)
+        assert torch.allclose(forked[2], forked[1], atol=1e-5)
+        positions = [n + 1 for n in positions]
+        tokens = step.argmax(-1).tolist()
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_a_padded_prefill_of_unequal_lengths_equals_one_at_a_time(tiny_path, family):
     """Right-padded prompts of unequal lengths in one forward: the same last logits, and the
@@ -252,17 +266,7 @@ def test_a_padded_prefill_of_unequal_lengths_equals_one_at_a_time(tiny_path, fam
     want = torch.stack([alone.prefill(p, [2 * i]) for i, p in enumerate(prompts)])
     have = together.prefill_batch(prompts, [[0], [2, 3], [4]])
     assert torch.allclose(have, want, atol=1e-4)
-    positions = [p.num_prompt_tokens for p in prompts]
-    tokens = have.argmax(-1).tolist()
-    for _ in range(3):
-        step = alone.decode([0, 2, 4], positions, tokens)
-        forked = together.decode(
-            [0, 2, 3, 4], positions[:2] + positions[1:], tokens[:2] + tokens[1:]
-        )
-        assert torch.allclose(forked[[0, 1, 3]], step, atol=1e-4)
-        assert torch.allclose(forked[2], forked[1], atol=1e-5)
-        positions = [n + 1 for n in positions]
-        tokens = step.argmax(-1).tolist()
+    decode_alike(alone, together, [p.num_prompt_tokens for p in prompts], have.argmax(-1).tolist())
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -299,16 +303,7 @@ def test_parts_of_prompts_in_one_forward_equal_whole_prefills(tiny_path, family)
     assert torch.allclose(have, want[:2], atol=1e-4)
     assert together.chunking_slots == []
     together.fork_prompt([2, 3], None, n[1])
-    positions, tokens = n, want.argmax(-1).tolist()
-    for _ in range(3):
-        step = alone.decode([0, 2, 4], positions, tokens)
-        forked = together.decode(
-            [0, 2, 3, 4], positions[:2] + positions[1:], tokens[:2] + tokens[1:]
-        )
-        assert torch.allclose(forked[[0, 1, 3]], step, atol=1e-4)
-        assert torch.allclose(forked[2], forked[1], atol=1e-5)
-        positions = [p + 1 for p in positions]
-        tokens = step.argmax(-1).tolist()
+    decode_alike(alone, together, n, want.argmax(-1).tolist())
 
 
 @pytest.mark.parametrize("family", FAMILIES)
