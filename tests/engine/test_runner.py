@@ -269,17 +269,21 @@ def test_a_padded_prefill_of_unequal_lengths_equals_one_at_a_time(tiny_path, fam
     decode_alike(alone, together, [p.num_prompt_tokens for p in prompts], have.argmax(-1).tolist())
 
 
+@pytest.mark.parametrize("repeats", [1, 8], ids=["short", "past-window"])
 @pytest.mark.parametrize("family", FAMILIES)
-def test_parts_of_prompts_in_one_forward_equal_whole_prefills(tiny_path, family):
+def test_parts_of_prompts_in_one_forward_equal_whole_prefills(tiny_path, family, repeats):
     """Prompts without media prefilled in parts, several rows' parts of unequal lengths in one
     forward over the keys their slots hold (`prefill_parts`, as chunks and resumptions from the
     prefix cache run): each prompt's last logits and the decode steps after equal a whole
     prefill's. The slots held another prompt before (a part from 0 starts from zero states,
     and reads nothing of the sliding rings' earlier keys), and a part shorter than the conv
-    continues the state of the part before it."""
+    continues the state of the part before it. Past Gemma 4's 64-token window, rows whose
+    parts start at different positions read each its own ring window."""
     processor, decoder, model = load(tiny_path, family)
-    chat = [{"role": "user", "content": "Count to ten, slowly, and then back down to one."}]
-    long = process_messages(processor, decoder, chat)
+    text = " ".join(["Count to ten, slowly, and then back down to one."] * repeats)
+    long = process_messages(processor, decoder, [{"role": "user", "content": text}])
+    if repeats > 1:
+        assert long.num_prompt_tokens > 2 * 64 + 16
 
     def first(n: int) -> PromptInputs:
         return PromptInputs(long.input_ids[:n], {k: v[:, :n] for k, v in long.mm_inputs.items()})
@@ -291,7 +295,7 @@ def test_parts_of_prompts_in_one_forward_equal_whole_prefills(tiny_path, family)
     want = torch.stack([alone.prefill(p, [2 * i]) for i, p in enumerate(prompts)])
     together.prefill_batch([first(12)] * 3, [[0], [2], [4]])  # earlier occupants' states
     n = [p.num_prompt_tokens for p in prompts]
-    cuts = [7, n[1] - 2]
+    cuts = [7, n[1] - 2] if repeats == 1 else [70, n[1] - 3]
 
     def part(i: int, start: int, end: int) -> PromptPart:
         return PromptPart(prompts[i], 2 * i, None, start, end, first=start == 0)
