@@ -2,7 +2,8 @@
 shipped configs (configs/color_quiz.yaml, examples/multimodal/ave_event_recognition/grpo.yaml)
 on the embedded tiny checkpoints: the serial loop with one trajectory per trainer pass
 (`rollout.max_staleness 0`, `trainer.micro_batch_tokens 0`) beside the configs as shipped
-(overlapped, `max_staleness 1`, and batched: `micro_batch_tokens` 4096 and 8192), in one run.
+(overlapped, `max_staleness 1`; the color quiz's passes batched, `micro_batch_tokens` 4096),
+in one run; `--also` adds settings.
 
 The color quiz starts from its format-only warm start (`areno sft --target-key warmup_answer`,
 as its README section runs it), so its groups have rewards to learn from. The AVE agent starts
@@ -19,6 +20,7 @@ rollout), `train_s`, `weight_sync_s`.
 
     python benchmarks/grpo_step.py                 # both tasks, 6 steps each setting
     python benchmarks/grpo_step.py --tasks ave --steps 8
+    python benchmarks/grpo_step.py --tasks ave --also rollout.max_staleness=0  # more settings
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ from engine_workloads import write_results  # noqa: E402
 
 from areno.models.tiny import tiny_checkpoint  # noqa: E402
 
-# "shipped": the task's config as it is (both ship max_staleness 1 and batched passes)
+# "shipped": the task's config as it is (both ship max_staleness 1; the color quiz batched passes)
 SETTINGS = {
     "serial, 1 per pass": {"rollout.max_staleness": 0, "trainer.micro_batch_tokens": 0},
     "shipped": {},
@@ -102,8 +104,8 @@ def task_args(task: str, data: Path) -> list[str]:
     ]
 
 
-def run(task: str, setting: dict, steps: int, data: Path, work: Path) -> dict:
-    run_dir = work / f"{task}-{'shipped' if not setting else 'serial'}"
+def run(task: str, name: str, setting: dict, steps: int, data: Path, work: Path) -> dict:
+    run_dir = work / f"{task}-{''.join(c if c.isalnum() else '_' for c in name)}"
     cmd = [sys.executable, "-m", "areno.cli", "train", "--no-progress", *task_args(task, data)]
     cmd += ["--run-dir", str(run_dir), "--max-steps", str(steps), "--eval-every", "0"]
     cmd += ["--set", "run.export_hf=false", "--set", "run.save_every=0"]
@@ -134,28 +136,40 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tasks", default="color_quiz,ave")
     parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument(
+        "--also",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE[,KEY=VALUE]",
+        help="one more setting beside the two, as `areno train --set` overrides (repeatable)",
+    )
     parser.add_argument("--out", default=str(REPO / "benchmarks/results/grpo_step.json"))
     args = parser.parse_args()
+    settings = dict(SETTINGS)
+    for also in args.also:
+        settings[also] = dict(pair.split("=", 1) for pair in also.split(","))
     results: dict[str, dict] = {}
     with tempfile.TemporaryDirectory(prefix="grpo_step_") as tmp:
         data, work = Path(tmp) / "data", Path(tmp) / "runs"
         work.mkdir(parents=True)
         for task in args.tasks.split(","):
             results[task] = {}
-            for name, setting in SETTINGS.items():
-                results[task][name] = {**setting, **run(task, setting, args.steps, data, work)}
+            for name, setting in settings.items():
+                row = run(task, name, setting, args.steps, data, work)
+                results[task][name] = {**setting, **row}
                 print(task, name, json.dumps(results[task][name]), flush=True)
-    header = f"{'task':<11} {'setting':<20} " + " ".join(f"{p:>13}" for p in PHASES)
+    width = max(20, *(len(name) for name in settings))
+    header = f"{'task':<11} {'setting':<{width}} " + " ".join(f"{p:>13}" for p in PHASES)
     print(header + f" {'passes':>7} {'speed-up':>9}")
     for task, rows in results.items():
         base = rows["serial, 1 per pass"]["step_s"]
         for name, row in rows.items():
             cells = " ".join(f"{row[p]:>13.2f}" for p in PHASES)
             print(
-                f"{task:<11} {name:<20} {cells} {row['train_passes']:>7.1f} "
+                f"{task:<11} {name:<{width}} {cells} {row['train_passes']:>7.1f} "
                 f"{base / row['step_s']:>8.2f}x"
             )
-    meta = {"steps": args.steps, "settings": SETTINGS, "mean_over": "steps 2..N"}
+    meta = {"steps": args.steps, "settings": settings, "mean_over": "steps 2..N"}
     write_results(args.out, meta, {"results": results})
 
 
