@@ -147,7 +147,10 @@ def main() -> None:
     args = parser.parse_args()
     settings = dict(SETTINGS)
     for also in args.also:
-        settings[also] = dict(pair.split("=", 1) for pair in also.split(","))
+        pairs = [pair.split("=", 1) for pair in also.split(",")]
+        if any(len(pair) != 2 or not pair[0] for pair in pairs):
+            parser.error(f"--also {also!r}: expected KEY=VALUE[,KEY=VALUE]")
+        settings[also] = dict(pairs)
     results: dict[str, dict] = {}
     with tempfile.TemporaryDirectory(prefix="grpo_step_") as tmp:
         data, work = Path(tmp) / "data", Path(tmp) / "runs"

@@ -489,7 +489,7 @@ def copy_rows(cache: PagedCache, src_rows: list[int], dst_rows: list[int]) -> No
 
 def clear_rows(cache: PagedCache, slots: list[int]) -> None:
     """Zero the linear-attention conv and recurrent states of `slots`: a prompt's first part,
-    prefilled over bound slot states (`ModelRunner.prefill_rows`), starts from zero states."""
+    prefilled over bound slot states (`ModelRunner.prefill_parts`), starts from zero states."""
     for state in cache.linear.values():
         if state.conv is not None:
             rows = to_device(torch.tensor(slots), state.conv.device)

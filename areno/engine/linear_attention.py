@@ -129,10 +129,10 @@ def prefill_step(
     transformers does.
 
     `lengths_B`: right-padded prompts (or parts of prompts, with `states`), row b real up to
-    `lengths_B[b]`. Every operation is causal,
-    so the real positions' outputs ignore the pads; the states are taken at each row's last real
-    token: the conv keeps that token's last K inputs, and at pad positions the delta rule gets
-    beta 0 and decay 1, which leaves the recurrent state as it was."""
+    `lengths_B[b]`. Every operation is causal, so the real positions' outputs ignore the pads;
+    the states are taken at each row's last real token: the conv keeps that token's last K
+    inputs, and at pad positions the delta rule gets beta 0 and decay 1, which leaves the
+    recurrent state as it was."""
     if padding_mask_BL is not None:
         hidden_BLH = (hidden_BLH * padding_mask_BL[:, :, None]).to(hidden_BLH.dtype)
     batch, length, _ = hidden_BLH.shape

@@ -74,8 +74,8 @@ class PartPrefills:
         states. Parts past all of their prompt's media run the model on their tokens, at
         positions offset by the prompt's rope delta (`_at_text_stack` finds it); the others run
         the text stack on their share of the stack inputs their prompt staged (`StagedPrompt`),
-        in a forward of their own. The forwards run eagerly: their shapes
-        vary with every step's parts."""
+        in a forward of their own. The forwards run eagerly: their shapes vary with every
+        step's parts."""
         staged: list[StagedPrompt | None] = []
         for part in parts:
             self.set_tables(
