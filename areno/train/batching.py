@@ -6,8 +6,12 @@ as the forward pays for them: rows x the longest row. Trajectories are placed lo
 a micro-batch holds rows of similar length and padding stays a small share. Rows are
 right-padded: every row keeps the positions, masks and media it has alone.
 
-Media tensors batch the way the processor batches prompts: concatenated along their first
-dimension (patches, images, frames, clips). Trajectories with media share a forward only with
+Where the stack packs (`areno.train.packing`: every layer is attention), a row holds a whole
+GRPO group's episodes instead, their shared prompt once (`plan_rows`), and a micro-batch is
+counted as rows x the longest packed row.
+
+Otherwise media tensors batch the way the processor batches prompts: concatenated along their
+first dimension (patches, images, frames, clips). Trajectories with media share a forward only with
 their own GRPO group (whose prompt media the frozen towers then encode once) and only when their
 media tensors line up; a family whose forward cannot take several prompts' media
 (`FamilyAdapter.batched_media`) runs its media trajectories alone.
@@ -22,6 +26,7 @@ from typing import Any
 import torch
 
 from areno.processing.types import PromptInputs
+from areno.train.packing import row_length
 
 
 @dataclass
@@ -33,6 +38,9 @@ class MiniBatch:
     tokens: int = 0  # generated tokens of the mini-batch on all ranks
     episodes: int = 0  # trajectories of the mini-batch on all ranks
     version: int | None = None  # the policy version being trained (None: not tracked)
+    # packed passes (`plan_rows`): each micro-batch's rows, as the sizes of consecutive runs of
+    # its pairs; None: every trajectory is a row of its own
+    rows: list[list[int]] | None = None
 
 
 def is_per_token(value: torch.Tensor, num_tokens: int) -> bool:
@@ -97,6 +105,56 @@ def plan_micro_batches(
     return [members for members, _, _ in batches]
 
 
+def plan_rows(
+    inputs: Sequence[PromptInputs], budget: int, keys: Sequence[Any]
+) -> list[list[list[int]]]:
+    """Packed passes: micro-batches of rows of indices into `inputs`. The trajectories of one
+    key (a GRPO group's sample id; None: alone) make one row (`packing.row_length` tokens),
+    halved until it fits `budget`; rows fill micro-batches of at most `budget` padded tokens
+    (rows x the longest, first fit, longest first). Budget 0: one trajectory per pass."""
+    if budget <= 0:
+        order = sorted(range(len(inputs)), key=lambda i: (-inputs[i].num_prompt_tokens, i))
+        return [[[i]] for i in order]
+    by_key: dict[Any, list[int]] = {}
+    for i, key in enumerate(keys):
+        by_key.setdefault(("alone", i) if key is None else key, []).append(i)
+    pending, rows = list(by_key.values()), []
+    while pending:
+        members = pending.pop(0)
+        if len(members) > 1 and row_length([inputs[i] for i in members]) > budget:
+            half = len(members) // 2
+            pending[:0] = [members[:half], members[half:]]
+        else:
+            rows.append((row_length([inputs[i] for i in members]), members))
+    rows.sort(key=lambda row: (-row[0], row[1][0]))
+    batches: list[tuple[int, list[list[int]]]] = []  # (longest row, rows)
+    for length, members in rows:
+        for longest, placed in batches:
+            if (len(placed) + 1) * longest <= budget:
+                placed.append(members)
+                break
+        else:
+            batches.append((length, [members]))
+    return [placed for _, placed in batches]
+
+
+def split_rows_to(batches: list[list[list[int]]], count: int) -> list[list[list[int]]]:
+    """`split_to` for packed micro-batches: the one with the most trajectories splits its rows
+    in two, or a lone row its members."""
+    batches = [[list(row) for row in rows] for rows in batches]
+    while len(batches) < count:
+        largest = max(range(len(batches)), key=lambda j: sum(map(len, batches[j])))
+        rows = batches.pop(largest)
+        if len(rows) > 1:
+            half = len(rows) // 2
+            parts = [rows[:half], rows[half:]]
+        else:
+            half = len(rows[0]) // 2
+            parts = [[rows[0][:half]], [rows[0][half:]]]
+        batches[largest:largest] = parts
+    return batches
+
+
 def split_to(batches: list[list[int]], count: int) -> list[list[int]]:
     """`batches` split further until there are `count` of them (the largest split first), so
     that every rank runs the same number of backward passes; `count` is at most the number of
@@ -118,17 +176,24 @@ def plan_step(
     *,
     batched_media: bool = True,
     version: int | None = None,
+    packs: bool = False,
 ) -> list[list[MiniBatch]]:
     """Each rank's mini-batches of a step's (trajectory, advantage) pairs: mini-batch m is the
     m-th contiguous part of `pairs` (whole groups stay together when they divide evenly), split
-    evenly over the ranks, and each rank's part planned into micro-batches; every rank gets the
-    same number of micro-batches per mini-batch (their backward passes reduce together)."""
+    evenly over the ranks, and each rank's part planned into micro-batches (`packs`: of packed
+    rows, `plan_rows`); every rank gets the same number of micro-batches per mini-batch (their
+    backward passes reduce together)."""
     size = len(pairs) // (world_size * mini_batches)  # per rank and mini-batch
     shares: list[list[MiniBatch]] = [[] for _ in range(world_size)]
     for m in range(mini_batches):
         part = pairs[m * size * world_size : (m + 1) * size * world_size]
         tokens = sum(traj.num_generated_tokens for traj, _ in part)
         per_rank = [part[r * size : (r + 1) * size] for r in range(world_size)]
+        if packs:
+            shares_m = _packed_shares(per_rank, budget, tokens, len(part), version)
+            for rank, mini in enumerate(shares_m):
+                shares[rank].append(mini)
+            continue
         plans = [
             plan_micro_batches(
                 [traj.inputs for traj, _ in own], budget, batched_media=batched_media
@@ -140,6 +205,21 @@ def plan_step(
             micro = [[own[i] for i in members] for members in split_to(plan, count)]
             shares[rank].append(MiniBatch(micro, tokens, len(part), version))
     return shares
+
+
+def _packed_shares(per_rank, budget: int, tokens: int, episodes: int, version) -> list[MiniBatch]:
+    plans = [
+        plan_rows([t.inputs for t, _ in own], budget, [t.sample_id for t, _ in own])
+        for own in per_rank
+    ]
+    count = max(len(plan) for plan in plans)
+    out = []
+    for own, plan in zip(per_rank, plans, strict=True):
+        batches = split_rows_to(plan, count)
+        micro = [[own[i] for row in rows for i in row] for rows in batches]
+        sizes = [[len(row) for row in rows] for rows in batches]
+        out.append(MiniBatch(micro, tokens, episodes, version, sizes))
+    return out
 
 
 def collate(batch: Sequence[PromptInputs]) -> dict[str, torch.Tensor]:

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from areno.engine.encoder_cache import EncoderCache
+from areno.processing.types import PromptInputs
 from areno.rollout.trajectory import Trajectory
 from areno.train import checkpoint
 from areno.train.batching import MiniBatch, plan_step
@@ -22,6 +23,7 @@ from areno.train.config import GRPOConfig, cpu_threads
 from areno.train.coordinator import Coordinator, PendingRollout, staleness_metrics
 from areno.train.grpo import logprob_mismatch, policy_loss
 from areno.train.lora import base_model, export_adapter, is_lora
+from areno.train.packing import PackLayout, packed_logprobs, row_length
 from areno.train.policy import batch_logprobs, count_parameters, load_policy, set_train_mode
 from areno.train.weight_sync import WeightSync, gathered, trainable_named
 
@@ -50,7 +52,7 @@ def deepspeed_config(config: GRPOConfig, world_size: int, dtype: torch.dtype) ->
 
 # What a rank adds up over a step's passes (`Learner.train_step`, combined by `_reduce`).
 SUM_KEYS = ("tokens", "abs_diff", "max_abs", "clip", "kl", "loss", "ratio_max", "steps")
-SUM_KEYS += ("passes", "rows", "padded", "real", "fresh")
+SUM_KEYS += ("passes", "rows", "padded", "packed", "real", "fresh")
 
 # Media features a trainer rank keeps within one step (frozen towers: `Learner.features`).
 TRAINER_FEATURE_BYTES = 1 << 30
@@ -88,6 +90,9 @@ class Learner:
             lora=config.lora,
         )
         self.num_trainable, self.num_total = count_parameters(model)
+        # A group's episodes share a row, their prompt once, where every stack layer is
+        # attention (`areno.train.packing`); None: one trajectory a row.
+        self.layout = PackLayout.of(model)
         params = [p for p in model.parameters() if p.requires_grad]
         optim = config.optim
         optimizer = torch.optim.AdamW(
@@ -156,30 +161,49 @@ class Learner:
         fixed = {} if fixed is None else fixed
         for index, micro in enumerate(mini.micro):
             self.engine.set_gradient_accumulation_boundary(index == len(mini.micro) - 1)
-            self._learn(micro, mini, sums, fixed)
+            self._learn(micro, _rows(mini, index), mini, sums, fixed)
 
     def _recompute_old(self, share: list[MiniBatch], fixed: dict) -> None:
         """behaviour_logprobs="recompute" with several optimizer steps per batch: the policy's
         logprobs before the first of them."""
         temperature = self.config.rollout.temperature
         with torch.no_grad():
-            for micro in (m for mini in share for m in mini.micro):
-                trajs = [traj for traj, _ in micro]
-                with self._shared_features(trajs):
-                    rows = self._logprobs(self.module, trajs, temperature)
-                for traj, row in zip(trajs, rows, strict=True):
-                    fixed.setdefault(id(traj), {})["old"] = row
+            for mini in share:
+                for index, micro in enumerate(mini.micro):
+                    trajs = [traj for traj, _ in micro]
+                    rows = self._logprobs(self.module, trajs, _rows(mini, index), temperature)
+                    for traj, row in zip(trajs, rows, strict=True):
+                        fixed.setdefault(id(traj), {})["old"] = row
 
-    def _logprobs(self, model, trajs: list[Trajectory], temperature: float) -> list:
-        starts = [t.num_prompt_tokens for t in trajs]
-        return batch_logprobs(model, [t.inputs for t in trajs], starts, self.device, temperature)
+    def _logprobs(self, model, trajs: list[Trajectory], sizes: list[int], temperature) -> list:
+        """Each trajectory's logprobs of its response tokens, from one forward over the
+        micro-batch: rows of `sizes` consecutive trajectories packed (each trajectory's media
+        features looked up around its own forward to the stack), or (all 1) padded rows."""
+        if max(sizes) == 1:
+            starts = [t.num_prompt_tokens for t in trajs]
+            inputs = [t.inputs for t in trajs]
+            with self._shared_features(inputs):
+                return batch_logprobs(model, inputs, starts, self.device, temperature)
+        rows = _split(trajs, sizes)
+        inputs = [[t.inputs for t in row] for row in rows]
+        starts = [[t.num_prompt_tokens for t in row] for row in rows]
+        out = packed_logprobs(
+            model,
+            self.layout,
+            inputs,
+            starts,
+            self.device,
+            temperature,
+            around=lambda item: self._shared_features([item]),
+        )
+        return [lp for row in out for lp in row]
 
-    def _shared_features(self, trajs: list[Trajectory]) -> contextlib.ExitStack:
-        """Around one micro-batch's passes: the policy's and the reference's media features
-        from `self.features`."""
+    def _shared_features(self, items: list[PromptInputs]) -> contextlib.ExitStack:
+        """Around one forward over `items`: the policy's and the reference's media features
+        from `self.features` (frozen towers: a GRPO group's passes encode its media once)."""
         stack = contextlib.ExitStack()
         if self.features is not None:
-            spans = [span for traj in trajs for span in traj.inputs.mm_spans]
+            spans = [span for item in items for span in item.mm_spans]
             stack.enter_context(self.features.around(spans))
             if self.ref is not None:
                 stack.enter_context(self.features.around(spans, self.ref))
@@ -194,21 +218,20 @@ class Learner:
         with self.module.disable_adapter():
             yield self.module
 
-    def _learn(self, micro, mini: MiniBatch, sums: dict, fixed: dict) -> None:
-        """One micro-batch's forward, its trajectories' losses and one backward, added to
-        `sums`."""
+    def _learn(self, micro, sizes: list[int], mini: MiniBatch, sums: dict, fixed: dict) -> None:
+        """One micro-batch's forward (rows of `sizes` consecutive trajectories), its
+        trajectories' losses and one backward, added to `sums`."""
         cfg = self.config.grpo
         # The rollouts' sampling temperature: their logprobs are tempered (see
         # areno/rollout/episode.py), and so are these.
         temperature = self.config.rollout.temperature
         trajs = [traj for traj, _ in micro]
-        with self._shared_features(trajs):
-            rows = self._logprobs(self.module, trajs, temperature)
-            if self.kl and any("ref" not in fixed.get(id(t), {}) for t in trajs):
-                with torch.no_grad(), self._reference() as ref:
-                    refs = self._logprobs(ref, trajs, temperature)
-                for traj, ref in zip(trajs, refs, strict=True):
-                    fixed.setdefault(id(traj), {})["ref"] = ref
+        rows = self._logprobs(self.module, trajs, sizes, temperature)
+        if self.kl and any("ref" not in fixed.get(id(t), {}) for t in trajs):
+            with torch.no_grad(), self._reference() as ref:
+                refs = self._logprobs(ref, trajs, sizes, temperature)
+            for traj, ref in zip(trajs, refs, strict=True):
+                fixed.setdefault(id(traj), {})["ref"] = ref
         total = None
         for (traj, advantage), row in zip(micro, rows, strict=True):
             start = traj.num_prompt_tokens
@@ -250,13 +273,29 @@ class Learner:
             sums["kl"] += info.get("kl", 0.0) * n
             sums["ratio_max"] = max(sums["ratio_max"], info["ratio_max"])
             sums["loss"] += float(loss.item()) * weight
+        lengths = [row_length([t.inputs for t in row]) for row in _split(trajs, sizes)]
         sums["passes"] += 1
         sums["rows"] += len(trajs)
-        sums["padded"] += len(trajs) * max(t.num_tokens for t in trajs)
+        sums["padded"] += len(lengths) * max(lengths)
+        sums["packed"] += sum(lengths)
         sums["real"] += sum(t.num_tokens for t in trajs)
         # DeepSpeed averages the gradient over the ranks; undo it so the summed gradient is
         # that of the mini-batch's aggregate.
         self.engine.backward(total * self.world_size)
+
+
+def _rows(mini: MiniBatch, index: int) -> list[int]:
+    """The row sizes of micro-batch `index` of `mini` (1 each: unpacked)."""
+    return mini.rows[index] if mini.rows is not None else [1] * len(mini.micro[index])
+
+
+def _split(items: list, sizes: list[int]) -> list[list]:
+    """`items` cut into consecutive runs of `sizes`."""
+    out, at = [], 0
+    for size in sizes:
+        out.append(items[at : at + size])
+        at += size
+    return out
 
 
 def _sampled_by(traj: Trajectory, version: int | None, device: str) -> torch.Tensor:
@@ -285,14 +324,18 @@ def _reduce(sums: dict[str, float]) -> dict[str, float]:
     steps = gathered[0]["steps"]  # the same on every rank
     passes = sum(s["passes"] for s in gathered)
     padded = sum(s["padded"] for s in gathered)
+    packed = sum(s["packed"] for s in gathered)
+    real = sum(s["real"] for s in gathered)
     return {
         # the mean over the step's optimizer steps of each mini-batch's loss
         "loss": sum(s["loss"] for s in gathered) / max(steps, 1),
         "optimizer_steps": steps,
-        "trained_tokens": sum(s["real"] for s in gathered),  # every pass's trajectory tokens
+        "trained_tokens": real,  # every pass's trajectory tokens
         "train_passes": passes,
         "trajectories_per_pass": sum(s["rows"] for s in gathered) / max(passes, 1),
-        "padding_fraction": 1.0 - sum(s["real"] for s in gathered) / padded if padded else 0.0,
+        "padding_fraction": 1.0 - packed / padded if padded else 0.0,
+        # the trajectory tokens a pass did not run again: a group's prompt, packed once
+        "shared_fraction": 1.0 - packed / real if real else 0.0,
         "logprob_mismatch_mean_abs": sum(s["abs_diff"] for s in gathered)
         / (sum(s["fresh"] for s in gathered) or 1.0),
         "logprob_mismatch_max_abs": max(s["max_abs"] for s in gathered),
@@ -427,6 +470,7 @@ def run_steps(
                 config.trainer.micro_batch_tokens,
                 batched_media=learner.adapter.batched_media,
                 version=state.step,
+                packs=learner.layout is not None,
             )
             learn = config.grpo.loss.kl_coef > 0 or bool(adv.ne(0).any())
             metrics["update_skipped"] = float(not learn)

@@ -1,7 +1,9 @@
 """Batched trainer passes: the plan (which trajectories share a forward, the same number of
-passes on every rank) and the one thing that matters about them, that the gradient of a
-batched mini-batch equals the one-trajectory-per-pass gradient (fp32, the trainer's own
-`Learner` under DeepSpeed, every family, trajectories with images, video and audio)."""
+passes on every rank; a GRPO group's episodes packed into one row) and the one thing that
+matters about them, that the gradient of a batched mini-batch equals the
+one-trajectory-per-pass gradient (fp32, the trainer's own `Learner` under DeepSpeed, every
+family, trajectories with images, video and audio, groups whose episodes share their prompt and
+carry media of their own after it)."""
 
 from __future__ import annotations
 
@@ -17,8 +19,16 @@ from areno.models.tiny import TINY_FAMILIES
 from areno.processing.processor import Processor
 from areno.processing.types import MediaSpan, PromptInputs
 from areno.rollout.trajectory import Trajectory
-from areno.train.batching import collate, plan_micro_batches, plan_step, split_to
+from areno.train.batching import (
+    collate,
+    plan_micro_batches,
+    plan_rows,
+    plan_step,
+    split_rows_to,
+    split_to,
+)
 from areno.train.config import GRPOConfig
+from areno.train.packing import row_length, shared_length
 
 
 def _prompt(n: int, **mm: torch.Tensor) -> PromptInputs:
@@ -50,6 +60,44 @@ def test_media_share_a_pass_within_their_group_when_their_tensors_line_up() -> N
     # a family whose forward takes one prompt's media at a time
     unbatched = plan_micro_batches(items, 1000, groups=groups, batched_media=False)
     assert unbatched == [[0], [1], [2], [3], [4, 5]]
+
+
+def test_a_group_shares_its_prompt_up_to_its_first_differing_token_or_media_item() -> None:
+    def episode(ids: list[int], *spans: tuple[int, int, str]) -> PromptInputs:
+        item = PromptInputs(ids, {})
+        item.mm_spans.extend(
+            MediaSpan("image", i, a, b, b - a, h) for i, (a, b, h) in enumerate(spans)
+        )
+        return item
+
+    a = episode([1, 2, 3, 4, 5, 6, 7], (1, 3, "x"))
+    b = episode([1, 2, 3, 4, 9], (1, 3, "x"))
+    assert shared_length([a, b]) == 4 and row_length([a, b]) == 4 + 3 + 1
+    # the same tokens around another image: the row shares only what is before it
+    assert shared_length([a, episode([1, 2, 3, 4, 9], (1, 3, "y"))]) == 1
+    # an item the shared tokens would cut in two stays whole in each episode's rest
+    assert (
+        shared_length([episode([1, 2, 3, 4], (2, 4, "x")), episode([1, 2, 3, 5], (2, 4, "z"))]) == 2
+    )
+    assert shared_length([a]) == 7
+
+
+def test_packed_rows_hold_a_group_each_and_fill_the_budget() -> None:
+    # two groups of three sharing a 50-token prompt, rests of 10 tokens; two loners
+    prompt = list(range(1, 51))
+    items = [PromptInputs(prompt + [100 + i] * 10, {}) for i in range(6)] + [
+        _prompt(30),
+        _prompt(20),
+    ]
+    keys = ["a", "a", "a", "b", "b", "b", None, None]
+    assert row_length(items[:3]) == 50 + 3 * 10
+    assert plan_rows(items, 160, keys) == [[[0, 1, 2], [3, 4, 5]], [[6], [7]]]
+    # a group longer than the budget halves until its rows fit
+    assert plan_rows(items, 70, keys) == [[[1, 2]], [[4, 5]], [[0]], [[3]], [[6], [7]]]
+    assert plan_rows(items, 0, keys) == [[[i]] for i in (0, 1, 2, 3, 4, 5, 6, 7)]
+    # more passes for a rank that has fewer: rows split, then a lone row's members
+    split = split_rows_to([[[0, 1, 2], [3, 4, 5]]], 3)
+    assert split == [[[0]], [[1, 2]], [[3, 4, 5]]]
 
 
 def test_collate_pads_rows_and_concatenates_media() -> None:
@@ -137,6 +185,46 @@ def _trajectories(path, media) -> list[Trajectory]:
     return out
 
 
+def _group_trajectories(path, media) -> list[Trajectory]:
+    """Two GRPO groups of four episodes: each group's episodes share its prompt (media and a
+    question) and part at their replies; two go on for a second turn, one of them with an
+    image of its own (a tool result's, say)."""
+    processor = Processor(path)
+    decoder = MediaDecoder(MediaPolicy.for_training(), processor.decode_options())
+    image = {"type": "image_url", "image_url": {"url": str(media["a"])}}
+    other = {"type": "image_url", "image_url": {"url": str(media["b"])}}
+    video = {"type": "video_url", "video_url": {"url": str(media["video"])}}
+    audio = {"type": "audio_url", "audio_url": {"url": str(media["audio"])}}
+    sound = [audio] if "audio" in processor.adapter.modalities else []
+
+    def encode(messages):
+        return processor.encode(messages, decoder.decode_many(processor.media_refs(messages)))
+
+    rng = random.Random(11)
+    out = []
+    for group, first in enumerate(([image, *sound], [video])):
+        user = {"role": "user", "content": [*first, {"type": "text", "text": "what is it?"}]}
+        n = encode([user]).num_prompt_tokens
+        for episode in range(4):
+            words = " ".join(rng.choice(("red", "blue", "cat", "sky")) for _ in range(episode + 1))
+            messages = [user, {"role": "assistant", "content": f"It is {words}."}]
+            if episode in (1, 2):
+                content = [other] if episode == 1 else []
+                content.append({"type": "text", "text": "and now?"})
+                messages += [{"role": "user", "content": content}]
+                messages += [{"role": "assistant", "content": f"Still {words}."}]
+            inputs = encode(messages)
+            mask = [0] * n + [1] * (inputs.num_prompt_tokens - n)
+            logprobs = [-rng.uniform(1.0, 6.0) * m for m in mask]
+            versions = [0] * sum(mask)
+            out.append(
+                Trajectory(
+                    f"g{group}", episode, inputs, n, mask, logprobs, [0], token_versions=versions
+                )
+            )
+    return out
+
+
 def _learner(path, zero_stage: int, budget: int, loss: dict, **grpo):
     from areno.train.trainer import Learner
 
@@ -152,7 +240,9 @@ def _learner(path, zero_stage: int, budget: int, loss: dict, **grpo):
     return Learner(config, str(path), 0, 1)
 
 
-def _gradient(path, trajs, budget: int, loss: dict) -> tuple[dict[str, torch.Tensor], int]:
+def _gradient(
+    path, trajs, budget: int, loss: dict, packed: list | None = None
+) -> tuple[dict[str, torch.Tensor], int]:
     """The gradient of one mini-batch of `trajs` (ZeRO-0: whole on the parameters) and the
     number of passes it took; the ratio is taken against the trainer's own logprobs, so that
     no token is clipped out of the comparison."""
@@ -161,7 +251,12 @@ def _gradient(path, trajs, budget: int, loss: dict) -> tuple[dict[str, torch.Ten
     learner = _learner(path, 0, budget, loss, behaviour_logprobs="recompute")
     try:
         pairs = list(zip(trajs, [1.0, -1.0, 0.5, -0.5, 2.0, 0.0, -2.0, 1.5], strict=True))
-        ((mini,),) = plan_step(pairs, 1, 1, budget, batched_media=learner.adapter.batched_media)
+        packs = learner.layout is not None
+        ((mini,),) = plan_step(
+            pairs, 1, 1, budget, batched_media=learner.adapter.batched_media, packs=packs
+        )
+        if packed is not None:
+            packed.append(mini.rows)
         learner.module.train()
         learner.accumulate(mini, dict.fromkeys(SUM_KEYS, 0.0))
         grads = {
@@ -183,6 +278,28 @@ def test_batched_passes_give_the_unbatched_gradient(process_group, tiny_path, me
         alone, passes_alone = _gradient(path, trajs, 0, loss)
         batched, passes = _gradient(path, trajs, 1 << 16, loss)
         assert passes_alone == len(trajs) and passes < passes_alone, (family, passes)
+        assert alone.keys() == batched.keys() and alone
+        for name, grad in alone.items():
+            torch.testing.assert_close(batched[name], grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("family", TINY_FAMILIES)
+def test_a_group_packed_into_one_row_gives_the_unpacked_gradient(
+    process_group, tiny_path, media, family
+):
+    """Where the stack packs (every layer attention: Gemma 4, Qwen3-VL), each group's four
+    episodes run as one row, its prompt once; elsewhere they run as padded rows. Either way the
+    gradient is the one-episode-per-pass gradient, with and without a KL term."""
+    path = tiny_path(family)
+    trajs = _group_trajectories(path, media)
+    for loss in ({"loss_agg": "token_mean"}, {"loss_agg": "seq_mean_token_mean", "kl_coef": 0.1}):
+        rows: list = []
+        alone, _ = _gradient(path, trajs, 0, loss)
+        batched, passes = _gradient(path, trajs, 1 << 16, loss, rows)
+        if family in ("gemma4", "qwen3_vl"):
+            assert rows == [[[4, 4]]], rows  # one pass, a row per group
+        else:
+            assert rows == [None]  # padded rows (MiniCPM-V: media rows alone)
         assert alone.keys() == batched.keys() and alone
         for name, grad in alone.items():
             torch.testing.assert_close(batched[name], grad, rtol=1e-4, atol=1e-6, msg=name)

@@ -1,0 +1,247 @@
+"""A GRPO group's episodes in one row of a trainer forward: the prompt they share once, then each
+episode's own tokens after it (`shared_length`, `packed_logprobs`).
+
+A group's episodes start from the same prompt (its media, the question, the tool schemas) and
+part at their first sampled token; in a multimodal agent task the prompt is most of every
+episode (the AVE example: ~1,700 of ~2,000 tokens). Trained one episode per row, the stack runs
+over that prompt once per episode. Packed, a row holds [shared | rest 1 | rest 2 | ...]: every
+rest sits at its episode's own positions, its queries attend to the shared tokens and to their
+own causally (sliding layers within their window; Gemma 4's vision runs both ways, as the model
+marks them), never to another rest. The shared tokens' hidden states, and their logits where an
+episode's loss reads them, feed every episode's loss, so the gradient is the one the separate
+rows give. Rows of several groups are right-padded into one batch.
+
+The stack's inputs (embeddings with the media features merged, Qwen's multimodal positions,
+Gemma's per-layer inputs, Qwen3-VL's deepstack features) come from each episode's own forward,
+stopped where it reaches the text stack; frozen towers answer from the trainer's encoder cache.
+Only stacks whose every layer is attention pack (`PackLayout.of`): a linear-attention layer
+(Qwen3.5's, MiniCPM-V 4.6's) carries one state through the sequence and cannot branch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from areno.engine.batched_prefill import stack_rows
+from areno.engine.prompt_chunks import StagedPrompt, bidirectional_groups, patched_forward
+from areno.processing.types import PromptInputs
+from areno.train.grpo import token_logprobs
+from areno.train.lora import base_model
+
+ATTENTION_LAYERS = ("full_attention", "sliding_attention")
+
+
+def shared_length(items: Sequence[PromptInputs]) -> int:
+    """How many first tokens `items` share: equal ids, and every media item among them the
+    same item (position and content) and whole (a row cannot split an item's tokens)."""
+    first = items[0]
+    shared = min(item.num_prompt_tokens for item in items)
+    for item in items[1:]:
+        same = 0
+        for a, b in zip(first.input_ids[:shared], item.input_ids[:shared], strict=True):
+            if a != b:
+                break
+            same += 1
+        shared = same
+    spans = {(s.start, s.end, s.content_hash) for s in first.mm_spans}
+    bound = None
+    while bound != shared:
+        bound = shared
+        for item in items:
+            for span in item.mm_spans:
+                whole = span.end <= shared and (span.start, span.end, span.content_hash) in spans
+                if span.start < shared and not whole:
+                    shared = span.start
+    return shared
+
+
+def row_length(items: Sequence[PromptInputs]) -> int:
+    """The tokens of `items` packed into one row: the shared ones once, then each one's rest."""
+    shared = shared_length(items)
+    return shared + sum(item.num_prompt_tokens - shared for item in items)
+
+
+@dataclass(frozen=True)
+class PackLayout:
+    """What the packed rows' masks follow: the stack's layer kinds, the sliding window and
+    whether vision runs attend both ways in sliding layers (Gemma 4)."""
+
+    layer_types: tuple[str, ...]
+    window: int | None
+    bidirectional_vision: bool
+
+    @classmethod
+    def of(cls, model: torch.nn.Module) -> PackLayout | None:
+        """The layout of `model`'s text stack, or None when a layer is not attention."""
+        config = base_model(model).config.get_text_config()
+        kinds = tuple(getattr(config, "layer_types", None) or ("full_attention",))
+        if not set(kinds) <= set(ATTENTION_LAYERS):
+            return None
+        window = getattr(config, "sliding_window", None) if "sliding_attention" in kinds else None
+        vision = getattr(config, "use_bidirectional_attention", None) == "vision"
+        return cls(kinds, window, vision)
+
+    def masks(self, seg_BT, pos_BT, groups_BT, dtype: torch.dtype):
+        """Additive masks (B, 1, T, T) of packed rows whose tokens sit in segments `seg_BT` (0:
+        shared, k: the k-th rest, -1: a pad) at positions `pos_BT`, in bidirectional runs
+        `groups_BT` (-1 outside one); a mapping by layer kind when the stack has sliding
+        layers. A pad sees itself only (its output is never read)."""
+        seg_q, seg_k = seg_BT[:, :, None], seg_BT[:, None, :]
+        pos_q, pos_k = pos_BT[:, :, None], pos_BT[:, None, :]
+        own = (seg_k == 0) & (seg_q >= 0) | (seg_k == seg_q) & (seg_q > 0)
+        causal = own & (pos_k <= pos_q)
+        pads = torch.eye(seg_BT.shape[1], dtype=torch.bool, device=seg_BT.device)
+        pads = pads & (seg_q < 0)
+
+        def additive(seen):
+            return torch.where(seen | pads, 0.0, torch.finfo(dtype).min).to(dtype)[:, None]
+
+        full = additive(causal)
+        if self.window is None:
+            return full
+        seen = causal
+        if self.bidirectional_vision:
+            same = (groups_BT[:, :, None] == groups_BT[:, None, :]) & (groups_BT[:, :, None] >= 0)
+            seen = seen | same
+        sliding = additive(seen & (pos_k > pos_q - self.window))
+        return {"full_attention": full, "sliding_attention": sliding}
+
+
+class _AtTextStack(Exception):
+    """Ends a forward where it reaches the text stack (`stack_inputs_of`)."""
+
+
+def stack_inputs_of(model: torch.nn.Module, inputs: PromptInputs, device: str) -> StagedPrompt:
+    """The text stack's inputs for `inputs`, from the model's own forward over them, stopped
+    where it reaches the stack (with the autograd graph of whatever trains before it)."""
+    stack = base_model(model).get_decoder()
+    captured: list[StagedPrompt] = []
+
+    def stop(*args, **kwargs):
+        captured.append(StagedPrompt.capture(kwargs, inputs.num_prompt_tokens, None))
+        raise _AtTextStack
+
+    batch = {k: v.to(device) for k, v in inputs.model_inputs().items()}
+    with contextlib.suppress(_AtTextStack), patched_forward(stack, stop):
+        model(**batch, use_cache=False)
+    return captured[0]
+
+
+def _joined(pieces: list[dict], keys: dict[str, Any]) -> dict:
+    """Consecutive shares of the stack's inputs (`StagedPrompt.cut`) as one row's, with the
+    inputs `keys` names that a piece without media lacks (Qwen3-VL's visual mask: zeros; its
+    deepstack features: none)."""
+    row = {}
+    for key, like in keys.items():
+        if key == "deepstack_visual_embeds":
+            values = [piece[key] for piece in pieces if key in piece]
+            row[key] = [torch.cat(layer) for layer in zip(*values, strict=True)]
+            continue
+        values = []
+        for piece in pieces:
+            n = piece["position_ids"].shape[-1]
+            value = piece[key] if key in piece else like.new_zeros(1, n, *like.shape[2:])
+            if key == "position_ids" and value.ndim < like.ndim:
+                # text positions (1, L) beside multimodal ones (axes, 1, L): equal on every axis
+                value = value.expand(like.shape[0], *value.shape)
+            values.append(value)
+        row[key] = torch.cat(values, dim=-1 if key == "position_ids" else 1)
+    return row
+
+
+def packed_logprobs(
+    model: torch.nn.Module,
+    layout: PackLayout,
+    rows: list[list[PromptInputs]],
+    starts: list[list[int]],
+    device: str,
+    temperature: float = 1.0,
+    around: Callable[[PromptInputs], contextlib.AbstractContextManager] | None = None,
+) -> list[list[torch.Tensor]]:
+    """`policy.sequence_logprobs` of every trajectory of `rows` (each row's trajectories
+    packed as the module docstring says), from one forward: row r's trajectory j's logprobs of
+    its tokens starts[r][j]..N-1. `around(item)` wraps each trajectory's forward to the stack
+    (the trainer's encoder cache)."""
+    pieces_by_row, ids, segs, poss, groups, picks = [], [], [], [], [], []
+    for row, (items, firsts) in enumerate(zip(rows, starts, strict=True)):
+        shared = shared_length(items)
+        staged = []
+        for item in items:
+            with around(item) if around is not None else contextlib.nullcontext():
+                staged.append(stack_inputs_of(model, item, device))
+        pieces = [staged[0].cut(0, shared)]
+        row_ids = list(items[0].input_ids[:shared])
+        seg = [0] * shared
+        pos = list(range(shared))
+        grp = _groups(items[0], layout)[:shared]
+        for k, (item, start) in enumerate(zip(items, firsts, strict=True), 1):
+            n, offset = item.num_prompt_tokens, len(row_ids)
+            pieces.append(staged[k - 1].cut(shared, n))
+            row_ids += item.input_ids[shared:]
+            seg += [k] * (n - shared)
+            pos += range(shared, n)
+            top = max(grp, default=-1) + 1
+            grp += [g + top if g >= 0 else -1 for g in _groups(item, layout)[shared:]]
+            # the logit of token t is read at position t - 1: a shared one, or this rest's
+            at = [p if p < shared else offset + p - shared for p in range(start - 1, n - 1)]
+            picks.append((row, at, item.input_ids[start:]))
+        pieces_by_row.append(pieces)
+        ids.append(row_ids)
+        segs.append(seg)
+        poss.append(pos)
+        groups.append(grp)
+    width = max(len(r) for r in ids)
+    keys: dict[str, Any] = {}
+    for piece in (piece for pieces in pieces_by_row for piece in pieces):
+        for key, value in piece.items():
+            if key not in keys or (key == "position_ids" and value.ndim > keys[key].ndim):
+                keys[key] = value
+    cuts = [_joined(pieces, keys) for pieces in pieces_by_row]
+
+    def padded(values: list[list[int]], pad: int) -> torch.Tensor:
+        return torch.tensor([v + [pad] * (width - len(v)) for v in values], device=device)
+
+    stack_in = stack_rows(cuts, width)
+    dtype = stack_in["inputs_embeds"].dtype
+    masks = layout.masks(padded(segs, -1), padded(poss, 0), padded(groups, -1), dtype)
+    rows_M = torch.tensor([r for r, at, _ in picks for _ in at], device=device)
+    cols_M = torch.tensor([c for _, at, _ in picks for c in at], device=device)
+    stack = base_model(model).get_decoder()
+    stack_class = type(stack).forward
+
+    def forward(*args, **kwargs):
+        out = stack_class(stack, *args, **(kwargs | stack_in))
+        out.last_hidden_state = out.last_hidden_state[rows_M, cols_M][None]
+        return out
+
+    with patched_forward(stack, forward):
+        logits = model(
+            input_ids=padded(ids, 0),
+            position_ids=stack_in["position_ids"],
+            attention_mask=masks,
+            use_cache=False,
+            logits_to_keep=0,
+        ).logits[0]
+    if temperature not in (0, 1):
+        logits = logits / temperature
+    out: list[list[torch.Tensor]] = [[] for _ in rows]
+    at = 0
+    for row, cols, targets in picks:
+        picked = logits[at : at + len(cols)][None]
+        target = torch.tensor([targets], device=device)
+        out[row].append(token_logprobs(picked, target)[0])
+        at += len(cols)
+    return out
+
+
+def _groups(item: PromptInputs, layout: PackLayout) -> list[int]:
+    """Each token's bidirectional run (-1 outside one), where the layout has them."""
+    types = item.mm_inputs.get("mm_token_type_ids")
+    if not layout.bidirectional_vision or types is None:
+        return [-1] * item.num_prompt_tokens
+    return bidirectional_groups(types[0]).tolist()
