@@ -2,8 +2,8 @@
 shipped configs (configs/color_quiz.yaml, examples/multimodal/ave_event_recognition/grpo.yaml)
 on the embedded tiny checkpoints: the serial loop with one trajectory per trainer pass
 (`rollout.max_staleness 0`, `trainer.micro_batch_tokens 0`) beside the configs as shipped
-(overlapped, `max_staleness 1`; the color quiz's passes batched, `micro_batch_tokens` 4096),
-in one run; `--also` adds settings.
+(overlapped, `max_staleness 1`; batched passes, `micro_batch_tokens` 4096: the AVE groups'
+episodes packed a group a row, their prompt once), in one run; `--also` adds settings.
 
 The color quiz starts from its format-only warm start (`areno sft --target-key warmup_answer`,
 as its README section runs it), so its groups have rewards to learn from. The AVE agent starts
@@ -126,6 +126,7 @@ def run(task: str, name: str, setting: dict, steps: int, data: Path, work: Path)
     row["train_passes"] = sum(r["train_passes"] for r in steady) / len(steady)
     row["trajectories_per_pass"] = max(r["trajectories_per_pass"] for r in steady)
     row["padding_fraction"] = max(r["padding_fraction"] for r in steady)
+    row["shared_fraction"] = sum(r.get("shared_fraction", 0.0) for r in steady) / len(steady)
     row["staleness_max"] = max(r["staleness_max"] for r in steady)
     row["reward_mean"] = sum(r["reward_mean"] for r in steady) / len(steady)
     row["run_wall_s"] = wall
