@@ -14,8 +14,10 @@ rows give. Rows of several groups are right-padded into one batch.
 The stack's inputs (embeddings with the media features merged, Qwen's multimodal positions,
 Gemma's per-layer inputs, Qwen3-VL's deepstack features) come from each episode's own forward,
 stopped where it reaches the text stack; frozen towers answer from the trainer's encoder cache.
-Only stacks whose every layer is attention pack (`PackLayout.of`): a linear-attention layer
-(Qwen3.5's, MiniCPM-V 4.6's) carries one state through the sequence and cannot branch.
+A linear-attention layer (Qwen3.5's gated delta net, also MiniCPM-V 4.6's stack) carries one
+state through a sequence, which a mask cannot branch: in a packed row it runs segment by
+segment (`_Branch`), the shared tokens from zero states, then each rest from the conv inputs and
+recurrent state the shared tokens ended with, the gradient flowing back through those states.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from areno.engine.batched_prefill import stack_rows
 from areno.engine.prompt_chunks import StagedPrompt, bidirectional_groups, patched_forward
@@ -34,6 +37,7 @@ from areno.train.grpo import token_logprobs
 from areno.train.lora import base_model
 
 ATTENTION_LAYERS = ("full_attention", "sliding_attention")
+LINEAR_LAYERS = "linear_attention"
 
 
 def shared_length(items: Sequence[PromptInputs]) -> int:
@@ -69,7 +73,8 @@ def row_length(items: Sequence[PromptInputs]) -> int:
 @dataclass(frozen=True)
 class PackLayout:
     """What the packed rows' masks follow: the stack's layer kinds, the sliding window and
-    whether vision runs attend both ways in sliding layers (Gemma 4)."""
+    whether vision runs attend both ways in sliding layers (Gemma 4); whether linear-attention
+    layers run by segment."""
 
     layer_types: tuple[str, ...]
     window: int | None
@@ -77,10 +82,13 @@ class PackLayout:
 
     @classmethod
     def of(cls, model: torch.nn.Module) -> PackLayout | None:
-        """The layout of `model`'s text stack, or None when a layer is not attention."""
+        """The layout of `model`'s text stack, or None when a layer is neither attention nor a
+        linear-attention layer of the kind `_Branch` continues (`linear_attn` modules)."""
         config = base_model(model).config.get_text_config()
         kinds = tuple(getattr(config, "layer_types", None) or ("full_attention",))
-        if not set(kinds) <= set(ATTENTION_LAYERS):
+        if not set(kinds) <= {*ATTENTION_LAYERS, LINEAR_LAYERS}:
+            return None
+        if LINEAR_LAYERS in kinds and len(linear_layers(model)) != kinds.count(LINEAR_LAYERS):
             return None
         window = getattr(config, "sliding_window", None) if "sliding_attention" in kinds else None
         vision = getattr(config, "use_bidirectional_attention", None) == "vision"
@@ -102,6 +110,8 @@ class PackLayout:
             return torch.where(seen | pads, 0.0, torch.finfo(dtype).min).to(dtype)[:, None]
 
         full = additive(causal)
+        if LINEAR_LAYERS in self.layer_types:  # they run by segment (`_Branch`), unmasked
+            return {"full_attention": full, LINEAR_LAYERS: None}
         if self.window is None:
             return full
         seen = causal
@@ -110,6 +120,94 @@ class PackLayout:
             seen = seen | same
         sliding = additive(seen & (pos_k > pos_q - self.window))
         return {"full_attention": full, "sliding_attention": sliding}
+
+
+def linear_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The text stack's linear-attention modules (Qwen3.5's `linear_attn`)."""
+    stack = base_model(model).get_decoder()
+    return [layer.linear_attn for layer in stack.layers if hasattr(layer, "linear_attn")]
+
+
+class _Branch:
+    """The cache a linear-attention layer's forward reads and writes for one segment of a packed
+    row: the states the segment starts from (None: zeros), then those it ended with. States are
+    replaced, never written in place, so the gradient flows back through them."""
+
+    def __init__(self, conv: torch.Tensor | None = None, recurrent: torch.Tensor | None = None):
+        self.conv, self.recurrent = conv, recurrent
+
+    def get_conv_state(self, layer_idx: int, state_idx: int = 0):
+        return self.conv
+
+    def get_recurrent_state(self, layer_idx: int, state_idx: int = 0):
+        return self.recurrent
+
+    def is_recording_past(self, layer_idx: int) -> bool:
+        return True  # keeps a one-token segment off the in-place single-step conv update
+
+    def update_conv_state(self, inputs, layer_idx, state_idx=0, conv_kernel_size=None, **kwargs):
+        """The conv's inputs with the kept ones before them; keeps the last kernel's worth."""
+        full = inputs if self.conv is None else torch.cat([self.conv, inputs], dim=-1)
+        self.conv = full[..., -conv_kernel_size:]
+        return full
+
+    def update_recurrent_state(self, state, layer_idx, state_idx=0, **kwargs):
+        self.recurrent = state
+        return state
+
+
+def _by_segment(module: torch.nn.Module, rows: list[tuple[int, list[tuple[int, int]]]]):
+    """A linear-attention layer's forward over packed rows, row r given as (its shared tokens'
+    end, its rests' (start, end)): each row's shared tokens from zero states, then every rest of
+    every row in one right-padded batch, each from its row's shared end states (zero where a
+    row shares nothing); pads' outputs are zeros."""
+    forward_class = type(module).forward
+    kernel = module.conv_kernel_size
+
+    def forward(hidden_states, cache_params=None, attention_mask=None, **kwargs):
+        shared_out, ends = [], []
+        for row, (shared, _) in enumerate(rows):
+            branch = _Branch()
+            if shared:
+                x = hidden_states[row : row + 1, :shared]
+                shared_out.append(forward_class(module, x, cache_params=branch))
+            else:
+                shared_out.append(hidden_states[row : row + 1, :0])
+            ends.append(branch)
+        rests = [(row, a, b) for row, (_, spans) in enumerate(rows) for a, b in spans]
+        rest_out = []
+        if rests:
+            width = max(b - a for _, a, b in rests)
+            x = torch.cat(
+                [_right_padded(hidden_states[row : row + 1, a:b], width) for row, a, b in rests]
+            )
+            known = next((e for e in ends if e.recurrent is not None), None)
+            conv, recurrent = [], []
+            for row, _, _ in rests:
+                end = ends[row]
+                if end.conv is None:
+                    conv.append(x.new_zeros(1, module.conv_dim, kernel))
+                else:
+                    conv.append(F.pad(end.conv, (kernel - end.conv.shape[-1], 0)))
+                if known is not None:
+                    recurrent.append(
+                        end.recurrent if end.recurrent is not None else known.recurrent * 0
+                    )
+            branch = _Branch(torch.cat(conv), torch.cat(recurrent) if known else None)
+            out = forward_class(module, x, cache_params=branch)
+            rest_out = [out[i : i + 1, : b - a] for i, (_, a, b) in enumerate(rests)]
+        pieces: list[list[torch.Tensor]] = [[piece] for piece in shared_out]
+        for (row, _, _), piece in zip(rests, rest_out, strict=True):
+            pieces[row].append(piece)
+        width = hidden_states.shape[1]
+        return torch.cat([_right_padded(torch.cat(p, dim=1), width) for p in pieces])
+
+    return forward
+
+
+def _right_padded(x: torch.Tensor, width: int) -> torch.Tensor:
+    """(1, L, H) padded with zeros to (1, width, H)."""
+    return F.pad(x, (0, 0, 0, width - x.shape[1]))
 
 
 class _AtTextStack(Exception):
@@ -219,7 +317,13 @@ def packed_logprobs(
         out.last_hidden_state = out.last_hidden_state[rows_M, cols_M][None]
         return out
 
-    with patched_forward(stack, forward):
+    runs = contextlib.ExitStack()
+    runs.enter_context(patched_forward(stack, forward))
+    if LINEAR_LAYERS in layout.layer_types:
+        layout_rows = [_segments(seg) for seg in segs]
+        for module in linear_layers(model):
+            runs.enter_context(patched_forward(module, _by_segment(module, layout_rows)))
+    with runs:
         logits = model(
             input_ids=padded(ids, 0),
             position_ids=stack_in["position_ids"],
@@ -237,6 +341,18 @@ def packed_logprobs(
         out[row].append(token_logprobs(picked, target)[0])
         at += len(cols)
     return out
+
+
+def _segments(seg: list[int]) -> tuple[int, list[tuple[int, int]]]:
+    """A packed row's shared tokens' end and its rests' (start, end), from each token's
+    segment (0: shared, k: the k-th rest)."""
+    shared = seg.count(0)
+    rests, start = [], shared
+    for i in range(shared + 1, len(seg) + 1):
+        if i == len(seg) or seg[i] != seg[start]:
+            rests.append((start, i))
+            start = i
+    return shared, rests
 
 
 def _groups(item: PromptInputs, layout: PackLayout) -> list[int]:

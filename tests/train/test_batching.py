@@ -287,19 +287,17 @@ def test_batched_passes_give_the_unbatched_gradient(process_group, tiny_path, me
 def test_a_group_packed_into_one_row_gives_the_unpacked_gradient(
     process_group, tiny_path, media, family
 ):
-    """Where the stack packs (every layer attention: Gemma 4, Qwen3-VL), each group's four
-    episodes run as one row, its prompt once; elsewhere they run as padded rows. Either way the
-    gradient is the one-episode-per-pass gradient, with and without a KL term."""
+    """Each group's four episodes run as one row, its prompt once: attention layers under the
+    packed masks (Gemma 4's sliding window and bidirectional vision runs among them),
+    linear-attention layers (Qwen3.5's, MiniCPM-V 4.6's) by segment from the prompt's end
+    states. The gradient is the one-episode-per-pass gradient, with and without a KL term."""
     path = tiny_path(family)
     trajs = _group_trajectories(path, media)
     for loss in ({"loss_agg": "token_mean"}, {"loss_agg": "seq_mean_token_mean", "kl_coef": 0.1}):
         rows: list = []
         alone, _ = _gradient(path, trajs, 0, loss)
         batched, passes = _gradient(path, trajs, 1 << 16, loss, rows)
-        if family in ("gemma4", "qwen3_vl"):
-            assert rows == [[[4, 4]]], rows  # one pass, a row per group
-        else:
-            assert rows == [None]  # padded rows (MiniCPM-V: media rows alone)
+        assert rows == [[[4, 4]]], rows  # one pass, a row per group
         assert alone.keys() == batched.keys() and alone
         for name, grad in alone.items():
             torch.testing.assert_close(batched[name], grad, rtol=1e-4, atol=1e-6, msg=name)
