@@ -252,6 +252,50 @@ def _joined(pieces: list[dict], keys: dict[str, Any]) -> dict:
     return row
 
 
+@dataclass
+class _Row:
+    """One packed row: its pieces of stack inputs in order, and per token its id, segment (0:
+    shared, k: the k-th rest), position and bidirectional run; `picks` holds, per trajectory,
+    the row columns whose logits score its tokens and those tokens."""
+
+    pieces: list[dict]
+    ids: list[int]
+    seg: list[int]
+    pos: list[int]
+    groups: list[int]
+    picks: list[tuple[list[int], list[int]]]
+
+
+def _packed_row(model, layout: PackLayout, items, starts, device: str, around) -> _Row:
+    """`items` packed into one row: the stack inputs of the first's shared tokens, then each
+    one's rest (from its own forward to the stack, `around` it)."""
+    shared = shared_length(items)
+    staged = []
+    for item in items:
+        with around(item) if around is not None else contextlib.nullcontext():
+            staged.append(stack_inputs_of(model, item, device))
+    row = _Row(
+        pieces=[staged[0].cut(0, shared)],
+        ids=list(items[0].input_ids[:shared]),
+        seg=[0] * shared,
+        pos=list(range(shared)),
+        groups=_groups(items[0], layout)[:shared],
+        picks=[],
+    )
+    for k, (item, prompt, start) in enumerate(zip(items, staged, starts, strict=True), 1):
+        n, offset = item.num_prompt_tokens, len(row.ids)
+        row.pieces.append(prompt.cut(shared, n))
+        row.ids += item.input_ids[shared:]
+        row.seg += [k] * (n - shared)
+        row.pos += range(shared, n)
+        top = max(row.groups, default=-1) + 1
+        row.groups += [g + top if g >= 0 else -1 for g in _groups(item, layout)[shared:]]
+        # the logit of token t is read at position t - 1: a shared one, or this rest's
+        cols = [p if p < shared else offset + p - shared for p in range(start - 1, n - 1)]
+        row.picks.append((cols, item.input_ids[start:]))
+    return row
+
+
 def packed_logprobs(
     model: torch.nn.Module,
     layout: PackLayout,
@@ -265,50 +309,30 @@ def packed_logprobs(
     packed as the module docstring says), from one forward: row r's trajectory j's logprobs of
     its tokens starts[r][j]..N-1. `around(item)` wraps each trajectory's forward to the stack
     (the trainer's encoder cache)."""
-    pieces_by_row, ids, segs, poss, groups, picks = [], [], [], [], [], []
-    for row, (items, firsts) in enumerate(zip(rows, starts, strict=True)):
-        shared = shared_length(items)
-        staged = []
-        for item in items:
-            with around(item) if around is not None else contextlib.nullcontext():
-                staged.append(stack_inputs_of(model, item, device))
-        pieces = [staged[0].cut(0, shared)]
-        row_ids = list(items[0].input_ids[:shared])
-        seg = [0] * shared
-        pos = list(range(shared))
-        grp = _groups(items[0], layout)[:shared]
-        for k, (item, start) in enumerate(zip(items, firsts, strict=True), 1):
-            n, offset = item.num_prompt_tokens, len(row_ids)
-            pieces.append(staged[k - 1].cut(shared, n))
-            row_ids += item.input_ids[shared:]
-            seg += [k] * (n - shared)
-            pos += range(shared, n)
-            top = max(grp, default=-1) + 1
-            grp += [g + top if g >= 0 else -1 for g in _groups(item, layout)[shared:]]
-            # the logit of token t is read at position t - 1: a shared one, or this rest's
-            at = [p if p < shared else offset + p - shared for p in range(start - 1, n - 1)]
-            picks.append((row, at, item.input_ids[start:]))
-        pieces_by_row.append(pieces)
-        ids.append(row_ids)
-        segs.append(seg)
-        poss.append(pos)
-        groups.append(grp)
-    width = max(len(r) for r in ids)
+    packed = [
+        _packed_row(model, layout, items, firsts, device, around)
+        for items, firsts in zip(rows, starts, strict=True)
+    ]
+    width = max(len(row.ids) for row in packed)
     keys: dict[str, Any] = {}
-    for piece in (piece for pieces in pieces_by_row for piece in pieces):
+    for piece in (piece for row in packed for piece in row.pieces):
         for key, value in piece.items():
             if key not in keys or (key == "position_ids" and value.ndim > keys[key].ndim):
                 keys[key] = value
-    cuts = [_joined(pieces, keys) for pieces in pieces_by_row]
+    stack_in = stack_rows([_joined(row.pieces, keys) for row in packed], width)
 
     def padded(values: list[list[int]], pad: int) -> torch.Tensor:
         return torch.tensor([v + [pad] * (width - len(v)) for v in values], device=device)
 
-    stack_in = stack_rows(cuts, width)
-    dtype = stack_in["inputs_embeds"].dtype
-    masks = layout.masks(padded(segs, -1), padded(poss, 0), padded(groups, -1), dtype)
-    rows_M = torch.tensor([r for r, at, _ in picks for _ in at], device=device)
-    cols_M = torch.tensor([c for _, at, _ in picks for c in at], device=device)
+    masks = layout.masks(
+        padded([row.seg for row in packed], -1),
+        padded([row.pos for row in packed], 0),
+        padded([row.groups for row in packed], -1),
+        stack_in["inputs_embeds"].dtype,
+    )
+    picks = [(r, cols, targets) for r, row in enumerate(packed) for cols, targets in row.picks]
+    rows_M = torch.tensor([r for r, cols, _ in picks for _ in cols], device=device)
+    cols_M = torch.tensor([c for _, cols, _ in picks for c in cols], device=device)
     stack = base_model(model).get_decoder()
     stack_class = type(stack).forward
 
@@ -320,12 +344,12 @@ def packed_logprobs(
     runs = contextlib.ExitStack()
     runs.enter_context(patched_forward(stack, forward))
     if LINEAR_LAYERS in layout.layer_types:
-        layout_rows = [_segments(seg) for seg in segs]
+        segments = [_segments(row.seg) for row in packed]
         for module in linear_layers(model):
-            runs.enter_context(patched_forward(module, _by_segment(module, layout_rows)))
+            runs.enter_context(patched_forward(module, _by_segment(module, segments)))
     with runs:
         logits = model(
-            input_ids=padded(ids, 0),
+            input_ids=padded([row.ids for row in packed], 0),
             position_ids=stack_in["position_ids"],
             attention_mask=masks,
             use_cache=False,
@@ -335,10 +359,9 @@ def packed_logprobs(
         logits = logits / temperature
     out: list[list[torch.Tensor]] = [[] for _ in rows]
     at = 0
-    for row, cols, targets in picks:
+    for r, cols, targets in picks:
         picked = logits[at : at + len(cols)][None]
-        target = torch.tensor([targets], device=device)
-        out[row].append(token_logprobs(picked, target)[0])
+        out[r].append(token_logprobs(picked, torch.tensor([targets], device=device))[0])
         at += len(cols)
     return out
 
