@@ -3,6 +3,7 @@ log-probabilities it gives a trajectory's tokens (the same tokens and media the 
 
 from __future__ import annotations
 
+import logging
 import os
 
 import torch
@@ -11,7 +12,10 @@ from areno.models.registry import FamilyAdapter, adapter_for_checkpoint
 from areno.processing.types import PromptInputs
 from areno.train.batching import collate
 from areno.train.grpo import token_logprobs
-from areno.train.lora import PEFT_PREFIX, LoraConfig, apply_lora
+from areno.train.lora import PEFT_PREFIX, LoraConfig, apply_lora, base_model
+from areno.train.packing import PackLayout, packed_logprobs
+
+logger = logging.getLogger("areno.train")
 
 
 def frozen_prefixes(adapter: FamilyAdapter, *, towers: bool, projectors: bool) -> tuple[str, ...]:
@@ -119,3 +123,40 @@ def batch_logprobs(
         picked = logits[row : row + 1, start - 1 - offset : end - 1 - offset]
         rows.append(token_logprobs(picked, ids[row : row + 1, start:end])[0])
     return rows
+
+
+def pack_layout(model: torch.nn.Module, device: str) -> PackLayout | None:
+    """How the trainer packs a group's episodes into one row on `model` (`PackLayout.of`), once
+    a packed row of two made-up text episodes has scored their tokens as their own forwards do
+    here: the linear-attention layers run through transformers' own layer code, which another
+    transformers version may write differently. None (one trajectory a row) otherwise, with a
+    warning that says why."""
+    layout = PackLayout.of(model)
+    if layout is None:
+        return None
+    high = min(base_model(model).config.get_text_config().vocab_size, 1000)
+    ids = torch.randint(100, high, (20,), generator=torch.Generator().manual_seed(0)).tolist()
+    items = [PromptInputs(ids[:17], {}), PromptInputs(ids[:12] + ids[17:], {})]
+    modes = {module: module.training for module in model.modules()}
+    model.eval()
+    try:
+        with torch.no_grad():
+            alone = [sequence_logprobs(model, item, device, 10) for item in items]
+            (packed,) = packed_logprobs(model, layout, [items], [[10, 10]], device)
+        worst = max(float((a - b).abs().max()) for a, b in zip(alone, packed, strict=True))
+    except Exception as error:  # noqa: BLE001 (any failure means: do not pack)
+        worst, why = float("inf"), f"{type(error).__name__}: {error}"
+    else:
+        why = f"its logprobs differ from the unpacked ones by {worst:.3g}"
+    finally:
+        for module, training in modes.items():
+            module.train(training)
+    dtype = next(model.parameters()).dtype
+    if worst <= (1e-3 if dtype == torch.float32 else 0.25):
+        return layout
+    logger.warning(
+        "areno train: trains one trajectory a row, not a group's episodes packed: a packed "
+        "row's check failed on this model (%s)",
+        why,
+    )
+    return None

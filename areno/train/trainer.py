@@ -23,8 +23,14 @@ from areno.train.config import GRPOConfig, cpu_threads
 from areno.train.coordinator import Coordinator, PendingRollout, staleness_metrics
 from areno.train.grpo import logprob_mismatch, policy_loss
 from areno.train.lora import base_model, export_adapter, is_lora
-from areno.train.packing import PackLayout, packed_logprobs, row_length
-from areno.train.policy import batch_logprobs, count_parameters, load_policy, set_train_mode
+from areno.train.packing import packed_logprobs, row_length
+from areno.train.policy import (
+    batch_logprobs,
+    count_parameters,
+    load_policy,
+    pack_layout,
+    set_train_mode,
+)
 from areno.train.weight_sync import WeightSync, gathered, trainable_named
 
 logger = logging.getLogger("areno.train")
@@ -90,9 +96,6 @@ class Learner:
             lora=config.lora,
         )
         self.num_trainable, self.num_total = count_parameters(model)
-        # A group's episodes share a row, their prompt once, where every stack layer is
-        # attention (`areno.train.packing`); None: one trajectory a row.
-        self.layout = PackLayout.of(model)
         params = [p for p in model.parameters() if p.requires_grad]
         optim = config.optim
         optimizer = torch.optim.AdamW(
@@ -104,6 +107,9 @@ class Learner:
             model_parameters=params,
             config=deepspeed_config(config, world_size, dtype),
         )
+        # A group's episodes share a row, their prompt once (`areno.train.packing`); None:
+        # one trajectory a row.
+        self.layout = pack_layout(self.module, self.device)
         # The KL term's reference: the initial weights, a model of their own; under LoRA the
         # base model itself, its adapters disabled for the pass (`_reference`).
         self.kl = config.grpo.loss.kl_coef > 0

@@ -1,5 +1,6 @@
 """`sequence_logprobs`, the one forward that SFT and the GRPO loss score trajectories with, on
-the tiny checkpoint of every family."""
+the tiny checkpoint of every family; the check that decides whether the trainer packs a group's
+episodes into one row on a model."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ import torch
 
 from areno.models.tiny import TINY_FAMILIES
 from areno.processing.processor import Processor
-from areno.train.policy import load_policy, sequence_logprobs
+from areno.train import packing
+from areno.train.policy import load_policy, pack_layout, sequence_logprobs
 
 
 @pytest.mark.parametrize("family", TINY_FAMILIES)
@@ -43,3 +45,27 @@ def test_sequence_logprobs_at_a_temperature_divide_the_logits(tiny_path):
     # temperature 0 (a greedy rollout) scores the model's own distribution
     raw = logits[start - 1 : -1].log_softmax(-1).gather(1, ids[start:, None])[:, 0]
     torch.testing.assert_close(greedy, raw)
+
+
+@pytest.mark.parametrize("family", TINY_FAMILIES)
+def test_every_family_packs_after_its_packed_row_checks_out(tiny_path, family):
+    model, _, _ = load_policy(tiny_path(family), dtype=torch.float32)
+    model.train()
+    assert pack_layout(model, "cpu") == packing.PackLayout.of(model) is not None
+    assert model.training  # the check's eval mode is undone
+
+
+def test_a_packed_row_that_scores_otherwise_trains_one_trajectory_a_row(
+    tiny_path, monkeypatch, caplog
+):
+    """Linear-attention layers run through transformers' own layer code: where it reads its
+    cache otherwise (another transformers version), the check fails and the trainer does not
+    pack, saying so."""
+    model, _, _ = load_policy(tiny_path("qwen3_5"), dtype=torch.float32)
+
+    def stale(self, inputs, layer_idx, state_idx=0, conv_kernel_size=None, **kwargs):
+        return inputs  # as if the layer's cache kept no earlier inputs
+
+    monkeypatch.setattr(packing._Branch, "update_conv_state", stale)
+    assert pack_layout(model, "cpu") is None
+    assert "differ from the unpacked ones" in caplog.text
