@@ -215,3 +215,26 @@ def test_tool_round_with_media_in_tool_result(tiny_path, media, family):
     model = processor.adapter.load_model(tiny_path(family)).eval()
     with torch.no_grad():
         model(**inputs.model_inputs())
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "gemma4"])
+def test_an_encoded_prompt_crosses_processes_whole(tiny_path, media, family):
+    """What Ray pickles between the Processor, the Ingress and the Generator: the same ids,
+    spans and tensors (dtype, shape, values) come back, as writable tensors; a tensor NumPy has
+    no dtype for stays a tensor."""
+    import pickle
+
+    processor, decoder = worker(tiny_path, family)
+    messages = user(image(media["image"]), video(media["video"]), {"type": "text", "text": "hi"})
+    prompt = process_messages(processor, decoder, messages)
+    prompt.mm_inputs["extra"] = torch.ones(2, 3, dtype=torch.bfloat16)
+    back = pickle.loads(pickle.dumps(prompt))
+    assert back.input_ids == prompt.input_ids and back.mm_spans == prompt.mm_spans
+    assert (
+        back.prompt_text == prompt.prompt_text and back.mm_inputs.keys() == prompt.mm_inputs.keys()
+    )
+    for key, value in prompt.mm_inputs.items():
+        assert isinstance(back.mm_inputs[key], torch.Tensor), key
+        assert back.mm_inputs[key].dtype == value.dtype and torch.equal(back.mm_inputs[key], value)
+        back.mm_inputs[key].add_(1)  # writable, and not the sender's memory
+        assert not torch.equal(back.mm_inputs[key], value)
