@@ -13,8 +13,9 @@ small, fixed part of each request.
 - serve floor: beside it, through the same proxy, the echo app of `benchmarks/serve_floor.py` (the
               same HTTP -> Ingress -> one handle call topology, no work; httpx client): what
               Serve's hops cost before AReno does anything.
-Text requests run one at a time (latency p50 / p99), in `--rounds` rounds that alternate with
-the echo app's, so that a machine whose load drifts during the run shifts both alike; image and
+Text requests run one at a time (latency p50 / p99), in `--rounds` rounds in which the
+in-process floor, the served requests and the echo app's take turns, so that all three run
+beside the same Ray processes and a machine whose load drifts shifts them alike; image and
 video requests run `--concurrency` at a time (requests/s). AReno's own share of a text request is
 served p50 - echo p50 - in-process p50: what serving adds beyond Serve's own hops and the work
 itself (the Ingress's parse, encode hand-off and reply, the handle call's payload, the replica's
@@ -63,28 +64,35 @@ def messages(kind: str, media: dict[str, str], i: int) -> list[dict]:
     return [{"role": "user", "content": [part, text]}]
 
 
-def in_process_latencies(path: str, media: dict, num: int) -> list[float]:
-    import torch
+class InProcess:
+    """The in-process floor: MediaDecoder + Processor + Generator in this process, with as many
+    torch threads as the Generator replica has."""
 
-    torch.set_num_threads(max(1, int(EngineConfig().num_cpus_per_rank)))  # the replica's CPUs
-    processor = Processor(path)
-    decoder = MediaDecoder(MediaPolicy.for_training(), processor.decode_options())
-    generator = Generator.from_config(path, EngineConfig(max_running_prompts=8))
-    params = SamplingParams(temperature=0, max_tokens=1)
-    times = []
-    try:
-        for i in range(num + 3):
-            start = time.perf_counter()
-            inputs = process_messages(processor, decoder, messages("text", media, i))
-            asyncio.run(generator.generate_all(inputs, params))
-            if i >= 3:  # warm-up
-                times.append(time.perf_counter() - start)
-    finally:
-        generator.shutdown()
-    return times
+    def __init__(self, path: str, media: dict):
+        import torch
+
+        torch.set_num_threads(max(1, int(EngineConfig().num_cpus_per_rank)))  # the replica's CPUs
+        self.media = media
+        self.processor = Processor(path)
+        self.decoder = MediaDecoder(MediaPolicy.for_training(), self.processor.decode_options())
+        self.generator = Generator.from_config(path, EngineConfig(max_running_prompts=8))
+        self.params = SamplingParams(temperature=0, max_tokens=1)
+        self.loop = asyncio.new_event_loop()
+
+    def ask(self, i: int) -> float:
+        start = time.perf_counter()
+        inputs = process_messages(self.processor, self.decoder, messages("text", self.media, i))
+        self.loop.run_until_complete(self.generator.generate_all(inputs, self.params))
+        return time.perf_counter() - start
+
+    def close(self) -> None:
+        self.generator.shutdown()
+        self.loop.close()
 
 
-def served(path: str, media: dict, num: int, concurrency: int, rounds: int) -> dict:
+def served(
+    path: str, media: dict, num: int, concurrency: int, rounds: int, floor: InProcess
+) -> dict:
     import openai
     import ray
     from ray import serve
@@ -133,9 +141,13 @@ def served(path: str, media: dict, num: int, concurrency: int, rounds: int) -> d
             http.post(url, json=body).raise_for_status()
             return time.perf_counter() - start
 
-        text, text_openai, echo = [], [], []
+        for i in range(3):
+            floor.ask(10 * num + i)  # warm-up
+        text, text_openai, echo, local = [], [], [], []
         per_round = max(num // rounds, 1)
         for r in range(rounds):
+            # question numbers of its own (none finds another's prompt cached)
+            local += [floor.ask(2 * num + r * per_round + i) for i in range(per_round)]
             text += [post_text(r * per_round + i) for i in range(per_round)]
             # other question numbers than the httpx requests', so neither finds the other cached
             text_openai += [ask("text", num + r * per_round + i) for i in range(per_round)]
@@ -148,7 +160,13 @@ def served(path: str, media: dict, num: int, concurrency: int, rounds: int) -> d
             with concurrent.futures.ThreadPoolExecutor(concurrency) as pool:
                 list(pool.map(lambda i, k=kind: ask(k, i), range(num)))
             rates[kind] = num / (time.perf_counter() - start)
-        return {"text": text, "text_openai": text_openai, "echo": echo, "rates": rates}
+        return {
+            "text": text,
+            "text_openai": text_openai,
+            "echo": echo,
+            "in_process": local,
+            "rates": rates,
+        }
     finally:
         serve.shutdown()
         ray.shutdown()
@@ -167,8 +185,12 @@ def main() -> None:
             "image": str(write_image(Path(tmp) / "a.jpg", 320, 240)),
             "video": str(write_video(Path(tmp) / "v.mp4", seconds=2.0, fps=8.0)),
         }
-        floor = in_process_latencies(path, media, args.requests)
-        result = served(path, media, args.requests, args.concurrency, args.rounds)
+        floor = InProcess(path, media)
+        try:
+            result = served(path, media, args.requests, args.concurrency, args.rounds, floor)
+        finally:
+            floor.close()
+    floor = result["in_process"]
     rows = {
         "in_process_text_ms": {
             q: percentile(floor, v) * 1e3 for q, v in (("p50", 0.5), ("p99", 0.99))

@@ -104,7 +104,7 @@ class Generator:
         self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue, bool]] = {}
         # The outputs so far of final-only requests (the engine thread's; shutdown clears it after).
         self._collected: dict[str, list[RequestOutput]] = {}
-        self._commands: list[tuple[Callable[[], Any], concurrent.futures.Future]] = []
+        self._commands: list[tuple[Callable[[], Any], concurrent.futures.Future | None]] = []
         self._wake = threading.Condition()
         self._paused = False
         self._stopped = False
@@ -226,10 +226,20 @@ class Generator:
         if request_id in self._queues:
             raise DuplicateRequestError(f"request id {request_id!r} is already in use")
         queue: asyncio.Queue = asyncio.Queue()
-        self._queues[request_id] = (asyncio.get_running_loop(), queue, final_only)
+        loop = asyncio.get_running_loop()
+        self._queues[request_id] = (loop, queue, final_only)
         finished = False
+
+        def add() -> None:
+            try:
+                self.core.add_request(request_id, inputs, params)
+            except Exception as error:  # noqa: BLE001 - the caller raises it
+                loop.call_soon_threadsafe(queue.put_nowait, error)
+
         try:
-            await self._call(lambda: self.core.add_request(request_id, inputs, params))
+            # NOTE: not awaited: the request's first wake-up of this thread is its output (each
+            # wake-up contends for the GIL with the engine thread, which runs the prefill next).
+            self._post(add)
             while not finished:
                 item = await queue.get()
                 if isinstance(item, BaseException):
@@ -459,6 +469,14 @@ class Generator:
             self._wake.notify()
         return future
 
+    def _post(self, fn: Callable[[], None]) -> None:
+        """`_submit` for a command nobody waits for; it delivers its own errors."""
+        with self._wake:
+            if self._stopped:
+                raise EngineDeadError("the engine is shut down")
+            self._commands.append((fn, None))
+            self._wake.notify()
+
     async def _call(self, fn: Callable[[], Any]) -> Any:
         return await asyncio.wrap_future(self._submit(fn))
 
@@ -544,7 +562,10 @@ def _put_all(batch: list[tuple[asyncio.Queue, Any]]) -> None:
         queue.put_nowait(item)
 
 
-def _run_command(fn: Callable[[], Any], future: concurrent.futures.Future) -> None:
+def _run_command(fn: Callable[[], Any], future: concurrent.futures.Future | None) -> None:
+    if future is None:  # posted (`Generator._post`): it handles its own errors
+        fn()
+        return
     # NOTE: a caller cancelled while its command waited (a client gone before its request was
     # added) cancelled the future; the command is skipped, and setting a result there would
     # raise and end the engine thread.
