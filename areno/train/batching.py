@@ -6,9 +6,9 @@ as the forward pays for them: rows x the longest row. Trajectories are placed lo
 a micro-batch holds rows of similar length and padding stays a small share. Rows are
 right-padded: every row keeps the positions, masks and media it has alone.
 
-Where the stack packs (`areno.train.packing`: every layer is attention), a row holds a whole
-GRPO group's episodes instead, their shared prompt once (`plan_rows`), and a micro-batch is
-counted as rows x the longest packed row.
+Where the trainer packs (`areno.train.packing`; every supported family, once its check passes),
+a row holds a whole GRPO group's episodes instead, their shared prompt once (`plan_rows`), and a
+micro-batch is counted as rows x the longest packed row.
 
 Otherwise media tensors batch the way the processor batches prompts: concatenated along their
 first dimension (patches, images, frames, clips). Trajectories with media share a forward only with

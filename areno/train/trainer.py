@@ -184,8 +184,10 @@ class Learner:
     def _logprobs(self, model, trajs: list[Trajectory], sizes: list[int], temperature) -> list:
         """Each trajectory's logprobs of its response tokens, from one forward over the
         micro-batch: rows of `sizes` consecutive trajectories packed (each trajectory's media
-        features looked up around its own forward to the stack), or (all 1) padded rows."""
-        if max(sizes) == 1:
+        features looked up around its own forward to the stack; media tensors of two
+        trajectories are never concatenated), or, where the trainer does not pack, padded rows
+        of one trajectory each."""
+        if self.layout is None or len(trajs) == 1:
             starts = [t.num_prompt_tokens for t in trajs]
             inputs = [t.inputs for t in trajs]
             with self._shared_features(inputs):

@@ -146,7 +146,8 @@ def media(tmp_path_factory):
 
 def _trajectories(path, media) -> list[Trajectory]:
     """Eight single-turn trajectories of mixed media and lengths, each with a made-up reply
-    (the loss only needs tokens, a mask and behaviour logprobs)."""
+    (the loss only needs tokens, a mask and behaviour logprobs); pairs of a sample id, whose
+    prompts share their first tokens, and two without one."""
     processor = Processor(path)
     decoder = MediaDecoder(MediaPolicy.for_training(), processor.decode_options())
     part = {
@@ -172,7 +173,7 @@ def _trajectories(path, media) -> list[Trajectory]:
         logprobs = [-rng.uniform(1.0, 6.0) * m for m in mask]
         out.append(
             Trajectory(
-                f"s{index // 2}",
+                f"s{index // 2}" if index < 6 else None,  # the last two: rows of their own
                 index % 2,
                 prompt.with_tokens(prompt.input_ids + reply),
                 n,
