@@ -28,19 +28,28 @@ class OutputText:
 
     With stop strings, the last `max(len(stop)) - 1` characters are held back until the next
     token shows they do not begin a stop string, so a stop string never leaks into a stream.
+
+    Not `incremental` (a caller that reads the text only at the end, and no stop strings to
+    match): the tokens are kept and decoded once when the sequence ends (`rest`), sparing the
+    engine thread two decodes a token.
     """
 
-    def __init__(self, tokenizer: Any, seq: Sequence):
+    def __init__(self, tokenizer: Any, seq: Sequence, incremental: bool = True):
         self.detokenizer = IncrementalDetokenizer(
             tokenizer, seq.prompt_token_ids, skip_special_tokens=seq.params.skip_special_tokens
         )
         self.hold = max((len(s) for s in seq.params.stop), default=1) - 1
         self.has_stops = bool(seq.params.stop)
+        self.incremental = incremental or self.has_stops
         self.num_sent = 0
         self._tail_start = 0
+        self._kept: list[int] = []
 
     def add(self, token_id: int) -> str | None:
         """Detokenize a new token; return the text tail `check_stop` needs (None: no stops)."""
+        if not self.incremental:
+            self._kept.append(token_id)
+            return None
         new_text = self.detokenizer.add(token_id)
         if not self.has_stops:
             return None
@@ -48,8 +57,16 @@ class OutputText:
         self._tail_start = max(0, len(text) - len(new_text) - self.hold)
         return text[self._tail_start :]
 
+    def rest(self) -> str:
+        """Not incremental: the text of the tokens kept so far, which only the sequence's last
+        output carries (at an abort, an incomplete last character reads as U+FFFD)."""
+        kept, self._kept = self._kept, []
+        return self.detokenizer.decode_rest(kept)
+
     def release(self, stop: StopCheck | None, finished: bool) -> str:
         """The text that became final with this step's token."""
+        if not self.incremental:
+            return self.rest() if finished else ""
         if stop is not None and stop.text_end is not None:
             end = self._tail_start + stop.text_end
             text = self.detokenizer.text
@@ -124,8 +141,17 @@ class EngineCore:
         if params.structured is not None:
             self.grammars.compile(params.structured)  # GrammarError; cached for add_request
 
-    def add_request(self, request_id: str, inputs: PromptInputs, params: SamplingParams) -> None:
-        """Queue a request; its outputs come from later `step()` calls."""
+    def add_request(
+        self,
+        request_id: str,
+        inputs: PromptInputs,
+        params: SamplingParams,
+        *,
+        stream: bool = True,
+    ) -> None:
+        """Queue a request; its outputs come from later `step()` calls. `stream` False: the
+        caller reads its text only from the last output, which then carries all of it
+        (decoded once, `OutputText`), and the other outputs carry none."""
         group = SequenceGroup.create(
             request_id,
             inputs.input_ids,
@@ -140,7 +166,7 @@ class EngineCore:
                 self._matchers[seq.seq_id] = self.grammars.matcher(params.structured)
         if params.detokenize:
             for seq in group.seqs:
-                self._texts[seq.seq_id] = OutputText(self.tokenizer, seq)
+                self._texts[seq.seq_id] = OutputText(self.tokenizer, seq, incremental=stream)
 
     def abort(self, request_id: str, cause: AbortCause = AbortCause.CALLER) -> RequestOutput | None:
         """Stop a request now; returns its final output, whose unfinished samples end with
@@ -150,11 +176,17 @@ class EngineCore:
             return None
         unfinished = group.unfinished_seqs()
         self.scheduler.cancel(request_id)
-        self._forget(group.seqs)
         deltas = [
-            SampleDelta(seq.sample_index, [], finish_reason="abort", abort_cause=cause)
+            SampleDelta(
+                seq.sample_index,
+                [],
+                text=self._kept_text(seq),
+                finish_reason="abort",
+                abort_cause=cause,
+            )
             for seq in unfinished
         ]
+        self._forget(group.seqs)
         return self._output(group, deltas)
 
     def step(self) -> list[RequestOutput]:
@@ -320,6 +352,11 @@ class EngineCore:
         return token_id in params.stop_token_ids or (
             not params.ignore_eos and token_id in self.eos_token_ids
         )
+
+    def _kept_text(self, seq: Sequence) -> str:
+        """The text a non-incremental sequence kept back (`OutputText.rest`); "" otherwise."""
+        text = self._texts.get(seq.seq_id)
+        return text.rest() if text is not None and not text.incremental else ""
 
     def _forget(self, seqs: list[Sequence]) -> None:
         for seq in seqs:

@@ -120,6 +120,14 @@ class IncrementalDetokenizer:
             return ""
         return self._finalize(window_text[len(prefix_text) :])
 
+    def decode_rest(self, token_ids: list[int]) -> str:
+        """What `add` of each of `token_ids` and then `flush` return, joined, from one decode:
+        for a caller that reads no text before the sequence ends."""
+        for token_id in token_ids:
+            if token_id not in self._skipped_ids:
+                self._window.append(token_id)
+        return self.flush()
+
     def flush(self) -> str:
         """At the end of the sequence, return the text held back (U+FFFD for incomplete bytes)."""
         prefix_text, window_text = self._decode_window()

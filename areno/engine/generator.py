@@ -232,7 +232,7 @@ class Generator:
 
         def add() -> None:
             try:
-                self.core.add_request(request_id, inputs, params)
+                self.core.add_request(request_id, inputs, params, stream=not final_only)
             except Exception as error:  # noqa: BLE001 - the caller raises it
                 loop.call_soon_threadsafe(queue.put_nowait, error)
 

@@ -1,4 +1,5 @@
-"""IncrementalDetokenizer must stream exactly what `tokenizer.decode` gives for the whole output."""
+"""IncrementalDetokenizer must stream exactly what `tokenizer.decode` gives for the whole output,
+and give the same text from one decode at the end (`decode_rest`)."""
 
 from __future__ import annotations
 
@@ -28,10 +29,14 @@ def tokenizer(request: pytest.FixtureRequest, tiny_path):
 
 
 def stream(tokenizer, prompt_ids: list[int], output_ids: list[int], *, skip: bool = True):
-    """Feed `output_ids` one at a time; returns (add() returns, flush() return, final text)."""
+    """Feed `output_ids` one at a time; returns (add() returns, flush() return, final text).
+    Every case also checks that one `decode_rest` of them gives that same text."""
     detok = IncrementalDetokenizer(tokenizer, prompt_ids, skip_special_tokens=skip)
     pieces = [detok.add(token_id) for token_id in output_ids]
     tail = detok.flush()
+    plain = getattr(tokenizer, "wrapped", tokenizer)  # not through a DecodeSpy
+    once = IncrementalDetokenizer(plain, prompt_ids, skip_special_tokens=skip)
+    assert once.decode_rest(output_ids) == "".join(pieces) + tail == detok.text
     return pieces, tail, detok.text
 
 
@@ -114,7 +119,7 @@ class DecodeSpy:
     """Wraps a tokenizer and records the longest id list any decode call saw."""
 
     def __init__(self, tokenizer) -> None:
-        self._tokenizer = tokenizer
+        self._tokenizer = self.wrapped = tokenizer
         self.max_decode_len = 0
 
     def __getattr__(self, name: str):

@@ -225,3 +225,33 @@ def test_a_bf16_linear_state_keeps_greedy_parity(setups, media, graphs):
     finally:
         gen.shutdown()
     assert got == expected
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_request_read_at_its_end_gets_the_streamed_text_from_one_decode(setups, family):
+    """`generate_all` (no stop strings) keeps the tokens and decodes them once at the end;
+    `generate` streams the text token by token. Same seeds, same tokens, same text, for two
+    samples of random tokens (byte-fallback runs and special tokens among them)."""
+    setup = setups(family)
+    x = setup.encode(text("Say something long."))
+    params = SamplingParams(temperature=1.0, max_tokens=24, n=2, seed=3, ignore_eos=True)
+    gen = setup.generator()
+
+    async def main():
+        streamed = ["", ""]
+        tokens: list[list[int]] = [[], []]
+        async for output in gen.generate(x, params):
+            for sample in output.samples:
+                streamed[sample.index] += sample.text
+                tokens[sample.index] += sample.token_ids
+        merged = await gen.generate_all(x, params)
+        return streamed, tokens, merged
+
+    try:
+        streamed, tokens, merged = run(main())
+    finally:
+        gen.shutdown()
+    by_index = {sample.index: sample for sample in merged.samples}
+    for i in range(2):
+        assert by_index[i].token_ids == tokens[i]
+        assert by_index[i].text == streamed[i] and streamed[i]
