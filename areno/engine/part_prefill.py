@@ -15,8 +15,6 @@ every chunk and resumption this way, except under tensor parallelism, where each
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 
 from areno.engine.attention import BLOCK_TABLES_KWARG
@@ -31,19 +29,15 @@ from areno.engine.batched_prefill import (
 from areno.engine.cache import BatchBinding, clear_rows, ring_window
 from areno.engine.prompt_chunks import (
     StagedPrompt,
+    at_text_stack,
     bidirectional_groups,
     chunk_masks,
-    patched_forward,
     runs_of,
     stack_inputs,
     staging,
 )
 from areno.engine.transfer import to_device
 from areno.processing.types import PromptInputs
-
-
-class _AtTextStack(Exception):
-    """Ends a forward where it reaches the text stack (`PartPrefills._at_text_stack`)."""
 
 
 class PartPrefills:
@@ -191,21 +185,15 @@ class PartPrefills:
         cache answers), the stack never runs."""
         if self.uses_mrope:
             self.model.model.rope_deltas = None
-        captured = []
-
-        def stop(*args, **kwargs):
-            captured.append(StagedPrompt.capture(kwargs, inputs.num_prompt_tokens, None))
-            raise _AtTextStack
-
         model_inputs = {k: to_device(v, self.device) for k, v in inputs.model_inputs().items()}
-        encoders = self.encoders.around(inputs.mm_spans)
-        stopped = contextlib.suppress(_AtTextStack)
-        with stopped, self._engine_context(), encoders, patched_forward(self._text_stack, stop):
-            self.model(**model_inputs, use_cache=False)
+        with self._engine_context(), self.encoders.around(inputs.mm_spans):
+            staged = at_text_stack(
+                self.model, self._text_stack, model_inputs, inputs.num_prompt_tokens
+            )
         delta = 0
         if self.uses_mrope and self.model.model.rope_deltas is not None:
             delta = int(self.model.model.rope_deltas[0, 0])
-        return captured[0], delta
+        return staged, delta
 
     @torch.inference_mode()
     def prefill_chunk(

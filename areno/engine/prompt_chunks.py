@@ -71,6 +71,28 @@ def patched_forward(stack: torch.nn.Module, forward: Callable) -> Iterator[None]
         del stack.forward
 
 
+class _AtTextStack(Exception):
+    """Ends a forward where it reaches the text stack (`at_text_stack`)."""
+
+
+def at_text_stack(
+    model: torch.nn.Module, stack: torch.nn.Module, model_inputs: dict, num_tokens: int
+) -> StagedPrompt:
+    """The text stack's inputs for a prompt of `num_tokens`, from `model`'s own forward over
+    `model_inputs`, stopped where it reaches `stack` (which never runs): the towers have encoded
+    its media there (or an encoder cache answered), and the tensors keep the autograd graph of
+    whatever computed them."""
+    captured: list[StagedPrompt] = []
+
+    def stop(*args, **kwargs):
+        captured.append(StagedPrompt.capture(kwargs, num_tokens, None))
+        raise _AtTextStack
+
+    with contextlib.suppress(_AtTextStack), patched_forward(stack, stop):
+        model(**model_inputs, use_cache=False)
+    return captured[0]
+
+
 def staging(
     stack: torch.nn.Module,
     keep: Callable[[StagedPrompt], None],

@@ -31,7 +31,12 @@ import torch
 import torch.nn.functional as F
 
 from areno.engine.batched_prefill import stack_rows
-from areno.engine.prompt_chunks import StagedPrompt, bidirectional_groups, patched_forward
+from areno.engine.prompt_chunks import (
+    StagedPrompt,
+    at_text_stack,
+    bidirectional_groups,
+    patched_forward,
+)
 from areno.processing.types import PromptInputs
 from areno.train.grpo import token_logprobs
 from areno.train.lora import base_model
@@ -210,24 +215,12 @@ def _right_padded(x: torch.Tensor, width: int) -> torch.Tensor:
     return F.pad(x, (0, 0, 0, width - x.shape[1]))
 
 
-class _AtTextStack(Exception):
-    """Ends a forward where it reaches the text stack (`stack_inputs_of`)."""
-
-
 def stack_inputs_of(model: torch.nn.Module, inputs: PromptInputs, device: str) -> StagedPrompt:
     """The text stack's inputs for `inputs`, from the model's own forward over them, stopped
     where it reaches the stack (with the autograd graph of whatever trains before it)."""
-    stack = base_model(model).get_decoder()
-    captured: list[StagedPrompt] = []
-
-    def stop(*args, **kwargs):
-        captured.append(StagedPrompt.capture(kwargs, inputs.num_prompt_tokens, None))
-        raise _AtTextStack
-
     batch = {k: v.to(device) for k, v in inputs.model_inputs().items()}
-    with contextlib.suppress(_AtTextStack), patched_forward(stack, stop):
-        model(**batch, use_cache=False)
-    return captured[0]
+    stack = base_model(model).get_decoder()
+    return at_text_stack(model, stack, batch, inputs.num_prompt_tokens)
 
 
 def _joined(pieces: list[dict], keys: dict[str, Any]) -> dict:

@@ -135,7 +135,8 @@ def pack_layout(model: torch.nn.Module, device: str) -> PackLayout | None:
     if layout is None:
         return None
     high = min(base_model(model).config.get_text_config().vocab_size, 1000)
-    ids = torch.randint(100, high, (20,), generator=torch.Generator().manual_seed(0)).tolist()
+    low = min(100, high // 2)  # past the special ids a vocabulary starts with, where it can
+    ids = torch.randint(low, high, (20,), generator=torch.Generator().manual_seed(0)).tolist()
     items = [PromptInputs(ids[:17], {}), PromptInputs(ids[:12] + ids[17:], {})]
     modes = {module: module.training for module in model.modules()}
     model.eval()
