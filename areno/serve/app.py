@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import signal
 import threading
 from collections.abc import Callable
@@ -18,10 +19,10 @@ APP_NAME = "areno"
 HEALTH_CHECK_PERIOD_S = 2.0
 
 
-def check_config(config: ServeConfig) -> None:
+def check_config(config: ServeConfig) -> int:
     """Fail now, with the flag to change, on what would otherwise fail inside a replica (which
     Serve keeps restarting): an unsupported family, a context length over the model's, a TP size
-    the family cannot take."""
+    the family cannot take. Returns the context length the engine will run with."""
     from transformers import AutoConfig
 
     from areno.engine.config import resolve_max_context_len
@@ -29,10 +30,12 @@ def check_config(config: ServeConfig) -> None:
     from areno.models.registry import adapter_for_checkpoint
 
     adapter = adapter_for_checkpoint(config.model_path)
-    resolve_max_context_len(config.engine, AutoConfig.from_pretrained(config.model_path))
+    model_config = AutoConfig.from_pretrained(config.model_path)
+    max_context_len = resolve_max_context_len(config.engine, model_config)
     tp_plan_for(adapter, config.engine.tp_size)
     for name, path in config.lora_adapters.items():
         check_adapter(name, path, config.engine.max_lora_rank)
+    return max_context_len
 
 
 def check_adapter(name: str, path: str, max_rank: int) -> None:
@@ -67,7 +70,13 @@ def build_app(config: ServeConfig):
     from areno.serve.ingress import Ingress
     from areno.serve.workers import GeneratorServer, MediaDecoderServer, ProcessorServer
 
-    check_config(config)
+    # Every deployment gets the context length the engine resolves from the model when
+    # --max-context-len is not given: the Ingress and the Processor refuse a prompt plus
+    # max_tokens over it (400 naming max_tokens) instead of the engine cutting the reply
+    # short, and /v1/models reports it.
+    max_context_len = check_config(config)
+    engine = dataclasses.replace(config.engine, max_context_len=max_context_len)
+    config = dataclasses.replace(config, engine=engine)
     decoder = MediaDecoderServer.options(
         num_replicas=config.num_decoder_replicas,
         ray_actor_options=_cpu_actor_options(config, "decoder"),

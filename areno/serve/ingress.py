@@ -153,6 +153,22 @@ class Ingress:
     async def models(self, request: Request):
         if (denied := self._check_key(request)) is not None:
             return denied
+        return JSONResponse(ModelList(data=self._cards()).model_dump(exclude_none=True))
+
+    @api.get("/v1/models/{model:path}")
+    async def model(self, model: str, request: Request):
+        """One model's card (the `openai` client's `models.retrieve`); 404 for another name."""
+        if (denied := self._check_key(request)) is not None:
+            return denied
+        try:
+            name = self._model(model)
+        except ModelNotFoundError as e:
+            return self._error(e)
+        card = next(card for card in self._cards() if card.id == name)
+        return JSONResponse(card.model_dump(exclude_none=True))
+
+    def _cards(self) -> list[ModelCard]:
+        """The base model and each LoRA adapter served beside it, with the context length."""
         config = self.config
         max_len = config.engine.max_context_len
         cards = [ModelCard(id=config.model_name, root=config.model_path, max_model_len=max_len)]
@@ -160,7 +176,7 @@ class Ingress:
             ModelCard(id=name, root=path, parent=config.model_name, max_model_len=max_len)
             for name, path in config.lora_adapters.items()
         ]
-        return JSONResponse(ModelList(data=cards).model_dump(exclude_none=True))
+        return cards
 
     @api.post("/v1/chat/completions")
     async def chat_completions(self, request: Request):

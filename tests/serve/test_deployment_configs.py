@@ -9,6 +9,7 @@ import yaml
 from ray.serve import schema as serve_schema
 
 from areno.serve.app import app_builder
+from areno.serve.config import ServeConfig
 
 CONFIGS = sorted((Path(__file__).parents[2] / "deployments").glob("*.yaml"))
 
@@ -71,7 +72,6 @@ def test_deployment_resources_reach_each_deployments_actor_options():
     from areno.engine.config import EngineConfig
     from areno.errors import ConfigError
     from areno.serve.app import _cpu_actor_options, _generator_resources
-    from areno.serve.config import ServeConfig
 
     config = ServeConfig(
         model_path="m",
@@ -101,6 +101,33 @@ def test_a_serve_config_file_places_deployments_by_resource(tiny_path):
     assert "resources" not in options["Ingress"]
 
 
+def test_every_deployment_checks_against_the_engines_context_length(tiny_path):
+    """Without --max-context-len the engine runs with the model's context length (capped); every
+    deployment gets that number, so the Ingress and the Processor refuse a prompt plus max_tokens
+    over it (a 400 naming max_tokens) and /v1/models reports it."""
+    from transformers import AutoConfig
+
+    from areno.engine.config import DEFAULT_MAX_CONTEXT_LEN
+    from areno.errors import PromptTooLongError
+    from areno.processing.encode import PromptLimits
+
+    path = str(tiny_path("gemma4"))
+    text_config = AutoConfig.from_pretrained(path).get_text_config()
+    expected = min(text_config.max_position_embeddings, DEFAULT_MAX_CONTEXT_LEN)
+    app = app_builder({"model_path": path})
+    configs = {
+        d.name: next(a for a in d.init_args if isinstance(a, ServeConfig))
+        for d in _deployments(app)
+    }
+    assert {name: c.engine.max_context_len for name, c in configs.items()} == dict.fromkeys(
+        ("Ingress", "MediaDecoderServer", "ProcessorServer", "GeneratorServer"), expected
+    )
+    limits = PromptLimits(None, configs["Ingress"].engine.max_context_len)
+    limits.check(20, expected - 20)
+    with pytest.raises(PromptTooLongError, match=f"lower max_tokens to at most {expected - 20}"):
+        limits.check(20, 10**7)
+
+
 def _deployments(app) -> list:
     """The deployments of an Application: its own and those bound into its arguments."""
     from ray.serve.deployment import Application
@@ -119,7 +146,6 @@ def test_lora_flags_and_adapters_are_checked_before_deploying(tiny_path, tmp_pat
     from areno.cli import _pairs, build_parser
     from areno.errors import ArenoError, ConfigError
     from areno.serve.app import check_adapter
-    from areno.serve.config import ServeConfig
 
     args = build_parser().parse_args(["serve", "--lora", "a=/x", "--lora", "b=/y"])
     adapters = _pairs("--lora", args.lora)

@@ -5,14 +5,25 @@ from __future__ import annotations
 
 import concurrent.futures
 
+import openai
+import pytest
+
 from tests.serve.live.openai_server.client import ask, complete
 
 
 def test_models_lists_the_served_model_and_its_adapter(server, lora):
+    """Listed and retrieved one by one (`models.retrieve`), each with the context length the
+    server checks prompt + max_tokens against; another name is a 404."""
     models = server.models.list()
     assert [m.id for m in models.data] == ["tiny-gemma4", "tiny-lora"]
     adapter = models.data[1].model_dump()
     assert adapter["parent"] == "tiny-gemma4" and adapter["root"] == str(lora[0])
+    for listed in models.data:
+        retrieved = server.models.retrieve(listed.id).model_dump()
+        assert retrieved == {**listed.model_dump(), "created": retrieved["created"]}
+        assert retrieved["max_model_len"] == 2048  # the app's --max-context-len
+    with pytest.raises(openai.NotFoundError, match="is not served here"):
+        server.models.retrieve("tiny-gemma5")
 
 
 def test_an_adapter_answers_as_the_merged_model_and_unlike_the_base(server, tiny_path, lora):
