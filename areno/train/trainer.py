@@ -88,6 +88,11 @@ class Learner:
                 # cores (oversubscribed, both slow down by more than half).
                 torch.set_num_threads(cpu_threads(config.trainer.num_cpus_per_worker))
         dtype = _dtype(config, self.device)
+        # Seeded before the policy is built: a LoRA adapter's initial factors come from torch's
+        # generator (and so does dropout's noise), so two runs of one config start from the same
+        # adapter on every rank. Unseeded, each run drew its own lora_A and the runs parted at
+        # their second step.
+        torch.manual_seed(config.run.seed)
         model, self.adapter, self.frozen = load_policy(
             model_path,
             dtype=dtype,

@@ -69,3 +69,27 @@ def test_a_packed_row_that_scores_otherwise_trains_one_trajectory_a_row(
     monkeypatch.setattr(packing._Branch, "update_conv_state", stale)
     assert pack_layout(model, "cpu") is None
     assert "differ from the unpacked ones" in caplog.text
+
+
+def test_a_lora_learner_starts_from_the_adapter_its_seed_gives(tiny_path, process_group):
+    """A LoRA run's initial factors come from `run.seed`: the same seed gives the same adapter
+    (two runs of one config train alike; unseeded, each drew its own lora_A and the runs parted
+    at their second step), another seed another adapter."""
+    from areno.train.config import GRPOConfig
+    from areno.train.trainer import Learner
+
+    path = str(tiny_path("qwen3_5"))
+
+    def initial_factors(seed: int) -> dict[str, torch.Tensor]:
+        config = GRPOConfig.from_dict(
+            {"model_path": path, "lora": {"rank": 4, "alpha": 8}, "run": {"seed": seed}}
+        )
+        learner = Learner(config, path, 0, 1)
+        return {
+            n: p.detach().clone() for n, p in learner.module.named_parameters() if p.requires_grad
+        }
+
+    first, again, other = initial_factors(0), initial_factors(0), initial_factors(1)
+    assert first and all(".lora_" in name for name in first)
+    assert all(torch.equal(first[name], again[name]) for name in first)
+    assert any(not torch.equal(first[name], other[name]) for name in first if "lora_A" in name)
