@@ -13,15 +13,23 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from areno.data.sample import SampleError
 from areno.engine.config import EngineConfig
 from areno.engine.generator import Generator
 from areno.engine.ipc import visible_gpu_uuids
 from areno.engine.sampling import SamplingParams
+from areno.errors import PromptTooLongError, UnsupportedModalityError
 from areno.media.decoder import MediaDecoder
+from areno.media.errors import MediaError
 from areno.media.sources import MediaPolicy
-from areno.processing.encode import PromptLimits
+from areno.processing.encode import (
+    MediaMismatchError,
+    PromptLimits,
+    UnprocessableMediaError,
+)
 from areno.processing.processor import Processor
 from areno.processing.types import PromptInputs
+from areno.protocol.errors import RequestValidationError
 from areno.rollout.agent import ToolContext, load_agent
 from areno.rollout.episode import EpisodeLimits, RolloutEnv, encode_prompt_for, run_episode
 from areno.rollout.trajectory import Trajectory
@@ -42,6 +50,29 @@ class RolloutSpec:
     # torch's CPU compute threads (None: its default, every core): an overlapped GRPO loop
     # gives the rollout and the trainer their own share of the cores
     cpu_threads: int | None = None
+
+
+# What a sample itself can get wrong: media that is missing, refused or undecodable, a modality
+# the model does not take, a prompt over the limits. Its group is skipped (`GroupResult.skipped`
+# says why) and the run goes on; any other error (a bug, a configuration) still fails the call.
+SAMPLE_ERRORS = (
+    MediaError,
+    MediaMismatchError,
+    PromptTooLongError,
+    RequestValidationError,
+    SampleError,
+    UnprocessableMediaError,
+    UnsupportedModalityError,
+)
+
+
+@dataclass
+class GroupResult:
+    """A group's episodes (`run_group`), or none and why its sample was skipped."""
+
+    trajectories: list[Trajectory]
+    timings: dict[str, float]
+    skipped: str | None = None  # the sample's error: "MediaNotFoundError: media file not found..."
 
 
 class RolloutWorker:
@@ -80,14 +111,18 @@ class RolloutWorker:
         group_size: int,
         sampling: SamplingParams,
         tools: list[dict] | None = None,
-    ) -> tuple[list[Trajectory], dict[str, float]]:
+    ) -> GroupResult:
         """`group_size` episodes of one public sample (its messages and tools), run
         concurrently; the prompt is decoded and encoded once for the group. Returns the
-        trajectories and timings."""
+        trajectories and timings, or none when the sample's own content failed its prompt or
+        an episode (SAMPLE_ERRORS: the group is skipped, the error says why)."""
         start = time.perf_counter()
-        prompt = await asyncio.to_thread(
-            encode_prompt_for, self.env, self.agent, messages, tools, sample_id
-        )
+        try:
+            prompt = await asyncio.to_thread(
+                encode_prompt_for, self.env, self.agent, messages, tools, sample_id
+            )
+        except SAMPLE_ERRORS as error:
+            return GroupResult([], {"encode_s": time.perf_counter() - start}, _why(error))
         encoded = time.perf_counter()
         episodes = [
             run_episode(
@@ -100,9 +135,15 @@ class RolloutWorker:
             )
             for index in range(group_size)
         ]
-        trajectories = list(await asyncio.gather(*episodes))
+        # Every episode ends before the group does, failed or not: none keeps running unseen.
+        results = await asyncio.gather(*episodes, return_exceptions=True)
         timings = {"encode_s": encoded - start, "generate_s": time.perf_counter() - encoded}
-        return trajectories, timings
+        errors = [r for r in results if isinstance(r, BaseException)]
+        if bad := [e for e in errors if not isinstance(e, SAMPLE_ERRORS)]:
+            raise bad[0]
+        if errors:
+            return GroupResult([], timings, _why(errors[0]))
+        return GroupResult(list(results), timings)
 
     async def update_weights(self, weights: Any, version: int) -> int:
         """Load new trainable weights in place (Ray resolves an ObjectRef argument here)."""
@@ -121,3 +162,7 @@ class RolloutWorker:
 
     def shutdown(self) -> None:
         self.env.generator.shutdown()
+
+
+def _why(error: Exception) -> str:
+    return f"{type(error).__name__}: {error}"

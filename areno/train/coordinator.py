@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from areno.data import SampleStream, load_samples
+from areno.data.sample import SampleError
 from areno.engine.sampling import SamplingParams
 from areno.imports import import_callable
 from areno.rollout.trajectory import Trajectory
@@ -73,26 +74,28 @@ class Coordinator:
         cfg = self.config
         what = f"step {pending.step + 1}'s rollout"
         wait_start = time.perf_counter()
-        groups, rollout_s, retries = self._collect(
+        gathered, retries = self._collect(
             what, pending.samples, cfg.grpo.group_size, self.sampling, pending.seed, pending
         )
         idle_s = time.perf_counter() - wait_start
         counts = rollouts.prompt_token_counts(self.workers)
         prefill = rollouts.prefill_metrics(self._counts, counts)
         self._counts = counts
-        reward_s = rollouts.score(self.reward_fn, groups, pending.samples, cfg.reward_kwargs)
+        groups, samples = _kept(what, gathered, pending.samples)
+        reward_s = rollouts.score(self.reward_fn, groups, samples, cfg.reward_kwargs)
         adv = rollouts.advantages(groups, cfg.grpo.normalize_std)
         trajectories = [t for group in groups for t in group]
         metrics = rollouts.rollout_metrics(trajectories)
         generated = sum(t.num_generated_tokens for t in trajectories)
         metrics.update(prefill)
         metrics.update(
-            rollout_s=rollout_s,
+            rollout_s=gathered.seconds,
             idle_s=idle_s,  # the trainer waiting for the rollout
             reward_s=reward_s,
-            rollout_tokens_per_s=generated / max(rollout_s, 1e-9),
+            rollout_tokens_per_s=generated / max(gathered.seconds, 1e-9),
             policy_version=min(t.policy_version for t in trajectories),
             rollout_retries=retries,
+            skipped_samples=float(len(gathered.skipped)),
             sample_ids=[sample.id for sample in pending.samples],  # the data the step consumed
         )
         return trajectories, adv, metrics
@@ -105,22 +108,19 @@ class Coordinator:
         sampling: SamplingParams,
         seed: int,
         pending: PendingRollout | None = None,
-    ) -> tuple[list[list[Trajectory]], float, int]:
+    ) -> tuple[rollouts.Gathered, int]:
         """rollouts.collect (or the gathering of `pending`, already dispatched), retried while
         lost rollout workers come back (Ray restarts them, rollout.max_restarts): same samples,
-        same seeds, on the current policy. Returns the groups, the seconds of the attempt that
-        succeeded and the number of retries."""
+        same seeds, on the current policy. Returns what the attempt that succeeded gathered and
+        the number of retries."""
         max_retries = self.config.rollout.max_restarts
         retries = 0
         while True:
             try:
                 if pending is not None and not retries:
-                    groups, seconds = rollouts.gather(pending.dispatched)
-                else:
-                    groups, seconds = rollouts.collect(
-                        self.workers, samples, group_size, sampling, seed=seed
-                    )
-                return groups, seconds, retries
+                    return rollouts.gather(pending.dispatched), retries
+                gathered = rollouts.collect(self.workers, samples, group_size, sampling, seed=seed)
+                return gathered, retries
             except rollouts.RolloutWorkerLostError as error:
                 if retries == max_retries:
                     raise
@@ -143,7 +143,8 @@ class Coordinator:
         sampling = dataclasses.replace(self.sampling, temperature=self.config.run.eval_temperature)
         per_prompt = self.config.run.eval_samples_per_prompt
         before = rollouts.prompt_token_counts(self.workers)
-        groups, _, _ = self._collect("evaluation", self.eval_samples, per_prompt, sampling, 12345)
+        gathered, _ = self._collect("evaluation", self.eval_samples, per_prompt, sampling, 12345)
+        groups, samples = _kept("evaluation", gathered, self.eval_samples)
         # NOTE: the step's prefill metrics leave the evaluation's prompts out (approximately,
         # when rollouts run meanwhile: rollout.max_staleness > 0).
         after = rollouts.prompt_token_counts(self.workers)
@@ -151,10 +152,27 @@ class Coordinator:
             (a0 + a2 - a1, c0 + c2 - c1)
             for (a0, c0), (a1, c1), (a2, c2) in zip(self._counts, before, after, strict=True)
         ]
-        rollouts.score(self.reward_fn, groups, self.eval_samples, self.config.reward_kwargs)
+        rollouts.score(self.reward_fn, groups, samples, self.config.reward_kwargs)
         metrics = rollouts.rollout_metrics([t for g in groups for t in g], prefix="eval/")
         metrics["eval_s"] = time.perf_counter() - start
+        metrics["eval/skipped_samples"] = float(len(gathered.skipped))
         return metrics
+
+
+def _kept(what: str, gathered: rollouts.Gathered, samples: list) -> tuple[list, list]:
+    """The groups that ran and their samples; each skipped sample is logged with the error
+    that skipped it (a sample's own media or length, `RolloutWorker.run_group`). Raises
+    SampleError when every sample was skipped: then the data or the limits are wrong."""
+    for index, why in gathered.skipped.items():
+        logger.warning("areno train: sample %r skipped in %s: %s", samples[index].id, what, why)
+    kept = [i for i in range(len(samples)) if i not in gathered.skipped]
+    if not kept:
+        first = min(gathered.skipped)
+        raise SampleError(
+            f"every sample of {what} was skipped ({len(samples)}); sample "
+            f"{samples[first].id!r}: {gathered.skipped[first]}"
+        )
+    return [gathered.groups[i] for i in kept], [samples[i] for i in kept]
 
 
 def staleness_metrics(

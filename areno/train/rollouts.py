@@ -132,12 +132,23 @@ def dispatch(
     return Dispatched(refs, indices)
 
 
-def gather(dispatched: Dispatched) -> tuple[list[list[Trajectory]], float]:
-    """The groups of a dispatched batch in sample order, and the seconds its slowest group took
-    on its worker (from its start there, however long after that it is gathered)."""
+@dataclass
+class Gathered:
+    """A batch's groups in sample order (a skipped sample's is empty), the seconds its slowest
+    group took on its worker, and why each skipped sample was skipped (by its index)."""
+
+    groups: list[list[Trajectory]]
+    seconds: float
+    skipped: dict[int, str]
+
+
+def gather(dispatched: Dispatched) -> Gathered:
+    """The groups of a dispatched batch; `seconds` from each group's start on its worker,
+    however long after that it is gathered."""
     results = wait_all(dispatched.refs, dispatched.indices)
-    seconds = max((sum(timings.values()) for _, timings in results), default=0.0)
-    return [trajectories for trajectories, _ in results], seconds
+    seconds = max((sum(r.timings.values()) for r in results), default=0.0)
+    skipped = {i: r.skipped for i, r in enumerate(results) if r.skipped is not None}
+    return Gathered([r.trajectories for r in results], seconds, skipped)
 
 
 def collect(
@@ -147,8 +158,8 @@ def collect(
     sampling: SamplingParams,
     *,
     seed: int | None = None,
-) -> tuple[list[list[Trajectory]], float]:
-    """`dispatch`, then `gather`: the groups in sample order and the batch's seconds."""
+) -> Gathered:
+    """`dispatch`, then `gather`."""
     return gather(dispatch(workers, samples, group_size, sampling, seed=seed))
 
 

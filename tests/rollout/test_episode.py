@@ -124,7 +124,9 @@ def _run(worker, media: Path, group_size: int = 2, sampling: SamplingParams | No
 
 
 def test_tool_calls_run_and_their_media_reach_the_next_turn(worker, caller):
-    trajectories, timings = _run(worker, caller[1])
+    result = _run(worker, caller[1])
+    trajectories, timings = result.trajectories, result.timings
+    assert result.skipped is None
     assert len(trajectories) == 2 and timings["generate_s"] > 0
     traj = trajectories[0]
     # turn 1 calls zoom; its result (text + a zoomed image) is appended and turn 2 generated;
@@ -139,8 +141,37 @@ def test_tool_calls_run_and_their_media_reach_the_next_turn(worker, caller):
     assert trajectories[1].token_ids == traj.token_ids  # greedy: the group's episodes agree
 
 
+def test_a_group_whose_sample_media_fails_is_skipped_with_the_reason(worker, caller):
+    """A sample's own bad content skips its group, the error naming the cause: an image its
+    prompt names that is not there, or one a tool returns that is not there (the episodes that
+    ran are dropped with it). The worker runs the next group as before."""
+    missing = caller[1] / "not-there.png"
+    sampling = SamplingParams(temperature=0)
+    result = asyncio.run(worker.run_group("scene-x", _messages(missing), 2, sampling))
+    assert result.trajectories == [] and result.skipped.startswith("MediaNotFoundError: ")
+    assert str(missing) in result.skipped
+
+    gone = caller[1] / "zoom-gone.png"
+
+    def zoom_to_nothing(arguments: dict, ctx: ToolContext) -> list[dict]:
+        return [{"type": "image_url", "image_url": {"url": str(gone)}}]
+
+    agent = worker.agent
+    worker.agent = Agent(
+        tools={"zoom": zoom_to_nothing}, tool_schemas=[ZOOM_SCHEMA], max_turns=2,
+        system_prompt="Use the zoom tool to look closer.",
+    )  # fmt: skip
+    try:
+        result = _run(worker, caller[1])
+    finally:
+        worker.agent = agent
+    assert result.trajectories == [] and result.skipped.startswith("MediaNotFoundError: ")
+    assert str(gone) in result.skipped
+    assert len(_run(worker, caller[1]).trajectories) == 2
+
+
 def test_loss_mask_covers_exactly_the_sampled_tokens(worker, caller):
-    traj = _run(worker, caller[1], group_size=1)[0][0]
+    traj = _run(worker, caller[1], group_size=1).trajectories[0]
     n = traj.num_prompt_tokens
     assert traj.loss_mask[:n] == [0] * n
     # each turn's sampled tokens are a run of 1s ending in the end-of-turn token; tool results
@@ -166,7 +197,7 @@ def test_trainer_scores_the_exact_episode_the_generator_sampled(worker, caller, 
     generator's per-token logprobs (fp32 CPU), so nothing was re-templated or re-encoded. Sampled
     at 0.5, both sides describe the tempered distribution the tokens were drawn from."""
     sampling = SamplingParams(temperature=temperature, seed=11)
-    traj = _run(worker, caller[1], group_size=1, sampling=sampling)[0][0]
+    traj = _run(worker, caller[1], group_size=1, sampling=sampling).trajectories[0]
     model, _, _ = load_policy(caller[0], dtype=torch.float32)
     model.eval()
     start = traj.num_prompt_tokens
