@@ -10,6 +10,7 @@ from pathlib import Path
 
 from areno.engine.config import EngineConfig
 from areno.logs import ENV
+from areno.models.registry import adapter_for_checkpoint
 from areno.rollout.worker import RolloutSpec, RolloutWorker
 from areno.train.config import GRPOConfig, cpu_threads
 
@@ -83,6 +84,9 @@ def run(config: GRPOConfig) -> Path:
     model_path = config.model_path or _embedded_default()
     if Path(model_path).is_dir():  # a relative path means this process's, not a worker's, cwd
         model_path = str(Path(model_path).resolve())
+    # A path that is no checkpoint of a supported family fails here, naming it, before Ray
+    # starts (as `areno serve` does), not in a worker's traceback.
+    adapter_for_checkpoint(model_path)
     run_dir = Path(config.run.run_dir).resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
     config.run.run_dir = str(run_dir)

@@ -80,3 +80,19 @@ def test_custom_resources_place_workers_and_are_checked() -> None:
         GRPOConfig.from_dict({"rollout": {"resources_per_worker": {"rollout": -1}}})
     with pytest.raises(ConfigError, match="must map resource names to amounts"):
         GRPOConfig.from_dict({"rollout": {"resources_per_worker": ["rollout"]}})
+
+
+def test_a_model_path_that_is_no_checkpoint_fails_before_ray_starts(tmp_path, capsys) -> None:
+    """`areno train --model-path` naming no checkpoint is an `areno: error` at once, naming the
+    path, with no run directory made and no Ray started."""
+    import ray
+
+    from areno.cli import main
+
+    run_dir = tmp_path / "run"
+    argv = ["train", "--model-path", str(tmp_path / "nothing"), "--run-dir", str(run_dir)]
+    assert main(argv) == 2
+    error = capsys.readouterr().err
+    assert error.startswith("areno: error: ") and str(tmp_path / "nothing") in error
+    assert "not a Hugging Face checkpoint directory" in error
+    assert not run_dir.exists() and not ray.is_initialized()
