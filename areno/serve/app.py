@@ -205,6 +205,7 @@ def run_server(
     import ray
     from ray import serve
 
+    check_config(config)  # a wrong flag fails now, before Ray and Serve start
     if not ray.is_initialized():
         ray.init(include_dashboard=False)
     serve.start(http_options={"host": config.host, "port": config.port})

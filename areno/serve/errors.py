@@ -1,11 +1,14 @@
 """What a client is told when serving fails: the serving layer's own errors, `aborted_error`
-(a request the engine cut off), and `user_error`, which turns any exception (a replica's
-ArenoError wrapped by Ray, a dead engine, Serve's backpressure, a lost replica, a bug) into the
-typed ArenoError the OpenAI error body is made of."""
+(a request the engine cut off), `Refused` (a refusal a replica answers with), and `user_error`,
+which turns any exception (a replica's ArenoError wrapped by Ray, a dead engine, Serve's
+backpressure, a lost replica, a bug) into the typed ArenoError the OpenAI error body is made
+of."""
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
+from typing import TypeVar
 
 from ray.exceptions import RayActorError
 from ray.serve.exceptions import BackPressureError
@@ -16,6 +19,26 @@ from areno.serve.admission import RETRY_AFTER_S, EngineUnavailableError
 
 # A child of "ray.serve": Serve routes it to the replica's log file and the driver's console.
 logger = logging.getLogger("ray.serve.areno")
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Refused:
+    """A user-facing error the Generator replica answers with (returned, or yielded as a
+    stream's last item) instead of raising it. Serve logs every exception a replica method
+    raises, with its traceback, as a failed request: under load each 429 (a full queue) cost
+    the busy replica a traceback in its log. A refusal is an answer; `unwrap` raises it again
+    in the Ingress."""
+
+    error: ArenoError
+
+
+def unwrap(value: T | Refused) -> T:
+    """`value`, or the error of a Refused raised."""
+    if isinstance(value, Refused):
+        raise value.error
+    return value
 
 
 class ModelNotFoundError(ArenoError):

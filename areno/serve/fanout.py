@@ -10,6 +10,7 @@ from typing import Any
 
 from areno.engine.outputs import RequestOutput, TokenScores
 from areno.serve.completions import PreparedCompletion
+from areno.serve.errors import unwrap
 
 
 def _cancel(responses: Sequence[Any]) -> None:
@@ -19,9 +20,10 @@ def _cancel(responses: Sequence[Any]) -> None:
 
 async def _gather(responses: Sequence[Any], awaitables: Sequence[Any] | None = None) -> list:
     """The results of `awaitables` (by default the Serve responses themselves), in order; on a
-    failure (or cancellation) every response is cancelled."""
+    failure (or cancellation, or a Refused result) every response is cancelled."""
     try:
-        return list(await asyncio.gather(*(responses if awaitables is None else awaitables)))
+        results = await asyncio.gather(*(responses if awaitables is None else awaitables))
+        return [unwrap(result) for result in results]
     except BaseException:
         _cancel(responses)
         raise
@@ -78,7 +80,7 @@ class PromptBatch:
         async def pump(i: int, stream: Any) -> None:
             try:
                 async for output in stream:
-                    queue.put_nowait((i, output))
+                    queue.put_nowait((i, unwrap(output)))
             except Exception as error:  # noqa: BLE001 - the consumer raises it
                 queue.put_nowait((i, error))
                 return

@@ -51,7 +51,7 @@ from areno.serve.completions import (
     encode_prompts,
 )
 from areno.serve.config import ServeConfig
-from areno.serve.errors import AuthenticationError, ModelNotFoundError, user_error
+from areno.serve.errors import AuthenticationError, ModelNotFoundError, unwrap, user_error
 from areno.serve.fanout import PromptBatch
 from areno.serve.metrics import IngressMetrics
 from areno.serve.sampling import completion_sampling_params, sampling_params
@@ -197,9 +197,9 @@ class Ingress:
                 merged = await self.generator_unary.generate_all.remote(
                     prepared.inputs, prepared.params, request_id
                 )
-                return self._respond(prepared, model, merged, arrival)
+                return self._respond(prepared, model, unwrap(merged), arrival)
             stream = self.generator.generate.remote(prepared.inputs, prepared.params, request_id)
-            first = await stream.__anext__()  # request-level errors surface before any byte
+            first = unwrap(await stream.__anext__())  # request-level errors: before any byte
         except Exception as e:  # noqa: BLE001 - every failure becomes an OpenAI error response
             return self._error(e)
         first_token_at = time.perf_counter()
@@ -327,7 +327,8 @@ class Ingress:
             outputs = [first]
             for line in writer.chunks(first):
                 yield line
-            async for output in stream:
+            async for item in stream:
+                output = unwrap(item)
                 outputs.append(output)
                 for line in writer.chunks(output):
                     yield line

@@ -15,13 +15,14 @@ from typing import Any
 from ray import serve
 
 from areno.engine.sampling import SamplingParams
+from areno.errors import ArenoError
 from areno.media import MediaDecoder, MediaPolicy
 from areno.processing import Processor
 from areno.processing.encode import PromptLimits
 from areno.processing.warmup import warm_up_prompts
 from areno.serve.admission import Admission, EngineUnavailableError
 from areno.serve.config import ServeConfig
-from areno.serve.errors import aborted_error
+from areno.serve.errors import Refused, aborted_error
 
 # A child of "ray.serve": Serve routes it to the replica's log file and the driver's console.
 logger = logging.getLogger("ray.serve.areno")
@@ -152,36 +153,56 @@ class GeneratorServer:
         """The engine's start-up phases with their seconds (Generator.describe_start_up)."""
         return self.generator.describe_start_up()
 
+    # NOTE: the three request methods answer a user-facing error (ArenoError: a full queue, a
+    # paused engine, a prompt the engine refuses, a request it cut off) as a Refused value, not
+    # an exception (areno/serve/errors.py, `Refused`); the Ingress unwraps it.
+
     async def generate_all(self, inputs, params: SamplingParams, request_id: str):
-        """The whole request in one reply (non-streaming HTTP: no per-delta handle traffic).
-        Raises RequestAbortedError (503) for a request the engine cut off."""
-        self._admit(params, request_id)
+        """The whole request in one reply (non-streaming HTTP: no per-delta handle traffic), or
+        Refused; RequestAbortedError (503) for a request the engine cut off."""
+        try:
+            self._admit(params, request_id)
+        except ArenoError as error:
+            return Refused(error)
         try:
             output = await self.generator.generate_all(inputs, params, request_id)
+        except ArenoError as error:
+            return Refused(error)
         finally:
             self._release(request_id)
         if (error := aborted_error(output)) is not None:
-            raise error
+            return Refused(error)
         return output
 
     async def generate(self, inputs, params: SamplingParams, request_id: str):
-        """The request's deltas; a request the engine cuts off ends with RequestAbortedError
-        (the Ingress's error event) in place of its aborted delta."""
-        self._admit(params, request_id)
+        """The request's deltas; a refused request yields only its Refused, and one the engine
+        cuts off ends with Refused(RequestAbortedError) (the Ingress's error event) in place of
+        its aborted delta."""
+        try:
+            self._admit(params, request_id)
+        except ArenoError as error:
+            yield Refused(error)
+            return
         try:
             async for output in self.generator.generate(inputs, params, request_id):
                 if (error := aborted_error(output)) is not None:
-                    raise error
+                    yield Refused(error)
+                    return
                 yield output
+        except ArenoError as error:
+            yield Refused(error)
         finally:
             self._release(request_id)
 
     async def score(self, inputs, adapter: str | None, num_top_logprobs: int):
         """`Generator.score`: one forward, outside the batch and its slots (no admission), so
-        only a paused engine refuses it."""
+        only a paused engine refuses it (Refused, as the others)."""
         if self.generator.is_paused:
-            raise EngineUnavailableError("the generation engine is paused; retry shortly")
-        return await self.generator.score(inputs, adapter, num_top_logprobs=num_top_logprobs)
+            return Refused(EngineUnavailableError("the generation engine is paused; retry shortly"))
+        try:
+            return await self.generator.score(inputs, adapter, num_top_logprobs=num_top_logprobs)
+        except ArenoError as error:
+            return Refused(error)
 
     async def pause(self, mode: str = "drain") -> None:
         """Pause the engine (`Generator.pause`: keep / drain / abort); requests arriving

@@ -122,11 +122,34 @@ def _generator_server(paused: bool, max_queued_requests: int = 0, output=DONE):
 
 
 def test_generator_server_answers_503_while_paused_and_holds_nothing():
+    """A refusal is answered as a Refused value (Serve would log a raised one with its
+    traceback, as a failed request), unary and streamed; the Ingress raises it (`unwrap`)."""
+    from areno.serve.errors import Refused, unwrap
+
     server = _generator_server(paused=True)
+    refused = asyncio.run(server.generate_all(None, SamplingParams(), "r"))
+    assert isinstance(refused, Refused)
     with pytest.raises(EngineUnavailableError, match="paused") as caught:
-        asyncio.run(server.generate_all(None, SamplingParams(), "r"))
+        unwrap(refused)
     assert caught.value.status_code == 503 and caught.value.retry_after_s == 1
+
+    async def stream() -> list:
+        return [output async for output in server.generate(None, SamplingParams(), "r2")]
+
+    (only,) = asyncio.run(stream())
+    assert isinstance(only.error, EngineUnavailableError)
     assert server.admission.num_held == 0
+
+
+def test_a_full_queue_is_answered_not_raised():
+    from areno.serve.errors import Refused
+
+    server = _generator_server(paused=False, max_queued_requests=0)
+    server.admission.admit("held", 1)  # its one slot taken, no queue
+    refused = asyncio.run(server.generate_all(None, SamplingParams(), "r"))
+    assert isinstance(refused, Refused) and isinstance(refused.error, QueueFullError)
+    assert refused.error.status_code == 429
+    assert server.admission.num_held == 1  # only the request that holds the slot
 
 
 def test_generator_server_releases_finished_requests():
@@ -143,7 +166,7 @@ def test_generator_server_releases_finished_requests():
 def test_a_request_the_engine_cut_off_is_503_never_a_finished_reply(cause, why):
     """An engine output whose sample ended "abort" (one sample finished, one cut off) is
     RequestAbortedError, unary or streamed (after the deltas before it), and is released."""
-    from areno.serve.errors import RequestAbortedError, user_error
+    from areno.serve.errors import RequestAbortedError, unwrap, user_error
 
     aborted = RequestOutput(
         "r",
@@ -155,7 +178,7 @@ def test_a_request_the_engine_cut_off_is_503_never_a_finished_reply(cause, why):
     )
     server = _generator_server(paused=False, output=aborted)
     with pytest.raises(RequestAbortedError) as caught:
-        asyncio.run(server.generate_all(None, SamplingParams(), "r"))
+        unwrap(asyncio.run(server.generate_all(None, SamplingParams(), "r")))
     error = caught.value
     assert user_error(error) is error
     assert (error.status_code, error.code, error.retry_after_s) == (503, "request_aborted", 1)
@@ -165,7 +188,7 @@ def test_a_request_the_engine_cut_off_is_503_never_a_finished_reply(cause, why):
         outputs = []
         with pytest.raises(RequestAbortedError, match=why):
             async for output in server.generate(None, SamplingParams(), "r2"):
-                outputs.append(output)
+                outputs.append(unwrap(output))
         return outputs
 
     assert len(asyncio.run(stream())) == 1  # the delta before the abort reached the client

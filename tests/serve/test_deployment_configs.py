@@ -162,3 +162,14 @@ def test_lora_flags_and_adapters_are_checked_before_deploying(tiny_path, tmp_pat
     (tmp_path / "adapter_model.safetensors").write_bytes(b"")
     with pytest.raises(ConfigError, match="rank 32; raise --max-lora-rank"):
         check_adapter("a", str(tmp_path), 16)
+
+
+def test_areno_serve_fails_on_a_wrong_model_path_before_ray_starts(tmp_path, capsys):
+    import ray
+
+    from areno.cli import main
+
+    assert main(["serve", "--model-path", str(tmp_path / "nothing")]) == 2
+    error = capsys.readouterr().err
+    assert "areno: error: " in error and "not a Hugging Face checkpoint directory" in error
+    assert not ray.is_initialized()

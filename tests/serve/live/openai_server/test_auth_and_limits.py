@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import time
+from pathlib import Path
 
 import openai
 import pytest
@@ -138,6 +139,19 @@ def test_overload_is_refused_with_429_and_the_server_keeps_serving(server):
         assert error.code == "rate_limit_exceeded"
         assert int(error.response.headers["retry-after"]) >= 1
     assert ask(client, "Fresh request after the burst.").choices[0].finish_reason
+    # A refusal is the replica's answer, not a failed request that Serve logs with its
+    # traceback (areno/serve/errors.py, `Refused`): nothing of the 429s in its log.
+    logs = _replica_logs("guarded", "GeneratorServer")
+    assert logs and "QueueFullError" not in logs and "Request failed" not in logs
+
+
+def _replica_logs(app: str, deployment: str) -> str:
+    """The text of the Serve log files of `app`'s `deployment` replicas in this Ray session."""
+    import ray
+
+    session = Path(ray._private.worker._global_node.get_session_dir_path())
+    files = sorted((session / "logs" / "serve").glob(f"replica_{app}_{deployment}_*.log"))
+    return "\n".join(path.read_text(errors="replace") for path in files)
 
 
 def _time_per_100_tokens(client) -> float:
