@@ -25,8 +25,8 @@ T = TypeVar("T")
 
 @dataclass(frozen=True)
 class Refused:
-    """A user-facing error the Generator replica answers with (returned, or yielded as a
-    stream's last item) instead of raising it. Serve logs every exception a replica method
+    """A user-facing error a worker replica (Generator, MediaDecoder, Processor) answers with
+    (returned, or yielded as a stream's last item) instead of raising it. Serve logs every exception a replica method
     raises, with its traceback, as a failed request: under load each 429 (a full queue) cost
     the busy replica a traceback in its log. A refusal is an answer; `unwrap` raises it again
     in the Ingress."""

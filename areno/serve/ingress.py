@@ -312,9 +312,11 @@ class Ingress:
                     self.encode_lock.release()
             encode = functools.partial(self._encode_text, chat.messages, **options)
             return await asyncio.get_running_loop().run_in_executor(self.encode_thread, encode)
-        media = await self.decoder.decode_many.remote(refs)
-        return await self.processor.encode.remote(
-            chat.messages, media, tools, kwargs, chat.max_new_tokens
+        media = unwrap(await self.decoder.decode_many.remote(refs))
+        return unwrap(
+            await self.processor.encode.remote(
+                chat.messages, media, tools, kwargs, chat.max_new_tokens
+            )
         )
 
     def _encode_text(self, messages, **kwargs):

@@ -53,11 +53,16 @@ class MediaDecoderServer:
             tag_keys=("modality",),
         )
 
-    def decode_many(self, refs: list) -> list:
+    def decode_many(self, refs: list) -> list | Refused:
+        """The decoded items, or Refused with the first item's error (a missing file, an
+        undecodable codec, a refused URL: see `Refused`)."""
         decoded = []
         for ref in refs:
             start = time.perf_counter()
-            decoded.append(self.decoder.decode(ref))
+            try:
+                decoded.append(self.decoder.decode(ref))
+            except ArenoError as error:
+                return Refused(error)
             self.decode_seconds.observe(
                 time.perf_counter() - start, tags={"modality": ref.modality}
             )
@@ -82,13 +87,18 @@ class ProcessorServer:
         template_kwargs: Any,
         max_new_tokens: int | None = None,
     ):
-        return self.processor.encode(
-            messages,
-            media,
-            tools=tools,
-            chat_template_kwargs=template_kwargs,
-            max_new_tokens=max_new_tokens,
-        )
+        """The PromptInputs, or Refused (a prompt over the limits, media the processor cannot
+        take: see `Refused`)."""
+        try:
+            return self.processor.encode(
+                messages,
+                media,
+                tools=tools,
+                chat_template_kwargs=template_kwargs,
+                max_new_tokens=max_new_tokens,
+            )
+        except ArenoError as error:
+            return Refused(error)
 
 
 @serve.deployment(max_ongoing_requests=4096)
@@ -155,7 +165,8 @@ class GeneratorServer:
 
     # NOTE: the three request methods answer a user-facing error (ArenoError: a full queue, a
     # paused engine, a prompt the engine refuses, a request it cut off) as a Refused value, not
-    # an exception (areno/serve/errors.py, `Refused`); the Ingress unwraps it.
+    # an exception (areno/serve/errors.py, `Refused`); the Ingress unwraps it. So do the
+    # decoder's and the processor's.
 
     async def generate_all(self, inputs, params: SamplingParams, request_id: str):
         """The whole request in one reply (non-streaming HTTP: no per-delta handle traffic), or

@@ -241,6 +241,16 @@ def test_still_serving_with_bounded_memory(warm):
     assert growth < MAX_RSS_GROWTH, f"app processes grew by {growth / MiB:.0f} MiB"
 
 
+def test_the_workers_answered_every_refusal_without_a_failed_request(warm):
+    """After the whole table: the worker replicas answered each refusal (a missing file, an
+    undecodable codec, a prompt over the limits) as a Refused value, so none of them logged a
+    failed request with its traceback, as Serve does for an exception a replica raises."""
+    session = ray._private.worker._global_node.get_session_dir_path()
+    for deployment in ("MediaDecoderServer", "ProcessorServer", "GeneratorServer"):
+        logs = _read_logs(f"{session}/logs/serve/replica_{APP}_{deployment}_*")
+        assert logs and b"Request failed" not in logs, deployment
+
+
 def test_logs_hold_no_key_private_metadata_or_media_bytes(warm):
     """A request with a media file, private metadata and the API key, under
     ARENO_LOG_COMPLETIONS=1: once its completion is logged, no log file of the session holds
