@@ -33,8 +33,8 @@ def test_a_step_without_an_optimizer_step_moves_only_the_version(tiny_path):
         def greedy_tokens() -> list[int]:
             messages = [{"role": "user", "content": "Name a color."}]
             params = SamplingParams(temperature=0, max_tokens=8)
-            trajectories, _ = ray.get(worker.run_group.remote("s", messages, 1, params))
-            return trajectories[0].token_ids
+            result = ray.get(worker.run_group.remote("s", messages, 1, params))
+            return result.trajectories[0].token_ids
 
         before = greedy_tokens()
         with torch.no_grad():  # what a wrongly sent update would carry

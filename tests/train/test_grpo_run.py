@@ -328,7 +328,8 @@ def _assert_serving_classes_load(checkpoint: Path) -> None:
     try:
         sample = next(load_samples("areno.tasks.color_quiz:load", num_samples=1))
         params = SamplingParams(temperature=0, max_tokens=4)
-        trajectories, _ = asyncio.run(worker.run_group(sample.id, sample.messages, 1, params))
+        result = asyncio.run(worker.run_group(sample.id, sample.messages, 1, params))
+        trajectories = result.trajectories
         assert trajectories[0].num_generated_tokens >= 1
     finally:
         worker.shutdown()
