@@ -93,8 +93,12 @@ _SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")
 
 
 # JSON Schema keywords the grammar engine (xgrammar) would not enforce: a schema using one is
-# refused rather than followed loosely. `multipleOf` is enforced for integers only, `format`
-# for the formats in GRAMMAR_FORMATS.
+# refused rather than followed loosely. `multipleOf` is enforced on integer schemas only,
+# `format` for the formats in GRAMMAR_FORMATS, `allOf` with one subschema, `uniqueItems` false.
+# NOTE: measured on xgrammar's compiler (a string the keyword forbids, accepted):
+# `uniqueItems` and `dependentRequired` are dropped; `patternProperties` makes it refuse the
+# objects the pattern allows; `allOf` of two or more schemas and `multipleOf` on a number are
+# dropped with a warning.
 UNENFORCED_KEYWORDS = (
     "not",
     "if",
@@ -104,7 +108,9 @@ UNENFORCED_KEYWORDS = (
     "minContains",
     "maxContains",
     "dependentSchemas",
+    "dependentRequired",
     "dependencies",
+    "patternProperties",
     "unevaluatedItems",
     "$dynamicRef",
     "$recursiveRef",
@@ -153,9 +159,15 @@ def unenforced_schema_features(schema: Any, where: str) -> list[str]:
         if not isinstance(node, dict):
             continue
         found += [f"{path}.{key}" for key in UNENFORCED_KEYWORDS if key in node]
+        if node.get("uniqueItems", False) is not False:
+            found.append(f"{path}.uniqueItems")
+        if len(node.get("allOf") or []) > 1:
+            found.append(f"{path}.allOf (of more than one schema)")
         multiple = node.get("multipleOf")
-        if multiple is not None and not (isinstance(multiple, int) and multiple > 0):
-            found.append(f"{path}.multipleOf (only positive integers)")
+        if multiple is not None and not (
+            isinstance(multiple, int) and multiple > 0 and node.get("type") == "integer"
+        ):
+            found.append(f"{path}.multipleOf (only positive integers, on an integer schema)")
         if "format" in node and node["format"] not in GRAMMAR_FORMATS:
             found.append(f"{path}.format {node['format']!r}")
         stack.extend(_subschemas(node, path))
