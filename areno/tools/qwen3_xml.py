@@ -65,7 +65,7 @@ def _parameters(inner: str, properties: dict[str, Any]) -> dict[str, Any] | None
         if inner[pos : param.start()].strip() or key in arguments:
             return None
         schema = properties.get(key)
-        raw = _strip_one_newline(param[2])
+        raw = _strip_layout(param[2])
         if _is_enumerated(schema):  # whitespace around a listed value is layout, not the value
             raw = raw.strip()
         arguments[key] = _value(raw, _schema_types(schema))
@@ -73,11 +73,18 @@ def _parameters(inner: str, properties: dict[str, Any]) -> dict[str, Any] | None
     return None if inner[pos:].strip() else arguments
 
 
-def _strip_one_newline(raw: str) -> str:
-    # The template puts exactly one newline on each side of the value; the value's own leading
-    # or trailing newlines are inside them.
-    raw = raw[1:] if raw.startswith("\n") else raw
-    return raw[:-1] if raw.endswith("\n") else raw
+# Whitespace that may lay a value out. The template puts one newline on each side of it; a
+# grammar-constrained call (xgrammar's qwen_xml style, at most one whitespace character in a
+# row: areno/serve/structured.py) may put any one of these there, and its schema checks (length,
+# pattern, enum) hold for the value without them.
+LAYOUT = " \t\r\n"
+
+
+def _strip_layout(raw: str) -> str:
+    """`raw` less one layout character on each side: the value's own leading or trailing
+    whitespace is inside them."""
+    raw = raw[1:] if raw[:1] and raw[0] in LAYOUT else raw
+    return raw[:-1] if raw[-1:] and raw[-1] in LAYOUT else raw
 
 
 def _schema_types(schema: Any) -> set[str]:

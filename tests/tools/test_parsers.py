@@ -193,3 +193,31 @@ def test_random_fragments_never_raise_and_stream_agrees(fmt):
         parsed = parser.parse(text)
         assert all(json.loads(c.function.arguments) is not None for c in parsed.tool_calls)
         assert_stream_matches_parse(parser, text, seed=seed)
+
+
+def test_qwen_xml_values_read_as_the_grammar_bounds_them():
+    """A strict call's grammar (xgrammar's qwen_xml style, one whitespace character at most
+    around a value) lets any whitespace character lay a value out, as a random model did with a
+    tab: the parser reads the value without it, so the schema holds for what it returns. The
+    value's own whitespace stays (one newline of layout each side, as the template writes)."""
+    import xgrammar
+    from xgrammar.testing import _is_grammar_accept_string
+
+    from areno.serve.structured import _call
+
+    parser = get_tool_parser("qwen3_xml")
+    schema = {
+        "type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 3}},
+        "required": ["city"],
+    }
+    spec = json.dumps({"type": "structural_tag", "format": _call(parser, "f", schema)})
+    grammar = xgrammar.Grammar.from_structural_tag(spec)
+    tools = [{"type": "function", "function": {"name": "f", "parameters": schema}}]
+    layouts = ["\nabc\n", "abc\t", "\tabc ", " ab\n", "abc", "\nab\n\n", "\r\nab\n"]
+    call = "<tool_call>\n<function=f>\n<parameter=city>{}</parameter>\n</function>\n</tool_call>"
+    accepted = [v for v in layouts if _is_grammar_accept_string(grammar, call.format(v))]
+    for value in accepted:
+        ((_, arguments),) = summary(parser.parse(call.format(value), tools))[1]
+        assert len(arguments["city"]) <= 3, (value, arguments)
+    assert {"abc\t", "\tabc "} <= set(accepted)  # the layouts the old reading overran
