@@ -9,10 +9,12 @@ from typing import Any
 
 import numpy as np
 
-from areno.errors import ArenoError, PromptTooLongError
+from areno.errors import ArenoError, PromptTooLongError, UnsupportedModalityError
+from areno.media.errors import MediaError
 from areno.media.types import DecodedAudio, DecodedImage, DecodedMedia, DecodedVideo
 from areno.models.registry import FamilyAdapter
 from areno.processing.types import MediaSpan, PromptInputs
+from areno.protocol.errors import RequestValidationError
 
 # Processor outputs that describe the text, not model inputs.
 _TEXT_KEYS = {"input_ids", "attention_mask", "offset_mapping", "text_replacement_offsets"}
@@ -29,6 +31,20 @@ class UnprocessableMediaError(ArenoError):
     ratio its family cannot patch)."""
 
     code = "unprocessable_media"
+
+
+# What a prompt's own content can get wrong: media that is missing, refused or undecodable, a
+# modality the model does not take, a prompt over the limits, a malformed message. A GRPO
+# rollout skips such a sample's group and `areno sft` the sample (the error says why); any
+# other error is a bug or a configuration and fails the run.
+SAMPLE_ERRORS = (
+    MediaError,
+    MediaMismatchError,
+    PromptTooLongError,
+    RequestValidationError,
+    UnprocessableMediaError,
+    UnsupportedModalityError,
+)
 
 
 @dataclass(frozen=True)

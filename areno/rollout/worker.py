@@ -13,23 +13,15 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from areno.data.sample import SampleError
 from areno.engine.config import EngineConfig
 from areno.engine.generator import Generator
 from areno.engine.ipc import visible_gpu_uuids
 from areno.engine.sampling import SamplingParams
-from areno.errors import PromptTooLongError, UnsupportedModalityError
 from areno.media.decoder import MediaDecoder
-from areno.media.errors import MediaError
 from areno.media.sources import MediaPolicy
-from areno.processing.encode import (
-    MediaMismatchError,
-    PromptLimits,
-    UnprocessableMediaError,
-)
+from areno.processing.encode import SAMPLE_ERRORS, PromptLimits
 from areno.processing.processor import Processor
 from areno.processing.types import PromptInputs
-from areno.protocol.errors import RequestValidationError
 from areno.rollout.agent import ToolContext, load_agent
 from areno.rollout.episode import EpisodeLimits, RolloutEnv, encode_prompt_for, run_episode
 from areno.rollout.trajectory import Trajectory
@@ -50,20 +42,6 @@ class RolloutSpec:
     # torch's CPU compute threads (None: its default, every core): an overlapped GRPO loop
     # gives the rollout and the trainer their own share of the cores
     cpu_threads: int | None = None
-
-
-# What a sample itself can get wrong: media that is missing, refused or undecodable, a modality
-# the model does not take, a prompt over the limits. Its group is skipped (`GroupResult.skipped`
-# says why) and the run goes on; any other error (a bug, a configuration) still fails the call.
-SAMPLE_ERRORS = (
-    MediaError,
-    MediaMismatchError,
-    PromptTooLongError,
-    RequestValidationError,
-    SampleError,
-    UnprocessableMediaError,
-    UnsupportedModalityError,
-)
 
 
 @dataclass

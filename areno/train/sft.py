@@ -23,6 +23,7 @@ from areno.data import load_samples
 from areno.errors import ConfigError
 from areno.media.decoder import MediaDecoder
 from areno.media.sources import MediaPolicy
+from areno.processing.encode import SAMPLE_ERRORS
 from areno.processing.processor import Processor
 from areno.processing.types import PromptInputs
 from areno.rollout.agent import Agent, load_agent
@@ -94,7 +95,12 @@ def sft(config: SFTConfig, log=print) -> Path:
                 f"sample {sample.id!r} has no private[{config.target_key!r}] to train on"
             )
         target = sample.private[config.target_key]
-        examples.append(_encode(processor, decoder, sample, target, agent))
+        try:
+            examples.append(_encode(processor, decoder, sample, target, agent))
+        except SAMPLE_ERRORS as error:  # its own media or length, as GRPO skips it
+            log(f"sft: sample {sample.id!r} skipped: {type(error).__name__}: {error}")
+    if not examples:
+        raise ConfigError(f"every sample of {config.loader} was skipped ({len(samples)})")
     model, _, frozen = load_policy(config.model_path, dtype=torch.float32, lora=config.lora)
     set_train_mode(model, frozen)
     params = [p for p in model.parameters() if p.requires_grad]

@@ -80,3 +80,29 @@ def test_a_batch_with_no_sample_that_runs_fails_the_run_saying_so(
     output = result.stdout + result.stderr
     assert "every sample of evaluation was skipped (8)" in output
     assert "PromptTooLongError" in output and "--max-prompt-tokens=8" in output
+
+
+def test_sft_skips_a_bad_sample_naming_it(tiny_path, media, tmp_path):
+    """`areno sft` skips a sample GRPO would skip, naming it, and trains on the rest; with no
+    sample left it fails saying so."""
+    from areno.errors import ConfigError
+    from areno.train.sft import SFTConfig, sft
+
+    lines: list[str] = []
+    kwargs = {"num_samples": 4, "media_dir": str(media), "missing": [1]}
+    config = SFTConfig(
+        model_path=str(tiny_path("qwen3_5")),
+        out_dir=str(tmp_path / "warm"),
+        loader="tests.train.bad_samples_task:load",
+        loader_kwargs=kwargs,
+        target_key="warmup_answer",
+        steps=1,
+        batch_size=2,
+        lr=1e-3,
+    )
+    assert (sft(config, log=lines.append) / "config.json").is_file()
+    (skipped,) = [line for line in lines if " skipped: " in line]
+    assert skipped.startswith("sft: sample 'color_quiz-train-1' skipped: MediaNotFoundError: ")
+    config.loader_kwargs = {**kwargs, "missing": [0, 1, 2, 3]}
+    with pytest.raises(ConfigError, match=r"every sample of .* was skipped \(4\)"):
+        sft(config, log=lines.append)
