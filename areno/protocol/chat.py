@@ -149,16 +149,17 @@ def _subschemas(node: dict, where: str) -> Iterator[tuple[Any, str]]:
             yield from ((child, f"{where}.{key}") for child in children)
 
 
-def unenforced_schema_features(schema: Any, where: str) -> list[str]:
+def unenforced_schema_features(schema: Any, where: str, also: tuple[str, ...] = ()) -> list[str]:
     """The places in a (shape-checked) JSON Schema that a grammar cannot enforce, as
-    "PATH.KEYWORD" strings; [] when it can enforce all of it."""
+    "PATH.KEYWORD" strings; [] when it can enforce all of it. `also`: keywords a particular
+    call syntax's grammar cannot enforce either."""
     found: list[str] = []
     stack: list[tuple[Any, str]] = [(schema, where)]
     while stack:
         node, path = stack.pop()
         if not isinstance(node, dict):
             continue
-        found += [f"{path}.{key}" for key in UNENFORCED_KEYWORDS if key in node]
+        found += [f"{path}.{key}" for key in (*UNENFORCED_KEYWORDS, *also) if key in node]
         if node.get("uniqueItems", False) is not False:
             found.append(f"{path}.uniqueItems")
         if len(node.get("allOf") or []) > 1:
@@ -174,9 +175,9 @@ def unenforced_schema_features(schema: Any, where: str) -> list[str]:
     return sorted(found)
 
 
-def check_enforceable(schema: Any, where: str) -> Any:
+def check_enforceable(schema: Any, where: str, also: tuple[str, ...] = ()) -> Any:
     """`schema`, or a ValueError naming what a grammar could not enforce in it."""
-    unenforced = unenforced_schema_features(schema, where)
+    unenforced = unenforced_schema_features(schema, where, also)
     if unenforced:
         formats = f" (supported formats: {', '.join(GRAMMAR_FORMATS)})"
         raise ValueError(

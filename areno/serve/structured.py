@@ -34,6 +34,11 @@ MAX_WHITESPACE = 16
 MAX_ARGUMENT_WHITESPACE = {"json": 2}
 DEFAULT_ARGUMENT_WHITESPACE = 1
 ANY_OBJECT = {"type": "object"}
+# Keywords a call syntax's grammar drops beyond those every grammar drops (protocol/chat.py,
+# UNENFORCED_KEYWORDS). xgrammar's gemma style keeps Gemma 4's `<|"|>` delimiter out of a
+# string by a filter, and ignores the string's length bounds with it (it warns): a strict call
+# came back longer than its maxLength.
+STYLE_UNENFORCED = {"gemma": ("minLength", "maxLength")}
 
 
 def structured_output(
@@ -88,7 +93,7 @@ def _tool_calls(request: ChatCompletionRequest, parser: ToolParser, prefix: str)
     parallel = request.parallel_tool_calls is not False
     if isinstance(choice, NamedToolChoice) or choice == "required":
         # Every argument is constrained, strict or not: the call is the whole reply.
-        schemas = {name: _schema(fn.parameters, name) for name, fn in tools.items()}
+        schemas = {name: _schema(fn.parameters, name, parser) for name, fn in tools.items()}
         names = [choice.function.name] if isinstance(choice, NamedToolChoice) else list(schemas)
         first = _one_of([_call(parser, n, schemas[n], skip=len(prefix)) for n in names])
         if isinstance(choice, NamedToolChoice) or not parallel:
@@ -102,7 +107,7 @@ def _tool_calls(request: ChatCompletionRequest, parser: ToolParser, prefix: str)
                 "type": "tag",
                 "begin": parser.call_opening(name),
                 "content": _arguments(
-                    parser, _schema(fn.parameters, name) if fn.strict else ANY_OBJECT
+                    parser, _schema(fn.parameters, name, parser) if fn.strict else ANY_OBJECT
                 ),
                 "end": parser.call_closing,
             }
@@ -117,13 +122,14 @@ def _tool_calls(request: ChatCompletionRequest, parser: ToolParser, prefix: str)
     return None
 
 
-def _schema(parameters: dict[str, Any] | None, name: str) -> dict[str, Any]:
-    """A tool's parameter schema, refused (400 naming the tool) where a grammar cannot enforce
-    it; a tool without parameters takes an empty object."""
+def _schema(parameters: dict[str, Any] | None, name: str, parser: ToolParser) -> dict[str, Any]:
+    """A tool's parameter schema, refused (400 naming the tool) where the grammar of the
+    family's call syntax cannot enforce it; a tool without parameters takes an empty object."""
     if parameters is None:
         return {"type": "object", "properties": {}, "additionalProperties": False}
     try:
-        return check_enforceable(parameters, "parameters")
+        also = STYLE_UNENFORCED.get(parser.argument_style, ())
+        return check_enforceable(parameters, "parameters", also)
     except ValueError as error:
         raise RequestValidationError(
             f"tool {name!r}: its parameters {error}", param="tools"

@@ -221,3 +221,38 @@ def test_qwen_xml_values_read_as_the_grammar_bounds_them():
         ((_, arguments),) = summary(parser.parse(call.format(value), tools))[1]
         assert len(arguments["city"]) <= 3, (value, arguments)
     assert {"abc\t", "\tabc "} <= set(accepted)  # the layouts the old reading overran
+
+
+def test_gemma_calls_refuse_the_string_bounds_their_grammar_drops():
+    """xgrammar's gemma style ignores a string's minLength / maxLength (a 6-character value
+    passes maxLength 3): a Gemma 4 call constrained by such a schema is refused (400 naming the
+    tool and the path); the other families' grammars enforce the bounds, and keep them."""
+    import xgrammar
+    from xgrammar.testing import _is_grammar_accept_string
+
+    from areno.protocol import parse_chat_request
+    from areno.protocol.errors import RequestValidationError
+    from areno.serve.structured import _call, structured_output
+
+    schema = {
+        "type": "object",
+        "properties": {"q": {"type": "string", "maxLength": 3}},
+        "required": ["q"],
+    }
+    gemma = get_tool_parser("gemma4")
+    spec = json.dumps({"type": "structural_tag", "format": _call(gemma, "get", schema)})
+    text = gemma.call_opening("get") + '{q:<|"|>abcdef<|"|>}' + gemma.call_closing
+    assert _is_grammar_accept_string(xgrammar.Grammar.from_structural_tag(spec), text)
+    body = {
+        "model": "m",
+        "messages": [{"role": "user", "content": "hi"}],
+        "tools": [{"type": "function", "function": {"name": "get", "parameters": schema}}],
+        "tool_choice": "required",
+    }
+    request = parse_chat_request(json.dumps(body).encode())
+    with pytest.raises(
+        RequestValidationError, match=r"'get'.*parameters\.properties\.q\.maxLength"
+    ):
+        structured_output(request, gemma, "", thinking=False)
+    for fmt in ("qwen3_xml", "hermes_json"):
+        assert structured_output(request, get_tool_parser(fmt), "", thinking=False) is not None
