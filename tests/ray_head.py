@@ -49,6 +49,14 @@ class RayHead:
             args, env=self.env, capture_output=True, text=True, timeout=timeout, **kwargs
         )
 
+    def session_logs(self) -> str:
+        """The text of the head's Ray log files (where trainer and worker log lines land)."""
+        texts = []
+        for path in self.temp_dir.rglob("*"):
+            if path.is_file() and path.suffix in (".out", ".err", ".log"):
+                texts.append(path.read_text(errors="replace"))
+        return "\n".join(texts)
+
 
 def ray_env() -> dict:
     return dict(os.environ, **RAY_TEST_ENV, PATH=f"{VENV_BIN}:{os.environ.get('PATH', '')}")

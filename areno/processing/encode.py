@@ -47,6 +47,11 @@ SAMPLE_ERRORS = (
 )
 
 
+def sample_error_text(error: Exception) -> str:
+    """How a skipped sample's error is reported: "MediaNotFoundError: media file not found..."."""
+    return f"{type(error).__name__}: {error}"
+
+
 @dataclass(frozen=True)
 class PromptLimits:
     """--max-prompt-tokens and --max-context-len, checked on the ENCODED prompt length."""

@@ -19,7 +19,7 @@ from areno.engine.ipc import visible_gpu_uuids
 from areno.engine.sampling import SamplingParams
 from areno.media.decoder import MediaDecoder
 from areno.media.sources import MediaPolicy
-from areno.processing.encode import SAMPLE_ERRORS, PromptLimits
+from areno.processing.encode import SAMPLE_ERRORS, PromptLimits, sample_error_text
 from areno.processing.processor import Processor
 from areno.processing.types import PromptInputs
 from areno.rollout.agent import ToolContext, load_agent
@@ -100,7 +100,9 @@ class RolloutWorker:
                 encode_prompt_for, self.env, self.agent, messages, tools, sample_id
             )
         except SAMPLE_ERRORS as error:
-            return GroupResult([], {"encode_s": time.perf_counter() - start}, _why(error))
+            return GroupResult(
+                [], {"encode_s": time.perf_counter() - start}, sample_error_text(error)
+            )
         encoded = time.perf_counter()
         episodes = [
             run_episode(
@@ -120,7 +122,7 @@ class RolloutWorker:
         if bad := [e for e in errors if not isinstance(e, SAMPLE_ERRORS)]:
             raise bad[0]
         if errors:
-            return GroupResult([], timings, _why(errors[0]))
+            return GroupResult([], timings, sample_error_text(errors[0]))
         return GroupResult(list(results), timings)
 
     async def update_weights(self, weights: Any, version: int) -> int:
@@ -140,7 +142,3 @@ class RolloutWorker:
 
     def shutdown(self) -> None:
         self.env.generator.shutdown()
-
-
-def _why(error: Exception) -> str:
-    return f"{type(error).__name__}: {error}"

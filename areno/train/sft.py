@@ -23,7 +23,7 @@ from areno.data import load_samples
 from areno.errors import ConfigError
 from areno.media.decoder import MediaDecoder
 from areno.media.sources import MediaPolicy
-from areno.processing.encode import SAMPLE_ERRORS
+from areno.processing.encode import SAMPLE_ERRORS, sample_error_text
 from areno.processing.processor import Processor
 from areno.processing.types import PromptInputs
 from areno.rollout.agent import Agent, load_agent
@@ -88,7 +88,7 @@ def sft(config: SFTConfig, log=print) -> Path:
     processor = Processor(config.model_path)
     decoder = MediaDecoder(MediaPolicy.for_training(), processor.decode_options())
     agent = load_agent(config.agent, **config.agent_kwargs)  # None: the plain answerer
-    examples = []
+    examples, skipped = [], []
     for sample in samples:
         if config.target_key not in sample.private:
             raise ConfigError(
@@ -98,9 +98,12 @@ def sft(config: SFTConfig, log=print) -> Path:
         try:
             examples.append(_encode(processor, decoder, sample, target, agent))
         except SAMPLE_ERRORS as error:  # its own media or length, as GRPO skips it
-            log(f"sft: sample {sample.id!r} skipped: {type(error).__name__}: {error}")
+            skipped.append(f"sample {sample.id!r} skipped: {sample_error_text(error)}")
+            log(f"sft: {skipped[-1]}")
     if not examples:
-        raise ConfigError(f"every sample of {config.loader} was skipped ({len(samples)})")
+        raise ConfigError(
+            f"every sample of {config.loader} was skipped ({len(samples)}); the first: {skipped[0]}"
+        )
     model, _, frozen = load_policy(config.model_path, dtype=torch.float32, lora=config.lora)
     set_train_mode(model, frozen)
     params = [p for p in model.parameters() if p.requires_grad]

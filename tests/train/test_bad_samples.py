@@ -12,7 +12,6 @@ from pathlib import Path
 import pytest
 
 from areno.train.metrics import read_metrics
-from tests.train.test_faults import _session_logs
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIG = REPO / "configs" / "color_quiz.yaml"
@@ -54,7 +53,7 @@ def test_a_bad_sample_is_skipped_named_and_counted(ray_head, tiny_path, media, t
     settings = {"loader": {"missing": [1], "long": [2]}, "run.eval_every": 1, "run.eval_size": 4}
     result = _train(ray_head, tiny_path("qwen3_5"), run_dir, media, settings, steps=2)
     assert result.returncode == 0, result.stderr[-4000:]
-    logs = result.stdout + result.stderr + _session_logs(ray_head.temp_dir)
+    logs = result.stdout + result.stderr + ray_head.session_logs()
     records = read_metrics(run_dir)
     steps = {r["step"]: r for r in records if "sample_ids" in r}
     # samples 1 and 2 of the stream are in step 1's batch of 4 (the quiz loads unshuffled)

@@ -78,16 +78,7 @@ def faulty_run(ray_head, tiny_path, tmp_path_factory):
     print(f"\nthe run with both crashes took {time.monotonic() - start:.1f} s")
     assert result.returncode == 0, result.stderr[-4000:]
     assert not rollout_marker.exists() and not trainer_marker.exists(), "a crash never happened"
-    return run_dir, result.stdout + result.stderr + _session_logs(ray_head.temp_dir)
-
-
-def _session_logs(temp_dir: Path) -> str:
-    """The Ray session's log files (where the trainer's and the workers' log lines land)."""
-    texts = []
-    for path in Path(temp_dir).rglob("*"):
-        if path.is_file() and path.suffix in (".out", ".err", ".log"):
-            texts.append(path.read_text(errors="replace"))
-    return "\n".join(texts)
+    return run_dir, result.stdout + result.stderr + ray_head.session_logs()
 
 
 def _step_records(run_dir: Path) -> list[dict]:
