@@ -15,6 +15,7 @@ resumption from the prefix cache) are in areno/engine/part_prefill.py.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterable
 
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -475,7 +476,9 @@ class ModelRunner(PartPrefills):
         (num_slots,), row i feeds `token_ids[slots[i]]`."""
         if block_tables is not None:
             self.set_tables(slots, block_tables, new=False)
-        self._adapter_rows(slots)
+        # NOTE: the graph step's row i is slot i (cuda_graphs.py), the eager step's row i is
+        # slots[i]: the adapter mask follows the rows the forward computes.
+        self._adapter_rows(range(self.num_slots) if self.graphs is not None else slots)
         with self._engine_context():
             if self.graphs is not None:
                 return self.graphs.decode(slots, positions, token_ids)
@@ -519,8 +522,8 @@ class ModelRunner(PartPrefills):
         for slot in slots:
             self.adapter_of[slot] = index
 
-    def _adapter_rows(self, slots: list[int]) -> None:
-        """Row i of the next forward runs with the adapter of `slots[i]`."""
+    def _adapter_rows(self, slots: Iterable[int]) -> None:
+        """Row i of the next forward runs with the adapter of the i-th of `slots`."""
         if self.lora is not None:
             self.lora.set_rows([self.adapter_of[slot] for slot in slots])
 

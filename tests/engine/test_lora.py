@@ -91,6 +91,65 @@ def test_adapters_and_base_in_one_batch_each_match_their_reference(setups, media
         assert tokens == expected[name][i], (name, i)
 
 
+async def _in_later_slots(gen, prompt, adapter_dir):
+    """Four requests started together, in slots 0-3: base ones that stop after one token in
+    slots 0 and 2, a base one running on in slot 1, an adapter one in slot 3. From the second
+    step on, the decoding slots are 1 and 3, neither in the row its position in the step names."""
+    await gen.load_adapter("first", adapter_dir)
+    short = dataclasses.replace(GREEDY, max_tokens=1)
+    jobs = [short, GREEDY, short, dataclasses.replace(GREEDY, adapter="first")]
+    await gen.pause("keep")
+    tasks = []
+    for params in jobs:  # queued one at a time: admitted, and given slots, in this order
+        tasks.append(asyncio.create_task(gen.generate_all(prompt, params)))
+        while gen.stats()["num_waiting"] < len(tasks):
+            await asyncio.sleep(0.005)
+    await gen.resume()
+    outs = await asyncio.gather(*tasks)
+    return outs[1].samples[0].token_ids, outs[3].samples[0].token_ids
+
+
+def _later_slots_check(setup, adapters, **config) -> None:
+    prompt = setup.encode(text("Count with me: one, two,"))
+    first_dir, first = adapters["first"]
+    gen = setup.generator(max_running_prompts=4, max_loras=1, max_lora_rank=8, **config)
+    try:
+        base, adapted = run(_in_later_slots(gen, prompt, first_dir))
+    finally:
+        gen.shutdown()
+    assert base == setup.reference(prompt, GREEDY.max_tokens)
+    assert adapted == _reference(first, prompt, GREEDY.max_tokens) != base
+
+
+@pytest.mark.parametrize("graphs", ["off", "static"])
+def test_requests_in_later_slots_decode_with_their_own_adapter(setups, adapters, graphs):
+    """The graph step computes row i for slot i; the adapter mask must follow it ("static" is
+    that step run uncaptured, as on CPU)."""
+    _later_slots_check(setups(FAMILY), adapters, decode_graphs=graphs)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_requests_in_later_slots_decode_with_their_own_adapter_on_cuda(tiny_path, adapters):
+    """The default CUDA settings (captured graphs) against graphs off, on the GPU."""
+    from tests.engine.generating import Setup
+
+    setup = Setup(tiny_path(FAMILY))
+    setup.model.cuda()
+    prompt = setup.encode(text("Count with me: one, two,"))
+    outs = {}
+    for graphs in ("auto", "off"):
+        gen = setup.generator(max_running_prompts=4, max_loras=1, max_lora_rank=8,
+                              decode_graphs=graphs)  # fmt: skip
+        try:
+            assert (gen.core.executor.worker.runner.graphs is not None) == (graphs == "auto")
+            outs[graphs] = run(_in_later_slots(gen, prompt, adapters["first"][0]))
+        finally:
+            gen.shutdown()
+    assert outs["auto"] == outs["off"]
+    assert outs["off"][1] != outs["off"][0]
+
+
 def test_an_update_in_place_and_the_policy_default(setups, adapters):
     """A weight sync's LoraWeights become the default adapter; a later sync replaces them."""
     setup = setups(FAMILY)
