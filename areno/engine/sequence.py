@@ -187,8 +187,9 @@ class SequenceGroup:
 
     def media_keys(self) -> list[tuple[int, int, str]]:
         """(start, end, key) of each media item of the prompt, as `block_hashes` takes them.
-        NOTE: the key is the source's content hash, modality and feature count; a request
-        that decodes the same bytes with other options into as many features would share."""
+        NOTE: the key is the item's content hash (its source bytes and every decoding option
+        that shaped it: the same clip at another fps is another item), modality and feature
+        count."""
         spans = self.inputs.mm_spans if self.inputs is not None else []
         return [
             (s.start, s.end, f"{s.modality}:{s.num_placeholder_tokens}:{s.content_hash}")

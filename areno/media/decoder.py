@@ -6,6 +6,7 @@ It is a plain Python class; serving runs it as a Ray Serve deployment and rollou
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import math
 import threading
 from collections import OrderedDict
@@ -125,7 +126,7 @@ class MediaDecoder:
                 self.num_hits += 1
                 return entry[0]
             self.num_misses += 1
-        decoded = _decode_bytes(ref.modality, raw, digest, options)
+        decoded = _decode_bytes(ref.modality, raw, item_hash(*key), options)
         self._store(key, decoded)
         return decoded
 
@@ -182,6 +183,14 @@ class MediaDecoder:
             ):
                 _, (_, evicted_bytes) = self._cache.popitem(last=False)
                 self._cache_bytes -= evicted_bytes
+
+
+def item_hash(source_hash: str, modality: str, options: tuple) -> str:
+    """The hash that names a decoded item wherever it is reused (processor outputs, tower
+    features, the KV blocks that hold them): its source bytes' sha256 with the modality and
+    every decoding option that shaped it (`DecodeOptions.cache_key`). The same clip at 1 and
+    at 2 fps is two items, even where both decode to as many frames."""
+    return hashlib.sha256(f"{source_hash}|{modality}|{options!r}".encode()).hexdigest()
 
 
 def _decode_bytes(

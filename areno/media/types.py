@@ -29,7 +29,9 @@ class MediaRef:
 @dataclass
 class DecodedImage:
     image: Image.Image  # RGB, EXIF orientation applied
-    content_hash: str  # sha256 of the source bytes
+    # the item's name wherever it is reused: its source bytes' sha256, and where a MediaDecoder
+    # decoded it, with every option that shaped it (areno/media/decoder.py::item_hash)
+    content_hash: str
     source: str  # a short description of where it came from, for messages (never the bytes)
     modality: Modality = field(default="image", init=False)
 

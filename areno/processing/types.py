@@ -23,7 +23,7 @@ class MediaSpan:
     start: int
     end: int
     num_placeholder_tokens: int
-    content_hash: str
+    content_hash: str  # the decoded item's (source bytes and decoding options)
 
 
 @dataclass
@@ -41,7 +41,7 @@ class PromptInputs:
 
     @property
     def cache_key(self) -> str:
-        """A content hash of the prompt: token ids plus the media items' source hashes."""
+        """A content hash of the prompt: token ids plus the media items' content hashes."""
         h = hashlib.sha256()
         h.update(torch.tensor(self.input_ids, dtype=torch.int64).numpy().tobytes())
         for span in self.mm_spans:

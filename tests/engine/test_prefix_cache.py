@@ -17,7 +17,7 @@ from areno.engine.block_manager import BlockManager, block_hashes, partial_block
 from areno.engine.encoder_cache import EncoderCache
 from areno.engine.sampling import SamplingParams
 from areno.engine.state_cache import StateCache
-from areno.media.samples import write_audio, write_image
+from areno.media.samples import write_audio, write_image, write_video
 from areno.train.policy import sequence_logprobs
 from tests.engine.generating import FAMILIES, GREEDY, arrive_together, run, text, with_media
 
@@ -339,6 +339,38 @@ def test_new_weights_forget_the_cached_blocks(setups):
         assert _cached_tokens(gen, x)[1] == 0
     finally:
         gen.shutdown()
+
+
+def test_one_video_at_two_frame_rates_is_two_items_to_the_towers_and_the_blocks(setups, tmp_path):
+    """A 10 s clip capped at 8 frames decodes other frames at 2 fps than at 1 fps, as many of
+    them: two tower calls, no block shared past the ones before the video, and each answer the
+    one transformers gives; the same rate again is answered from the cache."""
+    setup = setups("qwen3_vl")
+    clip = str(write_video(tmp_path / "long.mp4", seconds=10.0, fps=30.0))
+
+    def asked(fps: float):
+        part = {"type": "video_url", "video_url": {"url": clip, "fps": fps, "max_frames": 8}}
+        text_part = {"type": "text", "text": "What happens?"}
+        return setup.encode([{"role": "user", "content": [part, text_part]}])
+
+    fast, slow = asked(2.0), asked(1.0)
+    (span_fast,), (span_slow,) = fast.mm_spans, slow.mm_spans
+    assert span_fast.num_placeholder_tokens == span_slow.num_placeholder_tokens
+    assert span_fast.content_hash != span_slow.content_hash
+    block = 4
+    gen = setup.generator(block_size=block, enable_prefix_caching=True)
+    try:
+        fast_tokens, _ = _cached_tokens(gen, fast)
+        slow_tokens, slow_cached = _cached_tokens(gen, slow)
+        stats = gen.stats()
+        again, again_cached = _cached_tokens(gen, fast)
+    finally:
+        gen.shutdown()
+    assert (stats["num_media_encodes"], stats["num_media_encodes_cached"]) == (2, 0)
+    assert slow_cached <= span_slow.start // block * block
+    assert again_cached > span_fast.end and again == fast_tokens
+    assert fast_tokens == setup.reference(fast, GREEDY.max_tokens)
+    assert slow_tokens == setup.reference(slow, GREEDY.max_tokens)
 
 
 def test_a_reset_prefix_cache_prefills_the_next_prompt_whole(setups):
