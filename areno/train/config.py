@@ -95,8 +95,10 @@ class AlgoConfig:
     group_size: int = 8
     prompts_per_step: int = 4
     normalize_std: bool = True
-    # "rollout": the generator's logprobs are the behaviour policy (ratio vs the sampler);
-    # "recompute": the trainer's own pre-update logprobs, with `tis_cap` correcting the mismatch.
+    # "rollout": the ratio is taken against the generator's logprobs (the sampler's);
+    # "recompute": against the trainer's own logprobs before the update (the proximal policy),
+    # with `loss.tis_cap` weighting each token by proximal / sampler (decoupled PPO). The
+    # accepted combinations: docs/architecture.md, "Off-policy correction".
     behaviour_logprobs: str = "rollout"
     loss: GRPOLossConfig = field(default_factory=GRPOLossConfig)
     # optimizer steps per rollout batch: the batch split into `mini_batches` parts, each one
@@ -193,6 +195,28 @@ class RunConfig:
         _positive("run", "eval_samples_per_prompt", self.eval_samples_per_prompt)
 
 
+def _check_correction(grpo: AlgoConfig, max_staleness: int) -> None:
+    """Refuse the combinations whose correction would silently do nothing (the table in
+    docs/architecture.md, "Off-policy correction")."""
+    tis_cap = grpo.loss.tis_cap
+    if grpo.behaviour_logprobs == "rollout" and tis_cap is not None:
+        raise ConfigError(
+            "grpo.loss.tis_cap needs grpo.behaviour_logprobs: recompute. With 'rollout' the "
+            "ratio is already taken against the rollout's logprobs, so the TIS weight "
+            "exp(proximal - rollout) is 1 on every token and the cap does nothing",
+            param="tis_cap",
+        )
+    if grpo.behaviour_logprobs == "recompute" and tis_cap is None and max_staleness > 0:
+        raise ConfigError(
+            f"grpo.behaviour_logprobs: recompute with rollout.max_staleness = {max_staleness} "
+            "needs grpo.loss.tis_cap: the ratio is taken against the trainer's own logprobs "
+            "before the update, so without the truncated importance weight tokens sampled by "
+            "an older policy are trained as if on-policy. Set grpo.loss.tis_cap (e.g. 2.0: "
+            "decoupled PPO) or use behaviour_logprobs: rollout",
+            param="tis_cap",
+        )
+
+
 @dataclass
 class GRPOConfig:
     model_path: str | None = None  # None: the embedded tiny checkpoint
@@ -220,6 +244,8 @@ class GRPOConfig:
                 f"episodes each of trainer.num_workers = {self.trainer.num_workers} ranks trains "
                 f"on per step (grpo.group_size x grpo.prompts_per_step / trainer.num_workers)"
             )
+
+        _check_correction(self.grpo, self.rollout.max_staleness)
 
     @property
     def episodes_per_step(self) -> int:

@@ -28,6 +28,8 @@ class GRPOLossConfig:
     kl_coef: weight of the k3 KL estimate to a frozen reference policy; 0 turns it off.
     tis_cap: truncated importance sampling for the train/rollout mismatch: each token's loss is
         multiplied by min(exp(old_logprobs - rollout_logprobs), tis_cap); None turns it off.
+        Only meaningful where `old_logprobs` are not the rollout's (the trainer's
+        `behaviour_logprobs: recompute`, where they are the proximal policy's).
     loss_agg: "token_mean" (sum over the batch's valid tokens / their number; DAPO),
         "seq_mean_token_mean" (each sequence's token mean, then the mean over sequences), or
         "seq_mean_token_sum_norm" (each sequence's token sum / max_response_len, then the mean

@@ -58,7 +58,7 @@ def deepspeed_config(config: GRPOConfig, world_size: int, dtype: torch.dtype) ->
 
 # What a rank adds up over a step's passes (`Learner.train_step`, combined by `_reduce`).
 SUM_KEYS = ("tokens", "abs_diff", "max_abs", "clip", "kl", "loss", "ratio_max", "steps")
-SUM_KEYS += ("passes", "rows", "padded", "packed", "real", "fresh")
+SUM_KEYS += ("passes", "rows", "padded", "packed", "real", "fresh", "ratio", "tis")
 
 # Media features a trainer rank keeps within one step (frozen towers: `Learner.features`).
 TRAINER_FEATURE_BYTES = 1 << 30
@@ -285,6 +285,8 @@ class Learner:
             sums["clip"] += info["clip_fraction"] * n
             sums["kl"] += info.get("kl", 0.0) * n
             sums["ratio_max"] = max(sums["ratio_max"], info["ratio_max"])
+            sums["ratio"] += info["ratio_mean"] * n
+            sums["tis"] += info.get("tis_weight_mean", 1.0) * n
             sums["loss"] += float(loss.item()) * weight
         lengths = [row_length([t.inputs for t in row]) for row in _split(trajs, sizes)]
         sums["passes"] += 1
@@ -355,6 +357,9 @@ def _reduce(sums: dict[str, float]) -> dict[str, float]:
         "clip_fraction": sum(s["clip"] for s in gathered) / tokens,
         "kl": sum(s["kl"] for s in gathered) / tokens,
         "ratio_max": max(s["ratio_max"] for s in gathered),
+        "ratio_mean": sum(s["ratio"] for s in gathered) / tokens,
+        # the truncated importance weight (proximal / sampler, capped): 1 without tis_cap
+        "tis_weight_mean": sum(s["tis"] for s in gathered) / tokens,
     }
 
 
