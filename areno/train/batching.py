@@ -41,6 +41,13 @@ class MiniBatch:
     # packed passes (`plan_rows`): each micro-batch's rows, as the sizes of consecutive runs of
     # its pairs; None: every trajectory is a row of its own
     rows: list[list[int]] | None = None
+    # the last `num_fillers` micro-batches are fillers: a copy of a trajectory, weighted 0, run
+    # where a rank has fewer trajectories than another rank has passes, so that its backward
+    # passes still reduce with the other ranks' (`plan_step`)
+    num_fillers: int = 0
+
+    def is_filler(self, index: int) -> bool:
+        return index >= len(self.micro) - self.num_fillers
 
 
 def is_per_token(value: torch.Tensor, num_tokens: int) -> bool:
@@ -139,8 +146,10 @@ def plan_rows(
 
 
 def split_rows_to(batches: list[list[list[int]]], count: int) -> list[list[list[int]]]:
-    """`split_to` for packed micro-batches: the one with the most trajectories splits its rows
-    in two, or a lone row its members."""
+    """`batches` (micro-batches of rows) split further until there are `count` of them, so that
+    every rank runs the same number of backward passes: the one with the most trajectories
+    splits its rows in two, or a lone row its members; `count` is at most the number of
+    trajectories."""
     batches = [[list(row) for row in rows] for rows in batches]
     while len(batches) < count:
         largest = max(range(len(batches)), key=lambda j: sum(map(len, batches[j])))
@@ -155,19 +164,6 @@ def split_rows_to(batches: list[list[list[int]]], count: int) -> list[list[list[
     return batches
 
 
-def split_to(batches: list[list[int]], count: int) -> list[list[int]]:
-    """`batches` split further until there are `count` of them (the largest split first), so
-    that every rank runs the same number of backward passes; `count` is at most the number of
-    items."""
-    batches = [list(b) for b in batches]
-    while len(batches) < count:
-        largest = max(range(len(batches)), key=lambda j: len(batches[j]))
-        members = batches.pop(largest)
-        half = len(members) // 2
-        batches[largest:largest] = [members[:half], members[half:]]
-    return batches
-
-
 def plan_step(
     pairs: Sequence[tuple[Any, float]],
     world_size: int,
@@ -178,48 +174,60 @@ def plan_step(
     version: int | None = None,
     packs: bool = False,
 ) -> list[list[MiniBatch]]:
-    """Each rank's mini-batches of a step's (trajectory, advantage) pairs: mini-batch m is the
-    m-th contiguous part of `pairs` (whole groups stay together when they divide evenly), split
-    evenly over the ranks, and each rank's part planned into micro-batches (`packs`: of packed
-    rows, `plan_rows`); every rank gets the same number of micro-batches per mini-batch (their
-    backward passes reduce together)."""
-    size = len(pairs) // (world_size * mini_batches)  # per rank and mini-batch
+    """Each rank's mini-batches of a step's (trajectory, advantage) pairs. Every pair is
+    trained, however many a step kept (skipped samples shrink it): mini-batch m is the m-th of
+    `mini_batches` contiguous parts of `pairs`, as even as they can be (whole groups stay
+    together where they divide evenly; fewer parts than pairs never), each split over the
+    ranks as evenly as it can be, and each rank's part planned into micro-batches (`packs`: of
+    packed rows, `plan_rows`). Every rank gets the same number of micro-batches per mini-batch
+    (their backward passes reduce together); a rank with fewer pairs than that runs fillers
+    (`MiniBatch.num_fillers`)."""
     shares: list[list[MiniBatch]] = [[] for _ in range(world_size)]
-    for m in range(mini_batches):
-        part = pairs[m * size * world_size : (m + 1) * size * world_size]
+    num_parts = min(mini_batches, len(pairs))
+    for m in range(num_parts):
+        part = list(pairs[_bound(m, len(pairs), num_parts) : _bound(m + 1, len(pairs), num_parts)])
         tokens = sum(traj.num_generated_tokens for traj, _ in part)
-        per_rank = [part[r * size : (r + 1) * size] for r in range(world_size)]
-        if packs:
-            shares_m = _packed_shares(per_rank, budget, tokens, len(part), version)
-            for rank, mini in enumerate(shares_m):
-                shares[rank].append(mini)
-            continue
-        plans = [
-            plan_micro_batches(
-                [traj.inputs for traj, _ in own], budget, batched_media=batched_media
-            )
-            for own in per_rank
+        per_rank = [
+            part[_bound(r, len(part), world_size) : _bound(r + 1, len(part), world_size)]
+            for r in range(world_size)
         ]
+        plans = [_plan(own, budget, packs, batched_media) for own in per_rank]
         count = max(len(plan) for plan in plans)
         for rank, (own, plan) in enumerate(zip(per_rank, plans, strict=True)):
-            micro = [[own[i] for i in members] for members in split_to(plan, count)]
-            shares[rank].append(MiniBatch(micro, tokens, len(part), version))
+            mini = _mini_batch(own, plan, count, part[0])
+            mini.tokens, mini.episodes, mini.version = tokens, len(part), version
+            if not packs:
+                mini.rows = None
+            shares[rank].append(mini)
     return shares
 
 
-def _packed_shares(per_rank, budget: int, tokens: int, episodes: int, version) -> list[MiniBatch]:
-    plans = [
-        plan_rows([t.inputs for t, _ in own], budget, [t.sample_id for t, _ in own])
-        for own in per_rank
-    ]
-    count = max(len(plan) for plan in plans)
-    out = []
-    for own, plan in zip(per_rank, plans, strict=True):
-        batches = split_rows_to(plan, count)
-        micro = [[own[i] for row in rows for i in row] for rows in batches]
-        sizes = [[len(row) for row in rows] for rows in batches]
-        out.append(MiniBatch(micro, tokens, episodes, version, sizes))
-    return out
+def _plan(own: list, budget: int, packs: bool, batched_media: bool) -> list[list[list[int]]]:
+    """Micro-batches of rows of indices into `own`: packed rows (`plan_rows`), or one
+    trajectory a row (`plan_micro_batches`)."""
+    inputs = [traj.inputs for traj, _ in own]
+    if packs:
+        return plan_rows(inputs, budget, [traj.sample_id for traj, _ in own])
+    batches = plan_micro_batches(inputs, budget, batched_media=batched_media)
+    return [[[i] for i in members] for members in batches]
+
+
+def _mini_batch(own: list, plan: list[list[list[int]]], count: int, spare) -> MiniBatch:
+    """One rank's `count` micro-batches of its pairs `own` planned as `plan` (micro-batches of
+    rows of indices), split until there are `count` where it has as many pairs, then fillers
+    (copies of `spare`)."""
+    batches = split_rows_to(plan, min(count, len(own))) if own else []
+    micro = [[own[i] for row in rows for i in row] for rows in batches]
+    rows = [[len(row) for row in rows] for rows in batches]
+    num_fillers = count - len(micro)
+    micro += [[spare]] * num_fillers
+    rows += [[1]] * num_fillers
+    return MiniBatch(micro, rows=rows, num_fillers=num_fillers)
+
+
+def _bound(i: int, n: int, parts: int) -> int:
+    """Where part i of n items cut into `parts` near-equal contiguous parts starts."""
+    return i * n // parts
 
 
 def collate(batch: Sequence[PromptInputs]) -> dict[str, torch.Tensor]:

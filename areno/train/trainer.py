@@ -172,7 +172,10 @@ class Learner:
         fixed = {} if fixed is None else fixed
         for index, micro in enumerate(mini.micro):
             self.engine.set_gradient_accumulation_boundary(index == len(mini.micro) - 1)
-            self._learn(micro, _rows(mini, index), mini, sums, fixed)
+            if mini.is_filler(index):
+                self._filler(micro, _rows(mini, index))
+            else:
+                self._learn(micro, _rows(mini, index), mini, sums, fixed)
 
     def _recompute_old(self, share: list[MiniBatch], fixed: dict) -> None:
         """behaviour_logprobs="recompute" with several optimizer steps per batch: the policy's
@@ -181,6 +184,8 @@ class Learner:
         with torch.no_grad():
             for mini in share:
                 for index, micro in enumerate(mini.micro):
+                    if mini.is_filler(index):
+                        continue
                     trajs = [traj for traj, _ in micro]
                     rows = self._logprobs(self.module, trajs, _rows(mini, index), temperature)
                     for traj, row in zip(trajs, rows, strict=True):
@@ -230,6 +235,12 @@ class Learner:
             return
         with self.module.disable_adapter():
             yield self.module
+
+    def _filler(self, micro, sizes: list[int]) -> None:
+        """A backward pass that adds nothing (`MiniBatch.num_fillers`): this rank's gradient
+        reduction meets the other ranks' for a mini-batch it has fewer trajectories of."""
+        rows = self._logprobs(self.module, [traj for traj, _ in micro], sizes, 1.0)
+        self.engine.backward(sum(row.sum() for row in rows) * 0.0)
 
     def _learn(self, micro, sizes: list[int], mini: MiniBatch, sums: dict, fixed: dict) -> None:
         """One micro-batch's forward (rows of `sizes` consecutive trajectories), its

@@ -25,7 +25,6 @@ from areno.train.batching import (
     plan_rows,
     plan_step,
     split_rows_to,
-    split_to,
 )
 from areno.train.config import GRPOConfig
 from areno.train.packing import row_length, shared_length
@@ -111,8 +110,8 @@ def test_collate_pads_rows_and_concatenates_media() -> None:
 
 
 def test_every_rank_runs_as_many_passes_per_mini_batch() -> None:
-    split = split_to([[0, 1, 2, 3], [4]], 4)
-    assert sorted(i for b in split for i in b) == [0, 1, 2, 3, 4] and len(split) == 4
+    split = split_rows_to([[[0], [1], [2], [3]], [[4]]], 4)
+    assert sorted(i for b in split for r in b for i in r) == [0, 1, 2, 3, 4] and len(split) == 4
 
     lengths = [100, 10, 10, 10, 10, 10, 10, 10]  # rank 0 gets the long one
     pairs = [(_Traj(_prompt(n), 1), 0.5) for n in lengths]
@@ -125,9 +124,49 @@ def test_every_rank_runs_as_many_passes_per_mini_batch() -> None:
     assert [t.inputs.num_prompt_tokens for t, _ in sum(shares[0][0].micro, [])] == [100, 10]
 
 
+def _trained(shares) -> list:
+    """The pairs a plan trains (fillers left out), in plan order."""
+    return [
+        pair
+        for share in shares
+        for mini in share
+        for index, micro in enumerate(mini.micro)
+        if not mini.is_filler(index)
+        for pair in micro
+    ]
+
+
+@pytest.mark.parametrize("packs", [False, True])
+@pytest.mark.parametrize(
+    ("num_pairs", "world_size", "mini_batches"),
+    [(18, 1, 4), (18, 2, 4), (23, 2, 4), (3, 2, 2), (1, 2, 4), (5, 4, 1)],
+)
+def test_every_kept_trajectory_is_trained_once_however_many_a_step_kept(
+    num_pairs, world_size, mini_batches, packs
+) -> None:
+    """Skipped samples shrink a step's batch below what the config divides evenly (6 x 4
+    episodes, one sample of 6 skipped: 18); every pair still trains exactly once, every rank
+    runs as many passes per mini-batch, a rank short of pairs runs fillers, and the loss
+    normalisers count the real pairs only."""
+    pairs = [(_Traj(_prompt(10 + i % 3), 2, sample_id=f"s{i // 6}"), 0.5) for i in range(num_pairs)]
+    shares = plan_step(pairs, world_size, mini_batches, budget=64, packs=packs)
+    trained = _trained(shares)
+    assert sorted(id(p) for p in trained) == sorted(id(p) for p in pairs)
+    num_minis = {len(share) for share in shares}
+    assert num_minis == {min(mini_batches, num_pairs)}
+    for m in range(min(mini_batches, num_pairs)):
+        minis = [share[m] for share in shares]
+        assert len({len(mini.micro) for mini in minis}) == 1
+        real = [p for mini in minis for i, mc in enumerate(mini.micro) if not mini.is_filler(i)
+                for p in mc]  # fmt: skip
+        assert all(mini.episodes == len(real) and mini.tokens == 2 * len(real) for mini in minis)
+        if packs:
+            assert all(sum(map(sum, mini.rows)) == sum(map(len, mini.micro)) for mini in minis)
+
+
 class _Traj:
-    def __init__(self, inputs: PromptInputs, generated: int):
-        self.inputs, self.num_generated_tokens, self.sample_id = inputs, generated, None
+    def __init__(self, inputs: PromptInputs, generated: int, sample_id: str | None = None):
+        self.inputs, self.num_generated_tokens, self.sample_id = inputs, generated, sample_id
 
 
 # --- the gradient of a batched mini-batch -------------------------------------------------
@@ -302,6 +341,27 @@ def test_a_group_packed_into_one_row_gives_the_unpacked_gradient(
         assert alone.keys() == batched.keys() and alone
         for name, grad in alone.items():
             torch.testing.assert_close(batched[name], grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_a_filler_pass_adds_no_gradient_and_no_metric(process_group, tiny_path, media):
+    """A rank short of trajectories runs a filler so its reduction meets the others': it must
+    leave the gradient and the step's sums as they were."""
+    from areno.train.batching import MiniBatch
+    from areno.train.trainer import SUM_KEYS
+
+    path = tiny_path("qwen3_5")
+    trajs = _trajectories(path, media)
+    learner = _learner(path, 0, 0, {"loss_agg": "token_mean"})
+    try:
+        learner.module.train()
+        sums = dict.fromkeys(SUM_KEYS, 0.0)
+        filler = MiniBatch([[(trajs[0], 1.0)]], tokens=1, episodes=1, num_fillers=1)
+        learner.accumulate(filler, sums)
+        grads = [p.grad for p in learner.module.parameters() if p.requires_grad]
+        assert all(g is None or not g.any() for g in grads)
+        assert all(value == 0.0 for value in sums.values())
+    finally:
+        learner.engine.destroy()
 
 
 def test_mini_batches_and_epochs_take_that_many_optimizer_steps(process_group, tiny_path, media):
