@@ -110,7 +110,8 @@ def load(
             "color": color,
             "options": {LETTERS[i]: name for i, name in enumerate(names)},
             "warmup_answer": LETTERS[rng.randrange(len(names))],
-            PUBLIC_VALUES: list(names),  # the question lists every option
+            # the question lists every option and its letter
+            PUBLIC_VALUES: list(names) + [LETTERS[i] for i in range(len(names))],
         }
         yield Sample(messages=messages, private=private, id=f"color_quiz-{split}-{index}")
 

@@ -204,8 +204,8 @@ def make_split(
             "end_s": end_s,
             "duration_s": seconds,
             "warmup_call": warmup_call(warmup_rng, num_segments),
-            # the question lists every class and names the call
-            PUBLIC_VALUES: [e.name for e in EVENTS] + ["submit_answer"],
+            # the question lists every class, names the call and states the clip's length
+            PUBLIC_VALUES: [e.name for e in EVENTS] + ["submit_answer", seconds],
         }
         sample = Sample([{"role": "user", "content": content}], private=private, id=path.stem)
         lines.append(sample.to_json())

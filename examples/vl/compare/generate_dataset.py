@@ -51,7 +51,7 @@ def make_sample(rng: np.random.Generator, index: int, split: str, media: Path, s
     counts = (high, low) if answer == "first" else (low, high)
     content = []
     for k, count in enumerate(counts):
-        path = media / f"{split}-{index:05d}-{k}.png"
+        path = media / f"{split}-{index:05d}-image{k}.png"
         _image(rng, shape, count, size).save(path)
         content.append({"type": "image_url", "image_url": {"url": str(path.resolve())}})
     content.append({"type": "text", "text": question(shape)})
