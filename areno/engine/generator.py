@@ -303,8 +303,11 @@ class Generator:
         pairs = list(weights.items()) if isinstance(weights, Mapping) else list(weights)
 
         def load() -> int:
-            count = self.core.executor.load_weights(pairs)
-            self.core.scheduler.forget_cached()  # keys and states of the old weights
+            # NOTE: no weights (a step that took no optimizer step) only moves the version: the
+            # cached prefixes and the saved resume points of running episodes stay valid.
+            count = self.core.executor.load_weights(pairs) if pairs else 0
+            if count:
+                self.core.scheduler.forget_cached()  # keys and states of the old weights
             self.core.policy_version = version
             return count
 

@@ -373,6 +373,21 @@ def test_one_video_at_two_frame_rates_is_two_items_to_the_towers_and_the_blocks(
     assert slow_tokens == setup.reference(slow, GREEDY.max_tokens)
 
 
+def test_a_new_version_without_new_weights_keeps_the_cached_blocks(setups):
+    """A GRPO step that took no optimizer step sends only its version: nothing changed, so the
+    cached prefixes stay."""
+    setup = setups("qwen3_vl")
+    x = setup.encode(text("Once upon a time there was a river that ran to the sea."))
+    gen = setup.generator(block_size=4, enable_prefix_caching=True)
+    try:
+        tokens, _ = _cached_tokens(gen, x)
+        assert run(gen.update_weights([], 1)) == 0
+        again, cached = _cached_tokens(gen, x)
+        assert cached > 0 and again == tokens and gen.policy_version == 1
+    finally:
+        gen.shutdown()
+
+
 def test_a_reset_prefix_cache_prefills_the_next_prompt_whole(setups):
     setup = setups("qwen3_vl")
     x = setup.encode(text("Once upon a time there was a river that ran to the sea."))
