@@ -277,14 +277,14 @@ class EngineCore:
 
     def _row(self, seq: Sequence, prefill: bool = False) -> RowSampling:
         """How to sample `seq`'s next token: with its history when a penalised sequence is
-        prefilled, and without its stop tokens before min_tokens (a grammar decides its own
-        end)."""
+        prefilled, and without its stop tokens before min_tokens (never set with a grammar:
+        `SamplingParams` refuses the pair)."""
         params = seq.params
         row = RowSampling(seq.seq_id, params, seq.seed)
         if prefill and params.has_penalties:
             row.history = (list(seq.prompt_token_ids), list(seq.output_token_ids))
         drawn = seq.num_output_tokens + seq.num_in_flight
-        if drawn < params.min_tokens and seq.seq_id not in self._matchers:
+        if drawn < params.min_tokens:
             stops = set(params.stop_token_ids)
             if not params.ignore_eos:
                 stops |= self.eos_token_ids

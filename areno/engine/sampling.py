@@ -200,6 +200,15 @@ class SamplingParams:
             )
         if self.structured is not None and not isinstance(self.structured, StructuredOutput):
             raise _fail("structured", f"must be a StructuredOutput; got {self.structured!r}")
+        if self.structured is not None and self.min_tokens:
+            # NOTE: a grammar ends the reply where its document ends (a closed JSON value, a
+            # forced call): a floor on the length could not be kept there, only broken.
+            raise ConfigError(
+                f"min_tokens = {self.min_tokens} cannot be combined with a grammar "
+                f"({self.structured.param}): the grammar decides where the reply ends. Drop "
+                "min_tokens, or the structured output",
+                param="min_tokens",
+            )
 
     def _check_outputs(self) -> None:
         k = self.top_logprobs

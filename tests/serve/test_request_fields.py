@@ -158,3 +158,23 @@ def test_an_unknown_field_is_refused_by_name():
     with pytest.raises(RequestValidationError) as caught:
         parse_chat_request(json.dumps(BASE | {"temprature": 0.5}).encode())
     assert caught.value.param == "temprature"
+
+
+@pytest.mark.parametrize(
+    "grammar",
+    [
+        {"response_format": {"type": "json_object"}},
+        {"tools": [TOOL], "tool_choice": "required"},
+        {"tools": [TOOL], "parallel_tool_calls": False},
+    ],
+    ids=["response_format", "tool_choice", "parallel_tool_calls"],
+)
+def test_min_tokens_under_a_grammar_is_refused_by_name(server_side, grammar):
+    """A grammar ends the reply where its document ends, so a floor on the length is refused
+    (a 400 naming min_tokens), not silently dropped; without a grammar it holds."""
+    from areno.errors import ConfigError
+
+    with pytest.raises(ConfigError) as caught:
+        _prepared(server_side, BASE | grammar | {"min_tokens": 3})
+    assert caught.value.param == "min_tokens" and "grammar" in str(caught.value)
+    assert _prepared(server_side, BASE | {"tools": [TOOL], "min_tokens": 3}).params.min_tokens == 3
