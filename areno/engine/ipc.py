@@ -6,8 +6,9 @@ the receiver copies it straight into its own parameters, device to device. `Cuda
 the small picklable message (one handle per tensor, a few hundred bytes each) that travels over a
 Ray call in place of the tensors; `Generator.update_weights` accepts it like a mapping.
 
-The sender must keep the shared tensors unchanged until every receiver has loaded them (the
-trainer waits for `update_weights` to return before its next optimizer step).
+The sender must keep the shared tensors unchanged until every receiver has loaded them: the
+trainer waits for `update_weights` to return before its next optimizer step, and
+`Worker.load_weights` returns only once its copies have run on the device.
 """
 
 from __future__ import annotations

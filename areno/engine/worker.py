@@ -545,6 +545,11 @@ class Worker:
         if self.runner.linears is not None:
             self.runner.linears.repack(params[name] for name, _ in updates)
         self.runner.weights_changed([name for name, _ in updates])
+        if self.device.type == "cuda" and any(t.is_cuda for _, t in updates):
+            # NOTE: the copies above are only queued. A sender's device memory (CUDA IPC from a
+            # trainer on this GPU) may change once this returns: its next optimizer step
+            # updates its parameters in place.
+            torch.cuda.current_stream(self.device).synchronize()
         return len(updates)
 
 

@@ -204,6 +204,23 @@ def test_generator_on_cuda_bf16(tiny_path):
     assert all(lp <= 0 for s in out.samples for lp in s.logprobs)
 
 
+def test_weights_from_device_memory_are_copied_before_update_weights_returns(tiny_path):
+    """A sender on this GPU (CUDA IPC from a colocated trainer) may change its tensors as soon
+    as update_weights returns: the copies must have run by then, not merely be queued. The
+    stream is held busy first, so queued copies would still be waiting behind it."""
+    gen = Generator.from_config(tiny_path("qwen3_vl"), EngineConfig(max_running_prompts=2))
+    try:
+        model = gen.core.executor.worker.model
+        weights = {name: (p.detach() * 0.5).clone() for name, p in model.named_parameters()}
+        torch.cuda._sleep(2_000_000_000)  # ~1 s of a busy stream
+        assert asyncio.run(gen.update_weights(weights, 1)) == len(weights)
+        assert torch.cuda.current_stream().query()
+        for name, param in model.named_parameters():
+            assert torch.equal(param, weights[name]), name
+    finally:
+        gen.shutdown()
+
+
 def test_a_bf16_linear_state_decodes_the_fp32_states_greedy_tokens_on_cuda(tiny_path):
     """Qwen3.5's gated-delta-net states stored in bf16 (`linear_state_dtype`), read and written
     by the Triton kernel through captured, compiled steps: the same greedy tokens as fp32."""
