@@ -73,18 +73,40 @@ def pool_gib(model: torch.nn.Module, num_blocks: int, block_size: int = 16) -> f
     return (num_blocks + 0.5) * block_bytes(model, layer_types, block_size) / _GIB
 
 
-def fraction_budget(
-    device: torch.device, fraction: float, activation_bytes: int, state_bytes: int
-) -> int:
+# Bytes per running sequence and vocabulary entry that a step keeps or draws beside the pool:
+# the penalty history (int32 counts and a bool prompt mask, `TokenHistory`), the decode graphs'
+# float32 logits buffer, and the sampler's float32 copies of the step's logits at its peak (the
+# cast, the logprobs, the adjusted, the tempered and filtered, the exponential race's noise).
+SAMPLING_BYTES_PER_ENTRY = 4 + 1 + 4 + 5 * 4
+
+
+def reserved_bytes(
+    *, activation: int, states: int, encoder_cache: int, num_slots: int, vocab_size: int
+) -> dict[str, int]:
+    """What an engine on a GPU uses besides its weights and its KV pool, by what it is for: a
+    prefill's activation peak at the step's token budget (measured), the running sequences'
+    linear-attention states and sliding rings (measured), the media tower outputs it keeps
+    (`encoder_cache_gib`) and the sampling side's per-sequence buffers over the vocabulary.
+    NOTE: a media prefill's tower activations are not counted apart: at the same token budget
+    they stay within the text prefill's measured peak plus MARGIN_BYTES
+    (tests/engine/test_gpu.py checks a media prompt at the budget)."""
+    return {
+        "prefill activations": activation,
+        "running sequences' states": states,
+        "media encoder cache": encoder_cache,
+        "sampling buffers": num_slots * vocab_size * SAMPLING_BYTES_PER_ENTRY,
+    }
+
+
+def fraction_budget(device: torch.device, fraction: float, reserved: int) -> int:
     """Bytes the pool may take on a GPU so that this engine uses at most `fraction` of the
     device's memory (as vLLM's gpu_memory_utilization: its own share, so that engines and a
     trainer can share a GPU): that share less what this process's PyTorch already holds
-    (weights), an activation peak and the running sequences' states, and never more than is
-    free on the device less those and MARGIN_BYTES."""
+    (weights) and the `reserved` bytes (`reserved_bytes`), and never more than is free on the
+    device less those and MARGIN_BYTES."""
     available, total = available_bytes(device)
-    need = activation_bytes + state_bytes
-    share = int(fraction * total) - torch.cuda.memory_allocated(device) - need
-    return min(share, available - need - MARGIN_BYTES)
+    share = int(fraction * total) - torch.cuda.memory_allocated(device) - reserved
+    return min(share, available - reserved - MARGIN_BYTES)
 
 
 def agree_across_ranks(num_blocks: int, device: torch.device) -> int:

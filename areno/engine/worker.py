@@ -15,7 +15,13 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from areno.engine.batched_prefill import PromptPart, can_batch_prefill
 from areno.engine.config import EngineConfig, KVPoolOptions, pool_options
-from areno.engine.kv_pool import KVPool, agree_across_ranks, block_bytes, fraction_budget
+from areno.engine.kv_pool import (
+    KVPool,
+    agree_across_ranks,
+    block_bytes,
+    fraction_budget,
+    reserved_bytes,
+)
 from areno.engine.lora import LoraError, LoraWeights
 from areno.engine.outputs import TokenScores
 from areno.engine.penalties import TokenHistory
@@ -202,8 +208,8 @@ class Worker:
             measured = True
             tokens = min(options.profile_tokens, runner.max_len)
             activation, state_per_slot = runner.measure_prefill_memory(tokens)
-            states = state_per_slot * runner.num_rows
-            budget = fraction_budget(self.device, options.memory_fraction, activation, states)
+            reserved = self.reserved_bytes(activation, state_per_slot * runner.num_rows)
+            budget = fraction_budget(self.device, options.memory_fraction, sum(reserved.values()))
             num_blocks = budget // per_block
         else:
             return
@@ -211,6 +217,17 @@ class Worker:
         if self.tensor_parallel:
             num_blocks = agree_across_ranks(num_blocks, self.device)
         runner.reset_pool(num_blocks, measured=measured)
+
+    def reserved_bytes(self, activation: int, states: int) -> dict[str, int]:
+        """What the engine uses besides its weights and its KV pool (`kv_pool.reserved_bytes`),
+        given a prefill's measured activation peak and the running sequences' state bytes."""
+        return reserved_bytes(
+            activation=activation,
+            states=states,
+            encoder_cache=self.runner.encoders.max_bytes,
+            num_slots=self.runner.num_slots,
+            vocab_size=self.vocab_size,
+        )
 
     @property
     def device(self) -> torch.device:

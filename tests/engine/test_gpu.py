@@ -11,9 +11,16 @@ from areno.engine.config import EngineConfig
 from areno.engine.generator import Generator
 from areno.engine.runner import ModelRunner
 from areno.engine.sampling import SamplingParams
-from areno.media.samples import write_video
+from areno.media.samples import write_image, write_video
 from areno.processing.types import PromptInputs
-from tests.engine.generating import GREEDY, Setup, run_chunked, text, with_media
+from tests.engine.generating import (
+    GREEDY,
+    Setup,
+    arrive_together,
+    run_chunked,
+    text,
+    with_media,
+)
 
 pytestmark = [
     pytest.mark.gpu,
@@ -202,6 +209,35 @@ def test_generator_on_cuda_bf16(tiny_path):
     assert gen.core.executor.worker.runner.fused is not None
     assert [len(s.token_ids) for s in out.samples] == [16, 16, 16]
     assert all(lp <= 0 for s in out.samples for lp in s.logprobs)
+
+
+def test_an_engine_at_a_memory_fraction_stays_within_it_on_cuda(tiny_path, tmp_path):
+    """The pool takes the engine's share less what runs beside it (kv_pool.reserved_bytes):
+    with image and video prompts (as large as the tiny processor makes them) and every slot
+    penalised and reporting logprobs, the process's peak stays within the fraction it was
+    given (the towers' activations inside the margin)."""
+    setup = Setup(tiny_path("qwen3_5"))
+    setup.model.cuda()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    total = torch.cuda.mem_get_info()[1]
+    fraction = min((torch.cuda.memory_allocated() + (4 << 30)) / total, 0.9)
+    image = str(write_image(tmp_path / "big.png", 1536, 1536))
+    video = str(write_video(tmp_path / "long.mp4", seconds=16.0, fps=4.0, width=256, height=256))
+    gen = setup.generator(
+        max_running_prompts=32, max_context_len=8192, kv_cache_memory_fraction=fraction
+    )
+    try:
+        params = SamplingParams(max_tokens=8, presence_penalty=0.5, logprobs=True, top_logprobs=5)
+        prompts = [setup.encode(with_media(kind, url, "Describe.")) for kind, url in
+                   (("image", image), ("video", video))]  # fmt: skip
+        prompts += [setup.encode(text(f"Tell me about the number {i}.")) for i in range(30)]
+        outs = asyncio.run(arrive_together(gen, prompts, params))
+    finally:
+        gen.shutdown()
+    assert all(len(out.samples[0].token_ids) >= 1 for out in outs)
+    assert torch.cuda.max_memory_allocated() <= fraction * total
 
 
 def test_weights_from_device_memory_are_copied_before_update_weights_returns(tiny_path):

@@ -194,3 +194,25 @@ def test_a_padded_decode_step_keeps_the_state_of_a_prompt_between_its_chunks(set
     outputs, chunks = run_chunked(gen, inputs)
     assert [o.samples[0].token_ids for o in outputs] == expected
     assert len([c for c in chunks if c[0] == inputs[1].num_prompt_tokens]) >= 4
+
+
+def test_the_pool_budget_reserves_what_runs_beside_the_pool(setups, media):
+    """On a GPU the pool takes the engine's memory share less what else the engine uses: the
+    media encoder cache at its size and the sampling side's per-sequence buffers over the
+    vocabulary, which must cover the penalty history a penalised request allocates."""
+    setup = setups("qwen3_5")
+    gen = setup.generator(max_running_prompts=4, encoder_cache_gib=0.25)
+    try:
+        params = SamplingParams(max_tokens=3, presence_penalty=0.5, logprobs=True, top_logprobs=2)
+        x = setup.encode(with_media("image", media["image"], "Describe."))
+        run(arrive_together(gen, [x] * 4, params))
+        worker = gen.core.executor.worker
+        reserved = worker.reserved_bytes(activation=7, states=11)
+        history = worker._history
+    finally:
+        gen.shutdown()
+    assert reserved["prefill activations"] == 7 and reserved["running sequences' states"] == 11
+    assert reserved["media encoder cache"] == 1 << 28
+    kept = history.counts_SV.nbytes + history.in_prompt_SV.nbytes
+    logits = 4 * worker.vocab_size * 4  # one float32 row of logits a running sequence
+    assert kept > 0 and reserved["sampling buffers"] >= kept + 6 * logits
