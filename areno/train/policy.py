@@ -3,6 +3,7 @@ log-probabilities it gives a trajectory's tokens (the same tokens and media the 
 
 from __future__ import annotations
 
+import copy
 import logging
 import os
 
@@ -125,15 +126,78 @@ def batch_logprobs(
     return rows
 
 
+# How far a packed row's logprobs may be from the unpacked ones in the check: float32 on a probe
+# of random weights (a packing bug moves them by far more; float32 rounding by ~1e-6).
+PACK_TOLERANCE = 1e-4
+
+
 def pack_layout(model: torch.nn.Module, device: str) -> PackLayout | None:
     """How the trainer packs a group's episodes into one row on `model` (`PackLayout.of`), once
-    a packed row of two made-up text episodes has scored their tokens as their own forwards do
-    here: the linear-attention layers run through transformers' own layer code, which another
-    transformers version may write differently. None (one trajectory a row) otherwise, with a
+    a packed row of two made-up text episodes has scored their tokens as their own forwards do,
+    within PACK_TOLERANCE in float32, on a probe of `model`'s class and config
+    (`_float32_probe`): the linear-attention layers run through transformers' own layer code,
+    which another transformers version may write differently, and the check must see a small
+    difference that bfloat16 rounding would hide. None (one trajectory a row) otherwise, with a
     warning that says why."""
     layout = PackLayout.of(model)
     if layout is None:
         return None
+    try:
+        worst = _packing_error(_float32_probe(model, device), device)
+    except Exception as error:  # noqa: BLE001 (any failure means: do not pack)
+        worst, why = float("inf"), f"{type(error).__name__}: {error}"
+    else:
+        why = f"its logprobs differ from the unpacked ones by {worst:.3g} in float32"
+    if worst <= PACK_TOLERANCE:
+        return layout
+    logger.warning(
+        "areno train: trains one trajectory a row, not a group's episodes packed: a packed "
+        "row's check failed on this model (%s)",
+        why,
+    )
+    return None
+
+
+def _float32_probe(model: torch.nn.Module, device: str) -> torch.nn.Module:
+    """A float32 model of `model`'s class and config with random weights, its text stack cut
+    to the shortest prefix holding a layer of every kind it has and its media towers to one
+    layer: the same layer code, at a fraction of the memory. Torch's random state is left as
+    it was."""
+    base = base_model(model)
+    config = copy.deepcopy(base.config)
+    text = config.get_text_config()
+    kinds = list(getattr(text, "layer_types", None) or ["full_attention"])
+    num_layers = max(kinds.index(kind) for kind in set(kinds)) + 1
+    text.num_hidden_layers = num_layers
+    if getattr(text, "layer_types", None):
+        text.layer_types = kinds[:num_layers]
+    if getattr(text, "num_kv_shared_layers", 0):
+        text.num_kv_shared_layers = 0
+    for name in ("vision_config", "audio_config"):
+        tower = getattr(config, name, None)
+        for field in ("depth", "num_hidden_layers"):
+            if tower is not None and isinstance(getattr(tower, field, None), int):
+                setattr(tower, field, 1)
+    devices = [torch.device(device)] if torch.device(device).type == "cuda" else []
+    with torch.random.fork_rng(devices=devices), torch.device(device):
+        torch.manual_seed(0)
+        return type(base)._from_config(config, dtype=torch.float32).eval()
+
+
+def _packing_error(model: torch.nn.Module, device: str) -> float:
+    """The largest difference between two made-up text episodes' logprobs scored alone and in
+    one packed row of `model`."""
+    layout = PackLayout.of(model)
+    if layout is None:
+        raise ValueError("the probe has no packed layout")
+    high = min(model.config.get_text_config().vocab_size, 1000)
+    low = min(100, high // 2)  # past the special ids a vocabulary starts with, where it can
+    ids = torch.randint(low, high, (20,), generator=torch.Generator().manual_seed(0)).tolist()
+    items = [PromptInputs(ids[:17], {}), PromptInputs(ids[:12] + ids[17:], {})]
+    with torch.no_grad():
+        alone = [sequence_logprobs(model, item, device, 10) for item in items]
+        (packed,) = packed_logprobs(model, layout, [items], [[10, 10]], device)
+    return max(float((a - b).abs().max()) for a, b in zip(alone, packed, strict=True))
     high = min(base_model(model).config.get_text_config().vocab_size, 1000)
     low = min(100, high // 2)  # past the special ids a vocabulary starts with, where it can
     ids = torch.randint(low, high, (20,), generator=torch.Generator().manual_seed(0)).tolist()

@@ -93,3 +93,30 @@ def test_a_lora_learner_starts_from_the_adapter_its_seed_gives(tiny_path, proces
     assert first and all(".lora_" in name for name in first)
     assert all(torch.equal(first[name], again[name]) for name in first)
     assert any(not torch.equal(first[name], other[name]) for name in first if "lora_A" in name)
+
+
+def test_the_packing_check_runs_in_float32_and_sees_a_bug_bfloat16_would_hide(
+    tiny_path, monkeypatch, caplog
+):
+    """A packed row whose second episode sees one token of the first (a mask bug) moves its
+    logprobs by ~0.016: inside what bfloat16 rounding allows, far outside float32's. The check
+    runs on a float32 probe of the model's class and config, so a bfloat16 policy packs when
+    packing is right and does not when it leaks."""
+    model, _, _ = load_policy(tiny_path("qwen3_5"), dtype=torch.bfloat16)
+    assert pack_layout(model, "cpu") == packing.PackLayout.of(model) is not None
+    state = torch.random.get_rng_state()
+    masks = packing.PackLayout.masks
+
+    def leaky(self, seg_BT, pos_BT, groups_BT, dtype):
+        out = masks(self, seg_BT, pos_BT, groups_BT, dtype)
+        first = (seg_BT == 1) & (torch.cumsum((seg_BT == 1).int(), -1) == 1)
+        leak = ((seg_BT == 2)[:, :, None] & first[:, None, :])[:, None]
+        return {
+            kind: None if mask is None else mask.masked_fill(leak, 0.0)
+            for kind, mask in out.items()
+        }
+
+    monkeypatch.setattr(packing.PackLayout, "masks", leaky)
+    assert pack_layout(model, "cpu") is None
+    assert "in float32" in caplog.text
+    assert torch.equal(torch.random.get_rng_state(), state)  # the probe drew nothing of ours
