@@ -1,10 +1,16 @@
 #!/usr/bin/env bash
-# Pack what an offline x86-64 GPU machine needs to run AReno's GPU paths (benchmarks/gpu_e2e.py,
-# `pytest -m gpu`) when it already has Python, torch, triton and the common scientific stack but
-# no package index: one site-packages tarball plus the DeepSpeed sdist (it builds there, against
-# that machine's torch). Versions are this checkout's .venv's.
+# Pack what an offline x86-64 GPU machine needs to run AReno's GPU paths when it already has
+# Python, torch, triton and the common scientific stack but no package index. Versions are this
+# checkout's .venv's.
 #
-#   bash scripts/offline_bundle.sh OUT_DIR            # OUT_DIR/site.tar.xz (~56 MiB), deepspeed-*.tar.gz
+#   bash scripts/offline_bundle.sh OUT_DIR          # everything (benchmarks/gpu_e2e.py: Ray, Serve,
+#                                                   # DeepSpeed): OUT_DIR/site.tar.xz (~61 MiB) and
+#                                                   # the DeepSpeed sdist (it builds there)
+#   bash scripts/offline_bundle.sh OUT_DIR engine   # the engine alone (`pytest -m gpu`, engine
+#                                                   # benchmarks): OUT_DIR/site.tar.xz (~36 MiB)
+#
+# Both carry xgrammar (structured outputs, forced tool calls) and peft (LoRA) and pytest. The
+# device tool carries at most 64 MiB with the working tree: the engine bundle leaves room for it.
 #
 # Then on the GPU machine, from the repository root:
 #   mkdir -p site && tar -xJf OUT_DIR/site.tar.xz -C site
@@ -16,21 +22,30 @@
 # without its Java jars, the dashboard's built web client and RLlib, its binaries stripped.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-out="$(realpath -m "${1:?usage: offline_bundle.sh OUT_DIR}")"
+out="$(realpath -m "${1:?usage: offline_bundle.sh OUT_DIR [all|engine]}")"
+part="${2:-all}"
+case "$part" in all | engine) ;; *) echo "offline_bundle: part must be all or engine" >&2; exit 2 ;; esac
 py="${TARGET_PYTHON:-3.12}"
 grpcio="${TARGET_GRPCIO:-1.84.0}"
 pip=(.venv/bin/python -m pip)
 work="$(mktemp -d)"
 trap 'rm -rf "$work"' EXIT
 
-packages=(
-    ray transformers tokenizers pydantic pydantic-core annotated-types typing-inspection
-    fastapi starlette uvicorn jsonschema jsonschema-specifications referencing rpds-py
-    openai jiter sniffio hjson av soundfile cffi pycparser tensorboardX colorful
+engine=(
+    transformers tokenizers pydantic pydantic-core annotated-types typing-inspection
+    jsonschema jsonschema-specifications referencing rpds-py hjson av soundfile cffi pycparser
+    xgrammar apache-tvm-ffi peft pytest pluggy iniconfig
+)
+serving=(
+    ray fastapi starlette uvicorn openai jiter sniffio tensorboardX colorful
     opentelemetry-api opentelemetry-sdk opentelemetry-proto opentelemetry-exporter-prometheus
     opentelemetry-semantic-conventions google-api-core google-auth
     googleapis-common-protos proto-plus pyasn1 httpcore2 httpx2 truststore watchfiles
 )
+packages=("${engine[@]}")
+if [ "$part" = all ]; then
+    packages+=("${serving[@]}")
+fi
 pins=()
 for name in "${packages[@]}"; do
     version="$("${pip[@]}" show "$name" 2>/dev/null | sed -n 's/^Version: //p' || true)"
@@ -40,8 +55,10 @@ for name in "${packages[@]}"; do
     fi
     pins+=("$name==$version")
 done
-# Not in a Python 3.11 .venv (the standard library has it) but imported by opentelemetry there.
-pins+=("grpcio-reflection==$grpcio" "importlib-metadata==10.2.0")
+if [ "$part" = all ]; then
+    # Not in a Python 3.11 .venv (the standard library has it) but imported by opentelemetry there.
+    pins+=("grpcio-reflection==$grpcio" "importlib-metadata==10.2.0")
+fi
 
 platforms=()
 for p in manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_17_x86_64 manylinux2014_x86_64 any; do
@@ -52,13 +69,17 @@ done
 "${pip[@]}" install -q --no-deps --no-compile --target "$work/site" --python-version "$py" \
     --implementation cp --only-binary=:all: "${platforms[@]}" "$work"/wheels/*.whl
 
-rm -rf "$work/site/ray/jars" "$work/site/ray/dashboard/client/build" "$work/site/ray/rllib"
-strip --strip-unneeded "$work/site/ray/_raylet.so" "$work/site/ray/core/src/ray/gcs/gcs_server" \
-    "$work/site/ray/core/src/ray/raylet/raylet"
+if [ "$part" = all ]; then
+    rm -rf "$work/site/ray/jars" "$work/site/ray/dashboard/client/build" "$work/site/ray/rllib"
+    strip --strip-unneeded "$work/site/ray/_raylet.so" "$work/site/ray/core/src/ray/gcs/gcs_server" \
+        "$work/site/ray/core/src/ray/raylet/raylet"
+fi
 find "$work/site" -name __pycache__ -prune -exec rm -rf {} +
 
 mkdir -p "$out"
 tar -C "$work/site" -cf - . | xz -T0 -9 > "$out/site.tar.xz"
-"${pip[@]}" download -q --no-deps --no-binary=:all: -d "$out" \
-    "deepspeed==$("${pip[@]}" show deepspeed | sed -n 's/^Version: //p')"
+if [ "$part" = all ]; then
+    "${pip[@]}" download -q --no-deps --no-binary=:all: -d "$out" \
+        "deepspeed==$("${pip[@]}" show deepspeed | sed -n 's/^Version: //p')"
+fi
 ls -la "$out"
