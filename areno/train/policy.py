@@ -198,30 +198,3 @@ def _packing_error(model: torch.nn.Module, device: str) -> float:
         alone = [sequence_logprobs(model, item, device, 10) for item in items]
         (packed,) = packed_logprobs(model, layout, [items], [[10, 10]], device)
     return max(float((a - b).abs().max()) for a, b in zip(alone, packed, strict=True))
-    high = min(base_model(model).config.get_text_config().vocab_size, 1000)
-    low = min(100, high // 2)  # past the special ids a vocabulary starts with, where it can
-    ids = torch.randint(low, high, (20,), generator=torch.Generator().manual_seed(0)).tolist()
-    items = [PromptInputs(ids[:17], {}), PromptInputs(ids[:12] + ids[17:], {})]
-    modes = {module: module.training for module in model.modules()}
-    model.eval()
-    try:
-        with torch.no_grad():
-            alone = [sequence_logprobs(model, item, device, 10) for item in items]
-            (packed,) = packed_logprobs(model, layout, [items], [[10, 10]], device)
-        worst = max(float((a - b).abs().max()) for a, b in zip(alone, packed, strict=True))
-    except Exception as error:  # noqa: BLE001 (any failure means: do not pack)
-        worst, why = float("inf"), f"{type(error).__name__}: {error}"
-    else:
-        why = f"its logprobs differ from the unpacked ones by {worst:.3g}"
-    finally:
-        for module, training in modes.items():
-            module.train(training)
-    dtype = next(model.parameters()).dtype
-    if worst <= (1e-3 if dtype == torch.float32 else 0.25):
-        return layout
-    logger.warning(
-        "areno train: trains one trajectory a row, not a group's episodes packed: a packed "
-        "row's check failed on this model (%s)",
-        why,
-    )
-    return None
