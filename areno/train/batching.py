@@ -177,7 +177,7 @@ def plan_step(
     """Each rank's mini-batches of a step's (trajectory, advantage) pairs. Every pair is
     trained, however many a step kept (skipped samples shrink it): mini-batch m is the m-th of
     `mini_batches` contiguous parts of `pairs`, as even as they can be (whole groups stay
-    together where they divide evenly; fewer parts than pairs never), each split over the
+    together where they divide evenly; never more parts than pairs), each split over the
     ranks as evenly as it can be, and each rank's part planned into micro-batches (`packs`: of
     packed rows, `plan_rows`). Every rank gets the same number of micro-batches per mini-batch
     (their backward passes reduce together); a rank with fewer pairs than that runs fillers
