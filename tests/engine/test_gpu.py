@@ -226,7 +226,7 @@ def test_an_engine_at_a_memory_fraction_stays_within_it_on_cuda(tiny_path, tmp_p
     image = str(write_image(tmp_path / "big.png", 1536, 1536))
     video = str(write_video(tmp_path / "long.mp4", seconds=16.0, fps=4.0, width=256, height=256))
     gen = setup.generator(
-        max_running_prompts=32, max_context_len=8192, kv_cache_memory_fraction=fraction
+        max_running_prompts=32, max_context_len=4096, kv_cache_memory_fraction=fraction
     )
     try:
         params = SamplingParams(max_tokens=8, presence_penalty=0.5, logprobs=True, top_logprobs=5)
