@@ -10,8 +10,9 @@ short, as a whole run of words (case-insensitive): in text, words are what non-a
 characters separate; a media reference is URL-decoded first (`red%20car.png`) and, for a value
 of three characters or more, also split at camel-case and letter/digit boundaries
 (`clipViolin01.png` shows "violin"); a data URL's payload is not read. A string is looked for in
-the whole reference (a class-per-folder layout names the label in a directory), a number in its
-file name only (directories are full of run numbers, versions and dates that name nothing). It raises
+the whole reference (a class-per-folder layout names the label in a directory), a number or a
+string of one or two characters in its file name only (directories are full of run numbers,
+versions, dates and short words that name nothing). It raises
 `PrivateDataLeakError` naming the sample, the private key and where the value showed, never the
 value.
 
@@ -46,19 +47,19 @@ def check_private(sample: Sample) -> None:
     places = []
     for where, text, is_media in _public_places(sample):
         name = text.rstrip("/").rsplit("/", 1)[-1] if is_media else text
-        for of_number, part in ((False, text), (True, name)):
+        for name_only, part in ((False, text), (True, name)):
             fine = _words(part, split=True) if is_media else None
-            places.append((where, of_number, _words(part), fine, is_media))
+            places.append((where, name_only, _words(part), fine, is_media))
     for key, value in _private_scalars(sample.private):
-        number = not isinstance(value, str)
         for text in _texts(value):
             words = _words(text)
             if not words:
                 continue
-            fine = _words(text, split=True) if len(text) >= SPLIT_MIN_CHARS else None
+            long = isinstance(value, str) and len(text) >= SPLIT_MIN_CHARS
+            fine = _words(text, split=True) if long else None
             shown = words in allowed
-            for where, of_number, place, split_place, is_media in places:
-                if (shown and not is_media) or of_number != number:
+            for where, name_only, place, split_place, is_media in places:
+                if (shown and not is_media) or name_only == long:
                     continue
                 if _contains(place, words) or (
                     fine and split_place and _contains(split_place, fine)
@@ -72,9 +73,10 @@ def check_private(sample: Sample) -> None:
                     )
 
 
-# A value this long is also looked for in a media reference's camel-case and letter/digit
-# pieces; a shorter one only as a whole word there (a hash in a file name is full of short
-# pieces that name nothing).
+# A string this long is also looked for in a media reference's camel-case and letter/digit
+# pieces and its directories; a shorter one (and a number) only as a whole word of its file
+# name (a hash in a file name is full of short pieces, a path of short words, that name
+# nothing).
 SPLIT_MIN_CHARS = 3
 _CAMEL = re.compile(
     r"(?<=[a-z])(?=[A-Z])|(?<=[A-Z])(?=[A-Z][a-z])|(?<=[A-Za-z])(?=[0-9])|(?<=[0-9])(?=[A-Za-z])"

@@ -103,6 +103,7 @@ def test_values_public_by_design_and_parts_of_words_pass():
     # a number in a media reference's directories, a short value inside a hash
     check_private(_sample("How many?", url="/runs/run-12/a.png", count=12))
     check_private(_sample("Which?", url="/d/train-3fa9c0b1e2.png", answer="B"))
+    check_private(_sample("Which?", url="/test_a_run/train-1.png", answer="A"))  # a directory
 
 
 def test_loading_runs_the_guard_on_every_sample(tmp_path):
