@@ -26,17 +26,37 @@ bucket; each bucket is then captured as before, compiled kernels included.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
 from areno.engine.attention import BLOCK_TABLES_KWARG, KV_LENGTHS_KWARG
 from areno.engine.block_manager import SINK_BLOCK, blocks_for
-from areno.engine.cache import BatchBinding, restore_rows, save_rows
+from areno.engine.cache import BatchBinding, PagedCache, restore_rows, save_rows
 from areno.engine.compiled import CompiledForward
+from areno.engine.row_inputs import RowInputs
+from areno.engine.slot_tables import SlotTables
 
-if TYPE_CHECKING:
-    from areno.engine.runner import ModelRunner
+
+class GraphedRunner(Protocol):
+    """What the decode graphs read of the runner they step (`ModelRunner`): its model and
+    cache, the slots' tables and rope deltas, and the slots between two chunks of a prompt."""
+
+    model: torch.nn.Module
+    device: torch.device
+    cache: PagedCache
+    tables: SlotTables
+    row_inputs: RowInputs
+    rope_delta: list[int]
+    block_size: int
+    max_blocks: int
+
+    @property
+    def decodes_in_kernel(self) -> bool: ...
+
+    @property
+    def chunking_slots(self) -> list[int]: ...
+
 
 KV_BUCKET = 128
 # The shortest key length of a doubling bucket (`DecodeGraphs.kv_len`).
@@ -54,7 +74,7 @@ class DecodeGraphs:
     """Padded, static-shape decode for one runner; see the module docstring."""
 
     def __init__(
-        self, runner: ModelRunner, *, max_rows: int, capture: bool, compile_backend: str | None
+        self, runner: GraphedRunner, *, max_rows: int, capture: bool, compile_backend: str | None
     ):
         self.runner = runner
         self.capture = capture

@@ -8,14 +8,9 @@ See docs/architecture.md ("Prefix caching") for what is saved where and in what 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from areno.engine.block_manager import BlockManager, block_hashes, partial_block_hash
 from areno.engine.sequence import Sequence, SequenceGroup
 from areno.engine.state_cache import ResumePoint, StateCache
-
-if TYPE_CHECKING:
-    from areno.engine.scheduler import ScheduledPrefill
 
 
 class PrefixCache:
@@ -153,12 +148,14 @@ class PrefixCache:
             return
         seq.state_save = self.states.add(self.hashes(seq, end // size)[-1], end, None)
 
-    def take_save(self, item: ScheduledPrefill) -> None:
-        """Give `item` its sequence's planned state save if its tokens reach it."""
-        point = item.seqs[0].state_save
-        if point is not None and item.start < point.num_tokens <= item.end:
-            item.save = (point.num_tokens, point.row)
-            item.seqs[0].state_save = None
+    def take_save(self, seq: Sequence, start: int, end: int) -> tuple[int, int] | None:
+        """`seq`'s planned state save, (position, row), if a prefill of its tokens `start` to
+        `end` reaches it (it is then the prefill's to make); else None."""
+        point = seq.state_save
+        if point is None or not start < point.num_tokens <= end:
+            return None
+        seq.state_save = None
+        return point.num_tokens, point.row
 
     def save_end_state(self, seq: Sequence) -> None:
         """Save the state of a sequence that ended, after every token it fed: where the next

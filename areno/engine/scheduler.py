@@ -342,8 +342,9 @@ class Scheduler:
             limit = min(seq.prefill_end, start + max(budget, self.config.block_size))
             end = _chunk_end(group, start, limit)
             seq.num_computed_tokens = seq.num_fed_tokens = end
-            items.append(ScheduledPrefill(group, [seq], start, end))
-            self.prefix.take_save(items[-1])
+            item = ScheduledPrefill(group, [seq], start, end)
+            item.save = self.prefix.take_save(seq, start, end)
+            items.append(item)
             budget -= end - start
         return items
 
@@ -473,7 +474,7 @@ class Scheduler:
                     item.copy_block = (tail, seq.block_ids[len(hit)])
                 seq.num_registered_blocks = len(hit)
                 self.prefix.plan_prompt_save(seq, group, cached)
-                self.prefix.take_save(item)
+                item.save = self.prefix.take_save(seq, item.start, item.end)
                 admitted.append(item)
                 budget -= end - cached
                 self.num_admitted_tokens += seq.num_tokens

@@ -89,7 +89,8 @@ class Processor:
         """The new messages of an episode (tool results...) encoded to follow a finished
         assistant turn; see `areno.processing.turns.encode_continuation`."""
         return encode_continuation(
-            self,
+            self.hf_processor,
+            self.adapter,
             messages,
             media,
             tools=tools,
@@ -119,7 +120,7 @@ class Processor:
         self, prefix: PromptInputs, generated_ids: Sequence[int], delta: PromptInputs
     ) -> PromptInputs:
         """`prefix` + generated tokens + `delta` as one prompt; see `turns.extend_prompt`."""
-        return extend_prompt(self, prefix, generated_ids, delta)
+        return extend_prompt(self.adapter, prefix, generated_ids, delta, self.tokenizer)
 
 
 def process_messages(

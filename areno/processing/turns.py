@@ -26,7 +26,7 @@ import os
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -36,9 +36,6 @@ from areno.models.registry import FamilyAdapter
 from areno.processing.encode import prepare_messages, run_processor
 from areno.processing.messages import to_template_messages, tools_as_dicts, validate_messages
 from areno.processing.types import MediaSpan, PromptInputs
-
-if TYPE_CHECKING:
-    from areno.processing.processor import Processor
 
 _DUMMY_USER = "AReno continuation probe (user)"
 _DUMMY_ASSISTANT = "AReno continuation probe (assistant)"
@@ -63,7 +60,8 @@ class MediaMergeError(ArenoError):
 
 
 def encode_continuation(
-    processor: Processor,
+    hf_processor: Any,
+    adapter: FamilyAdapter,
     messages: Sequence[Any],
     media: Sequence[DecodedMedia],
     *,
@@ -89,7 +87,6 @@ def encode_continuation(
                 f"the generator (pass them to extend_prompt as generated_ids)",
                 param=f"messages[{i}].role",
             )
-    hf_processor, adapter = processor.hf_processor, processor.adapter
     template_messages, items = prepare_messages(
         hf_processor, adapter, to_template_messages(checked), media, chat_template_kwargs
     )
@@ -331,20 +328,20 @@ def merge_mm_inputs(
 
 
 def extend_prompt(
-    processor_or_adapter: Processor | FamilyAdapter,
+    adapter: FamilyAdapter,
     prefix: PromptInputs,
     generated_ids: Sequence[int],
     delta: PromptInputs,
+    tokenizer: Any = None,
 ) -> PromptInputs:
     """`prefix` + the generated tokens + a continuation from `encode_continuation`, as one prompt.
 
     Media tensors merge per key (`MERGE_RULES`); the delta's spans move by the tokens before it
     and its media indices continue the prefix's. Families that number media per prompt
-    (`MEDIA_ID_TAGS`) get the delta's numbers continued, which needs the Processor's tokenizer
-    (and can lengthen the delta by a token when a number gains a digit). With a Processor the
-    generated tokens are decoded into `prompt_text`; with a bare adapter that part is left out.
+    (`MEDIA_ID_TAGS`) get the delta's numbers continued, which needs the checkpoint's `tokenizer`
+    (and can lengthen the delta by a token when a number gains a digit). With a tokenizer the
+    generated tokens are decoded into `prompt_text`; without one that part is left out.
     """
-    adapter = getattr(processor_or_adapter, "adapter", processor_or_adapter)
     head = prefix.with_tokens([*prefix.input_ids, *generated_ids])
     offset = head.num_prompt_tokens
     mm_inputs = merge_mm_inputs(
@@ -360,7 +357,6 @@ def extend_prompt(
             for s in delta.mm_spans
         ),
     ]
-    tokenizer = getattr(processor_or_adapter, "tokenizer", None)
     generated_text = tokenizer.decode(list(generated_ids)) if tokenizer is not None else ""
     merged = PromptInputs(
         input_ids=[*head.input_ids, *delta.input_ids],
@@ -383,7 +379,7 @@ def _continue_media_ids(
     if tokenizer is None:
         raise MediaMergeError(
             f"{adapter.display_name} numbers media per prompt, so extending a prompt that has "
-            f"media needs the tokenizer: pass the Processor, not the FamilyAdapter"
+            f"media needs the tokenizer: pass it (Processor.extend does)"
         )
     open_id, close_id = tokenizer.convert_tokens_to_ids(list(tags))
     ids = list(inputs.input_ids)
