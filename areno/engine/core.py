@@ -113,7 +113,7 @@ class EngineCore:
     def grammars(self) -> Grammars:
         """The grammar compiler over this engine's tokenizer, vocabulary and EOS tokens."""
         if self._grammars is None:
-            vocab_size = self.executor.worker.vocab_size
+            vocab_size = self.executor.vocab_size
             self._grammars = Grammars(self.tokenizer, vocab_size, self.eos_token_ids)
         return self._grammars
 
@@ -129,13 +129,13 @@ class EngineCore:
     def check_request(self, inputs: PromptInputs, params: SamplingParams) -> None:
         """Raise the error `add_request` would raise for a request that can never run."""
         self.scheduler.check_fits(inputs.num_prompt_tokens)
-        worker = self.executor.worker
-        worker.adapter_index(params.adapter)  # LoraError: not loaded
-        too_large = [t for t, _ in params.logit_bias if t >= worker.vocab_size]
+        executor = self.executor
+        executor.adapter_index(params.adapter)  # LoraError: not loaded
+        too_large = [t for t, _ in params.logit_bias if t >= executor.vocab_size]
         if too_large:
             raise ConfigError(
                 f"logit_bias names token ids {too_large} outside the vocabulary "
-                f"(0..{worker.vocab_size - 1})",
+                f"(0..{executor.vocab_size - 1})",
                 param="logit_bias",
             )
         if params.structured is not None:
@@ -158,7 +158,7 @@ class EngineCore:
             params,
             inputs=inputs,
             can_chunk=True,
-            whole_runs=self.executor.worker.whole_runs(inputs),
+            whole_runs=self.executor.whole_runs(inputs),
         )
         self.scheduler.add(group)
         if params.structured is not None:

@@ -76,7 +76,7 @@ class Generator:
         self.config = config
         self.tokenizer = tokenizer
         self.max_context_len = max_context_len
-        pool = executor.worker.pool
+        pool = executor.pool
         try:
             scheduler_config = SchedulerConfig(
                 max_running_seqs=config.max_running_prompts,
@@ -84,10 +84,8 @@ class Generator:
                 max_prefill_tokens_per_step=config.max_prefill_tokens_per_step,
                 num_blocks=pool.num_blocks,
                 block_size=pool.block_size,
-                enable_prefix_caching=(
-                    config.enable_prefix_caching and executor.worker.caches_prefixes
-                ),
-                num_state_rows=executor.worker.num_state_rows,
+                enable_prefix_caching=(config.enable_prefix_caching and executor.caches_prefixes),
+                num_state_rows=executor.num_state_rows,
             )
         except BaseException:
             executor.shutdown()
@@ -98,7 +96,7 @@ class Generator:
             tokenizer,
             scheduler_config,
             eos_token_ids,
-            overlap=resolve_overlap(config, executor.worker.device.type),
+            overlap=resolve_overlap(config, executor.device.type),
         )
         # request id -> (its caller's loop, its queue, whether it wants only the final output)
         self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue, bool]] = {}
@@ -120,7 +118,7 @@ class Generator:
             raise
         gc_freeze.hold()  # what lives now stays out of collections (gc_freeze.py)
         self._holds_gc_freeze = True
-        if executor.worker.device.type == "cpu":
+        if executor.device.type == "cpu":
             # The engine thread must own the process's only OpenMP pool (areno/engine/openmp.py).
             release_thread_pool()
         self._thread = threading.Thread(target=self._run, name="areno-engine", daemon=True)
@@ -179,7 +177,7 @@ class Generator:
                 "config": config,
             }
             executor = TPExecutor.create(spec, num_cpus_per_rank=config.num_cpus_per_rank)
-            model = executor.worker.model
+            model = executor.model
         eos = model_eos_token_ids(model)
         vocab = tokenizer.get_vocab()
         eos += [vocab[token] for token in adapter.stop_tokens if token in vocab]
@@ -276,11 +274,10 @@ class Generator:
                 f"num_top_logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}]; got {k!r}",
                 param="num_top_logprobs",
             )
-        worker = self.core.executor.worker
-        if adapter is None and worker.default_adapter is None:
-            return await self._call(lambda: self.core.executor.score(inputs, k))
-        # LoRA needs tp_size 1: the worker is the whole replica.
-        return await self._call(lambda: worker.score(inputs, adapter, k))
+        executor = self.core.executor
+        if adapter is None and executor.default_adapter is None:
+            return await self._call(lambda: executor.score(inputs, k))
+        return await self._call(lambda: executor.score_with_adapter(inputs, adapter, k))
 
     async def update_weights(
         self,
@@ -331,7 +328,7 @@ class Generator:
         default = version is not None
 
         def load() -> int:
-            count = self.core.executor.worker.load_adapter(name, weights, default=default)
+            count = self.core.executor.load_adapter(name, weights, default=default)
             self.core.scheduler.forget_cached()  # keys and states of the adapter's old factors
             if default:
                 self.core.policy_version = version
@@ -399,7 +396,7 @@ class Generator:
 
         def load() -> None:
             for name, weights in loaded.items():
-                self.core.executor.worker.load_adapter(name, weights)
+                self.core.executor.load_adapter(name, weights)
 
         self._submit(load).result()
 
@@ -417,14 +414,14 @@ class Generator:
     @property
     def pool(self):
         """The KV block pool (`KVPool`: blocks, block size, bytes; `describe()` for the log)."""
-        return self.core.executor.worker.pool
+        return self.core.executor.pool
 
     def stats(self) -> dict[str, int]:
         """Queue depth, occupancy of slots and KV blocks, preemptions so far, and the prefix
         cache's blocks, saved states, the prompt tokens it held of those admitted and the
         media tower calls it answered (read without locking: a snapshot for metrics)."""
         scheduler = self.core.scheduler
-        encoders = self.core.executor.worker.runner.encoders
+        media_encodes, media_encodes_cached = self.core.executor.media_cache_stats()
         return {
             "num_waiting": scheduler.num_waiting,
             "num_running": scheduler.num_running,
@@ -436,8 +433,8 @@ class Generator:
             "num_prompt_tokens_admitted": scheduler.num_admitted_tokens,
             "num_prompt_tokens_cached": scheduler.num_cached_tokens,
             "num_saved_states": len(scheduler.states),
-            "num_media_encodes": encoders.num_misses,
-            "num_media_encodes_cached": encoders.num_hits,
+            "num_media_encodes": media_encodes,
+            "num_media_encodes_cached": media_encodes_cached,
             "policy_version": self.core.policy_version,
         }
 
@@ -489,7 +486,7 @@ class Generator:
         return future
 
     def _run(self) -> None:
-        device = self.core.executor.worker.device
+        device = self.core.executor.device
         if device.type == "cuda":
             # The current GPU is per thread. Without this, a rank 0 on its process's second GPU
             # (tensor parallelism from a driver that sees every GPU) would make its decode

@@ -33,29 +33,26 @@ def run_steps(core: Any, times: dict[str, float]) -> None:
     decode step makes that recompile happen here. Outputs are dropped; the slots are free again
     after, and their next prefills overwrite what these wrote. Records "cache" and "compile"
     seconds in `times`."""
-    runner = core.executor.worker.runner
-    graphs = runner.graphs
-    compiled_decode = graphs is not None and graphs.compiled
-    compiled_prefill = runner.prefill_compiled and runner.num_slots > 1
+    paths = core.executor.compiled_paths()
     start = time.perf_counter()
     prefill_and_drop(core, PromptInputs([0], {}))
     times["cache"] = time.perf_counter() - start
-    if not (compiled_decode or compiled_prefill):
+    if not (paths.batched_prefill or paths.decode_buckets):
         return
     start = time.perf_counter()
     try:
-        if compiled_prefill:
-            _batched_prefill(core, runner)
-        if compiled_decode:
-            _decode_steps(core, graphs)
+        if paths.batched_prefill:
+            _batched_prefill(core, paths.num_blocks)
+        if paths.decode_buckets:
+            _decode_steps(core, paths.decode_buckets)
     finally:
         times["compile"] = time.perf_counter() - start
 
 
-def _batched_prefill(core: Any, runner: Any) -> None:
+def _batched_prefill(core: Any, num_blocks: int) -> None:
     prompts = [PromptInputs([0] * n, {}) for n in (2, 3)]
     # Blocks 1 and 2, or the sink for a pool of one block: nobody reads them after.
-    tables = [[min(slot + 1, runner.num_blocks)] for slot in range(len(prompts))]
+    tables = [[min(slot + 1, num_blocks)] for slot in range(len(prompts))]
     step = StepInput(
         prefill=[PrefillItem(p, [slot], [tables[slot]]) for slot, p in enumerate(prompts)],
         rows=[_DROPPED_ROW] * len(prompts),
@@ -63,9 +60,9 @@ def _batched_prefill(core: Any, runner: Any) -> None:
     core.executor.execute(step)
 
 
-def _decode_steps(core: Any, graphs: Any) -> None:
+def _decode_steps(core: Any, buckets: list[int]) -> None:
     # One row decodes the smallest bucket; buckets[0] + 1 rows decode the next one.
-    row_counts = [1] if len(graphs.buckets) == 1 else [1, graphs.buckets[0] + 1]
+    row_counts = [1] if len(buckets) == 1 else [1, buckets[0] + 1]
     for num_rows in row_counts:
         core.executor.execute(
             StepInput(

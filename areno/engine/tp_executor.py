@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 from areno.engine import parallel
 from areno.engine.config import EngineConfig
+from areno.engine.executor import Executor
 from areno.engine.ipc import visible_gpu_uuids
 from areno.engine.outputs import TokenScores
 from areno.engine.step import StepInput, StepOutput
@@ -121,7 +122,7 @@ class TPFollower:
                 raise
 
 
-class TPExecutor:
+class TPExecutor(Executor):
     """Rank 0 of a tensor-parallel group, in this process; see the module docstring."""
 
     def __init__(self, spec: RankSpec, *, num_cpus_per_rank: float = 1.0):

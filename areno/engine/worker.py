@@ -8,6 +8,7 @@ the engine samples (`Worker(sample=True)`), the others just follow.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -67,6 +68,16 @@ def prefill_groups(lengths: list[int], *, pad: bool) -> list[list[int]]:
             groups.append([i])
             real = lengths[i]
     return groups
+
+
+@dataclass(frozen=True)
+class CompiledPaths:
+    """The compiled forwards a worker runs: batched prefills, and the decode graphs' row
+    buckets (None: decodes are not compiled); the pool's block count for their tables."""
+
+    batched_prefill: bool
+    decode_buckets: list[int] | None
+    num_blocks: int
 
 
 class Worker:
@@ -464,6 +475,21 @@ class Worker:
         if generator is None:
             generator = self._generators[row.seq_id] = generator_for(row.seed, self.device)
         return generator
+
+    def compiled_paths(self) -> CompiledPaths:
+        """What the start-up steps must run once for their compiles (startup.py)."""
+        runner, graphs = self.runner, self.runner.graphs
+        compiled = graphs is not None and graphs.compiled
+        return CompiledPaths(
+            batched_prefill=runner.prefill_compiled and runner.num_slots > 1,
+            decode_buckets=list(graphs.buckets) if compiled else None,
+            num_blocks=runner.num_blocks,
+        )
+
+    def media_cache_stats(self) -> tuple[int, int]:
+        """Media tower calls made and answered from the encoder cache."""
+        encoders = self.runner.encoders
+        return encoders.num_misses, encoders.num_hits
 
     @property
     def caches_prefixes(self) -> bool:
