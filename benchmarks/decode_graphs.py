@@ -29,8 +29,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from engine_workloads import random_model, write_results  # noqa: E402
 
-from areno.engine.cuda_graphs import KV_BUCKET, DecodeGraphs  # noqa: E402
-from areno.engine.runner import ModelRunner  # noqa: E402
+from areno.engine.runner.cuda_graphs import KV_BUCKET, DecodeGraphs  # noqa: E402
+from areno.engine.runner.model_runner import ModelRunner  # noqa: E402
 from areno.processing.types import PromptInputs  # noqa: E402
 
 _MIB = 1 << 20

@@ -43,7 +43,7 @@ from areno.engine.kernels import references_only  # noqa: E402
 from areno.engine.kernels.chunked_delta import CHUNK, chunked_gated_delta  # noqa: E402
 from areno.engine.kernels.decode_attention import SPLIT_KEYS, decode_attention  # noqa: E402
 from areno.engine.kernels.gated_delta import gated_delta, launch_choices  # noqa: E402
-from areno.engine.linear_attention import recurrent_update  # noqa: E402
+from areno.engine.layers.linear_attention import recurrent_update  # noqa: E402
 
 ROWS, PROMPT, CACHED = 64, 256, 384
 ATTENTION_ROWS = (64, 256)

@@ -38,8 +38,8 @@ def child(args: argparse.Namespace) -> dict:
     from torch._dynamo.utils import compile_times, counters
 
     from areno.engine.config import EngineConfig
-    from areno.engine.cuda_graphs import DecodeGraphs
     from areno.engine.generator import Generator
+    from areno.engine.runner.cuda_graphs import DecodeGraphs
 
     imported = time.perf_counter() - STARTED
     captures: list[float] = []

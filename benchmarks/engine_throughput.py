@@ -60,11 +60,11 @@ from engine_workloads import (
 from hf_baseline import run_hf_generate
 from torch._dynamo.utils import counters as dynamo_counters
 
-from areno.engine.block_manager import blocks_for
 from areno.engine.config import COMPILE_MODES, EngineConfig
 from areno.engine.generator import Generator
 from areno.engine.kernels import references_only
-from areno.engine.kv_pool import pool_gib
+from areno.engine.kv.block_manager import blocks_for
+from areno.engine.parallel.kv_pool import pool_gib
 from areno.engine.sampling import SamplingParams
 from areno.media import MediaDecoder, MediaPolicy
 from areno.models.tiny import TINY_FAMILIES

@@ -289,7 +289,7 @@ class ByteFloor:
         tflops: float,
         state_itemsize: int = 4,
     ):
-        from areno.engine.kv_pool import block_bytes
+        from areno.engine.parallel.kv_pool import block_bytes
 
         config = model.config.get_text_config()
         layer_types = getattr(config, "layer_types", None) or (

@@ -5,7 +5,7 @@ and values, 2 KV heads of dim 256).
 The memory is what the slot cache took for 64 slots of 8,192 tokens (`--max-running-prompts 64
 --max-context-len 8192`): every slot reserved its whole context in every full-attention layer,
 so that memory ran 64 requests whatever their length. The paged pool of the same bytes is handed
-to the engine's own scheduler (areno/engine/scheduler.py: its block manager, admission and
+to the engine's own scheduler (areno/engine/core/scheduler.py: its block manager, admission and
 preemption, no model) with `--max-context-len 8192` and a running cap high enough not to bind;
 requests of 512 tokens (448 prompt + 64 output, EOS ignored) arrive all at once, and every step
 each running sequence gets its token, as the engine appends them. The row reports the most that
@@ -27,10 +27,10 @@ import math
 import torch
 from engine_workloads import linear_state_bytes, random_model, write_results
 
-from areno.engine.block_manager import blocks_for
-from areno.engine.kv_pool import block_bytes
+from areno.engine.core.scheduler import Scheduler, SchedulerConfig
+from areno.engine.kv.block_manager import blocks_for
+from areno.engine.parallel.kv_pool import block_bytes
 from areno.engine.sampling import SamplingParams
-from areno.engine.scheduler import Scheduler, SchedulerConfig
 from areno.engine.sequence import SequenceGroup
 
 GIB = 1 << 30

@@ -32,11 +32,11 @@ import torch
 from engine_throughput import _TimedRunCompiles
 from engine_workloads import make_random_id_workload, random_model, synchronize, write_results
 
-from areno.engine.block_manager import blocks_for
 from areno.engine.config import EngineConfig
 from areno.engine.generator import Generator
-from areno.engine.kv_pool import pool_gib
-from areno.engine.lora import POLICY_ADAPTER
+from areno.engine.kv.block_manager import blocks_for
+from areno.engine.layers.lora import POLICY_ADAPTER
+from areno.engine.parallel.kv_pool import pool_gib
 from areno.engine.sampling import SamplingParams
 from areno.train.lora import LoraConfig, apply_lora, policy_adapter
 from areno.train.weight_sync import host_copies, trainable_named

@@ -39,7 +39,7 @@ from engine_workloads import (  # noqa: E402
     weight_bytes,
 )
 
-from areno.engine.runner import ModelRunner  # noqa: E402
+from areno.engine.runner.model_runner import ModelRunner  # noqa: E402
 from areno.processing.types import PromptInputs  # noqa: E402
 
 # Operator / kernel name fragments of each class, first match wins (lower case).

@@ -35,8 +35,8 @@ from engine_workloads import (  # noqa: E402
     write_results,
 )
 
-from areno.engine.attention import ENGINE_SDPA, engine_sdpa_mask  # noqa: E402
-from areno.engine.runner import ModelRunner  # noqa: E402
+from areno.engine.layers.attention import ENGINE_SDPA, engine_sdpa_mask  # noqa: E402
+from areno.engine.runner.model_runner import ModelRunner  # noqa: E402
 from areno.processing.types import PromptInputs  # noqa: E402
 
 MASKS = {"engine": engine_sdpa_mask, "transformers": sdpa_mask}

@@ -27,7 +27,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from engine_workloads import synchronize, write_results  # noqa: E402
 
-from areno.engine.encoder_cache import EncoderCache  # noqa: E402
+from areno.engine.runner.encoder_cache import EncoderCache  # noqa: E402
 from areno.media.decoder import MediaDecoder  # noqa: E402
 from areno.media.samples import write_video  # noqa: E402
 from areno.media.sources import MediaPolicy  # noqa: E402

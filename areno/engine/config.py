@@ -17,7 +17,7 @@ ON_OFF_MODES = ("auto", "on", "off")
 
 @dataclass(frozen=True)
 class KVPoolOptions:
-    """What sizes the KV block pool (areno/engine/kv_pool.py): EngineConfig's `block_size`,
+    """What sizes the KV block pool (areno/engine/parallel/kv_pool.py): EngineConfig's `block_size`,
     `kv_cache_gib` and `kv_cache_memory_fraction`; `profile_tokens`, the prompt tokens of the
     forward whose activation peak the fraction leaves room for (the per-step prefill budget)."""
 
@@ -51,18 +51,18 @@ class EngineConfig:
         `--enable-prefix-caching`, on by default as in vLLM). Where
         layers keep state besides keys (linear attention, sliding windows), a prompt resumes
         only where that state was saved: at the end of a prompt with media's last full block,
-        and at the end of every finished sequence (areno/engine/state_cache.py).
+        and at the end of every finished sequence (areno/engine/kv/state_cache.py).
     prefix_state_rows: how many such saved states the engine keeps, beside the running
         sequences' own (`--prefix-state-rows`); None: two per running sequence. Each costs one
         sequence's linear-attention states and sliding rings; unused elsewhere.
     encoder_cache_gib: with prefix caching, GiB of media tower outputs kept by the content
         they encoded (`--encoder-cache-gib`), so that media seen again skip the towers
-        (areno/engine/encoder_cache.py); 0: none.
+        (areno/engine/runner/encoder_cache.py); 0: none.
     dtype: "auto" is float32 on CPU and bfloat16 on CUDA.
     device: "auto" is CUDA when available.
     num_cpus_per_rank: CPUs Ray reserves for each tensor-parallel follower actor.
     decode_graphs: "auto" (CUDA graphs on GPU), "off", "capture", or "static" (the graphs' padded
-        step run eagerly; for tests on CPU). See areno/engine/cuda_graphs.py.
+        step run eagerly; for tests on CPU). See areno/engine/runner/cuda_graphs.py.
     decode_compile: the torch.compile backend of the decode step's model forward: "auto" is
         "inductor" where decode graphs are captured (CUDA) and "off" elsewhere; "aot_eager"
         traces without generating kernels (fast; for tests). Compiling costs minutes at the
@@ -75,13 +75,13 @@ class EngineConfig:
         (off there). Media prompts prefill uncompiled.
     fuse_projections: run each layer's sibling projections of one input (query / key / value,
         gate / up, a gated-delta-net's four) as one matmul over a fused weight, of which the
-        parameters become views (areno/engine/fused_linear.py). "auto" is "on" on CUDA without
+        parameters become views (areno/engine/layers/fused_linear.py). "auto" is "on" on CUDA without
         tensor parallelism, "off" on CPU, where "on" packs each fused weight whole for the packed
         layers and gained nothing measurable (docs/performance.md, "The generator engine"). On an H200 it took
         the Qwen3-1.7B shape from 14.8k to 16.5k tok/s, the engine's cold warm-up (both
         compiles) 204 s (docs/performance.md, "The generator engine").
     cpu_packed_linear: on CPU in float32 without tensor parallelism, run the model's linear
-        layers through oneDNN with prepacked weights (areno/engine/cpu_linear.py), compiled or
+        layers through oneDNN with prepacked weights (areno/engine/layers/cpu_linear.py), compiled or
         not; False keeps aten's matmul.
     overlap_steps: "on" launches each step before the host reads the previous step's tokens,
         so the host's bookkeeping runs while the device computes (see EngineCore.step; true and
@@ -92,7 +92,7 @@ class EngineConfig:
         Qwen3-1.7B shape from 10.7k to 13.4k tok/s and the Qwen3.5-2B hybrid from 9.5k to 11.8k
         (docs/performance.md, "The generator engine"); on CPU, where nothing overlaps, it gains nothing.
     max_loras: LoRA adapters the engine can hold beside its base weights (`--max-loras`);
-        0: none, and no low-rank path runs (areno/engine/lora.py). Needs tp_size 1.
+        0: none, and no low-rank path runs (areno/engine/layers/lora.py). Needs tp_size 1.
     max_lora_rank: the largest adapter rank it takes (`--max-lora-rank`).
     linear_state_dtype: the stored dtype of linear-attention (Qwen3.5 gated-delta-net)
         recurrent states (`--linear-state-dtype`): "float32", or "bfloat16", which halves the
@@ -236,7 +236,7 @@ DEFAULT_MAX_CONTEXT_LEN = 8192
 
 
 def pool_options(config: EngineConfig) -> KVPoolOptions:
-    """How the engine's KV block pool is sized (areno/engine/kv_pool.py)."""
+    """How the engine's KV block pool is sized (areno/engine/parallel/kv_pool.py)."""
     return KVPoolOptions(
         block_size=config.block_size,
         kv_cache_gib=config.kv_cache_gib,

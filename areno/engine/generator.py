@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from areno.engine import compile_cache, gc_freeze, startup
+from areno.engine import compile_cache, gc_freeze
 from areno.engine.config import (
     EngineConfig,
     resolve_device,
@@ -30,10 +30,10 @@ from areno.engine.config import (
     resolve_max_context_len,
     resolve_overlap,
 )
-from areno.engine.core import EngineCore
-from areno.engine.executor import Executor, LocalExecutor
-from areno.engine.ipc import CudaIpcWeights
-from areno.engine.lora import POLICY_ADAPTER, LoraWeights
+from areno.engine.core import startup
+from areno.engine.core.engine_core import EngineCore
+from areno.engine.core.scheduler import DuplicateRequestError, SchedulerConfig
+from areno.engine.layers.lora import POLICY_ADAPTER, LoraWeights
 from areno.engine.openmp import release_thread_pool
 from areno.engine.outputs import (
     AbortCause,
@@ -42,10 +42,11 @@ from areno.engine.outputs import (
     TokenScores,
     merge_outputs,
 )
-from areno.engine.parallel import load_model_for_rank
+from areno.engine.parallel.executor import Executor, LocalExecutor
+from areno.engine.parallel.ipc import CudaIpcWeights
+from areno.engine.parallel.tensor_parallel import load_model_for_rank
+from areno.engine.parallel.worker import Worker
 from areno.engine.sampling import MAX_TOP_LOGPROBS, SamplingParams
-from areno.engine.scheduler import DuplicateRequestError, SchedulerConfig
-from areno.engine.worker import Worker
 from areno.errors import ConfigError
 from areno.models.registry import adapter_for_checkpoint
 from areno.processing.types import PromptInputs
@@ -167,7 +168,7 @@ class Generator:
             model = load_model_for_rank(adapter, model_path, tp_size=1, dtype=dtype, device=device)
             executor = LocalExecutor(Worker.from_config(model, config, max_len=max_len))
         else:
-            from areno.engine.tp_executor import TPExecutor
+            from areno.engine.parallel.tp_executor import TPExecutor
 
             spec = {
                 "model_path": str(model_path),
@@ -386,7 +387,7 @@ class Generator:
 
     def describe_start_up(self) -> str:
         """The start-up phases with their seconds and the compile cache, one line (see
-        areno/engine/startup.py)."""
+        areno/engine/core/startup.py)."""
         return startup.describe(self.start_up, self.compile_cache, self.compile_cache_files)
 
     def add_adapters(self, adapters: Mapping[str, str | os.PathLike]) -> None:

@@ -36,7 +36,7 @@ def _fail(param: str, message: str) -> ConfigError:
 
 @dataclass(frozen=True)
 class StructuredOutput:
-    """A grammar every token of the output must follow (areno/engine/grammar.py).
+    """A grammar every token of the output must follow (areno/engine/outputs/grammar.py).
 
     kind: "json_schema" (spec: a JSON Schema as JSON text), "json_object" (any JSON object;
         spec ""), or "structural_tag" (spec: an xgrammar structural tag as JSON text, how tool
@@ -78,7 +78,7 @@ class SamplingParams:
     skip_special_tokens: leave special tokens out of the text; off when a tool-call parser must
         see tags that are special tokens. A stop token's own text is never part of the output.
     adapter: the LoRA adapter the request runs with, by the name it was loaded under
-        (areno/engine/lora.py); None: the engine's default (the base model, or the policy
+        (areno/engine/layers/lora.py); None: the engine's default (the base model, or the policy
         adapter an RL weight sync loaded).
     presence_penalty / frequency_penalty: subtracted from a token's logit once if it occurs in
         the output so far / once per occurrence (OpenAI's definition; [-2, 2], 0 is off).

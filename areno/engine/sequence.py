@@ -81,7 +81,7 @@ class Sequence:
     block_hashes: list[bytes] = field(default_factory=list)
     num_registered_blocks: int = 0
     # Positions whose keys (and state) the steps launched so far write, and the resume point its
-    # prefill saves the state at, once a chunk reaches it (areno/engine/state_cache.py).
+    # prefill saves the state at, once a chunk reaches it (areno/engine/kv/state_cache.py).
     num_fed_tokens: int = 0
     state_save: Any = None
     end_saved: bool = False  # its state after its last fed token is saved already
@@ -91,7 +91,7 @@ class Sequence:
     finish_reason: str | None = None
     num_preemptions: int = 0
     # Tokens sampled on the device that the host has not read yet (0 or 1: an overlapped step
-    # runs while the previous one's tokens are read; see areno/engine/core.py).
+    # runs while the previous one's tokens are read; see areno/engine/core/engine_core.py).
     num_in_flight: int = 0
 
     @property

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from areno.engine.sampler import SamplerOutput
+from areno.engine.sample.sampler import SamplerOutput
 from areno.engine.sampling import SamplingParams
 from areno.processing.types import PromptInputs
 
@@ -36,7 +36,7 @@ class PrefillItem:
     restore_row: int | None = None
     copy_block: tuple[int, int] | None = None
     # (position, row): save slots[0]'s state in saved-state `row` when the prefill reaches
-    # `position` (areno/engine/state_cache.py).
+    # `position` (areno/engine/kv/state_cache.py).
     save: tuple[int, int] | None = None
     # The LoRA adapter its sequences run with (SamplingParams.adapter; None: the default).
     adapter: str | None = None
@@ -55,7 +55,7 @@ class RowSampling:
     """How to sample one output row: its sequence (keys a seeded generator) and parameters.
 
     history: on a penalised row's prefill, its (prompt, output so far) token ids, which reset
-    its slot's counts (areno/engine/penalties.py). banned: tokens it cannot draw this step (its
+    its slot's counts (areno/engine/sample/penalties.py). banned: tokens it cannot draw this step (its
     stop tokens, before min_tokens)."""
 
     seq_id: int
@@ -81,9 +81,9 @@ class StepInput:
     decode_block_tables: list[list[int]] | None = None
     rows: list[RowSampling] = field(default_factory=list)
     finished_seq_ids: list[int] = field(default_factory=list)  # drop their generators
-    # (slot, row): save ended sequences' slot states first (areno/engine/state_cache.py).
+    # (slot, row): save ended sequences' slot states first (areno/engine/kv/state_cache.py).
     state_saves: list[tuple[int, int]] = field(default_factory=list)
-    # Rows under a grammar and their allowed-token masks (areno/engine/grammar.py), host-side.
+    # Rows under a grammar and their allowed-token masks (areno/engine/outputs/grammar.py), host-side.
     grammar_rows: list[int] = field(default_factory=list)
     token_bitmask: torch.Tensor | None = None
 

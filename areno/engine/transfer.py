@@ -1,7 +1,7 @@
 """Host-to-device copies that do not wait for the device.
 
 A plain copy from pageable host memory to a CUDA tensor synchronizes the stream: it returns only
-after every kernel queued before it has run. In an overlapped engine step (areno/engine/core.py)
+after every kernel queued before it has run. In an overlapped engine step (areno/engine/core/engine_core.py)
 that would wait for the step just launched, so the copies on the step's path go through pinned
 memory, without blocking.
 """

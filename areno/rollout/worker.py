@@ -15,7 +15,7 @@ from typing import Any
 
 from areno.engine.config import EngineConfig
 from areno.engine.generator import Generator
-from areno.engine.ipc import visible_gpu_uuids
+from areno.engine.parallel.ipc import visible_gpu_uuids
 from areno.engine.sampling import SamplingParams
 from areno.media.decoder import MediaDecoder
 from areno.media.sources import MediaPolicy

@@ -26,7 +26,7 @@ def check_config(config: ServeConfig) -> int:
     from transformers import AutoConfig
 
     from areno.engine.config import resolve_max_context_len
-    from areno.engine.parallel import tp_plan_for
+    from areno.engine.parallel.tensor_parallel import tp_plan_for
     from areno.models.registry import adapter_for_checkpoint
 
     adapter = adapter_for_checkpoint(config.model_path)
@@ -43,7 +43,7 @@ def check_adapter(name: str, path: str, max_rank: int) -> None:
     import json
     from pathlib import Path
 
-    from areno.engine.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, LoraError, adapter_scaling
+    from areno.engine.layers.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, LoraError, adapter_scaling
 
     directory = Path(path)
     for file in (ADAPTER_CONFIG, ADAPTER_WEIGHTS):

@@ -12,7 +12,7 @@
   to the block's end tag; the grammar applies after it.
 
 Specs are xgrammar structural tags written as plain JSON, compiled by the engine
-(areno/engine/grammar.py), which caches them: the same tools give the same spec text.
+(areno/engine/outputs/grammar.py), which caches them: the same tools give the same spec text.
 """
 
 from __future__ import annotations

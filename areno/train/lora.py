@@ -2,7 +2,7 @@
 
 `lora.rank` > 0 wraps the policy in a PEFT model whose only trainable parameters are the
 adapters' factors; the weight sync then sends those alone (`policy_adapter`, which the
-generator loads beside its base weights: areno/engine/lora.py), and the run exports a PEFT
+generator loads beside its base weights: areno/engine/layers/lora.py), and the run exports a PEFT
 adapter directory (`export_adapter`) that `peft` loads on top of the base checkpoint and
 `areno serve --lora NAME=PATH` serves.
 """
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from areno.engine.lora import LoraWeights, adapter_scaling
+from areno.engine.layers.lora import LoraWeights, adapter_scaling
 from areno.errors import ConfigError
 
 # What PEFT puts before the wrapped model's own module paths.

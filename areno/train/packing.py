@@ -30,8 +30,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from areno.engine.batched_prefill import stack_rows
-from areno.engine.prompt_chunks import (
+from areno.engine.runner.batched_prefill import stack_rows
+from areno.engine.runner.prompt_chunks import (
     StagedPrompt,
     at_text_stack,
     bidirectional_groups,

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from areno.engine.encoder_cache import EncoderCache
+from areno.engine.runner.encoder_cache import EncoderCache
 from areno.processing.types import PromptInputs
 from areno.rollout.trajectory import Trajectory
 from areno.train import checkpoint

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from areno.engine.ipc import CudaIpcWeights, device_uuid
+from areno.engine.parallel.ipc import CudaIpcWeights, device_uuid
 from areno.errors import ConfigError
 from areno.train.lora import is_lora, policy_adapter
 from areno.train.rollouts import RolloutWorkerLostError, wait_all, wait_for_workers

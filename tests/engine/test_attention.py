@@ -7,7 +7,7 @@ import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask, sliding_window_causal_mask_function
 
-from areno.engine.attention import (
+from areno.engine.layers.attention import (
     ENGINE_SDPA,
     EngineAttention,
     engine_sdpa_forward,

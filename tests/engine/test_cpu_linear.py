@@ -7,9 +7,9 @@ import pytest
 import torch
 from torch import nn
 
-from areno.engine.cpu_linear import PackedLinears, can_pack, packed_linear
-from areno.engine.runner import ModelRunner
-from areno.engine.worker import Worker
+from areno.engine.layers.cpu_linear import PackedLinears, can_pack, packed_linear
+from areno.engine.parallel.worker import Worker
+from areno.engine.runner.model_runner import ModelRunner
 from areno.processing.types import PromptInputs
 
 pytestmark = pytest.mark.skipif(
@@ -124,7 +124,7 @@ def test_a_compiled_decode_step_runs_the_packed_layers(model, tiny_path, fuse):
     gives the uncompiled step's logits, in one graph. Fused, each group is one packed matmul."""
     from torch._dynamo.utils import counters
 
-    from areno.engine.compiled import CompiledForward
+    from areno.engine.runner.compiled import CompiledForward
 
     # Fused, each runner gets a model of its own (the same checkpoint): fusing rewires a model's
     # layers, and two fusings of one model would leave the first group's weight unviewed.

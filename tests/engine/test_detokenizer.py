@@ -9,7 +9,7 @@ import pytest
 from tokenizers import decoders
 from transformers import AutoTokenizer
 
-from areno.engine.detokenizer import NUM_SEED_TOKENS, IncrementalDetokenizer
+from areno.engine.outputs.detokenizer import NUM_SEED_TOKENS, IncrementalDetokenizer
 
 FAMILIES = ["qwen3_5", "qwen3_vl", "gemma4", "minicpmv4_6"]
 TEXTS = [

@@ -1,12 +1,12 @@
-"""Sibling projections fused into one matmul (areno/engine/fused_linear.py)."""
+"""Sibling projections fused into one matmul (areno/engine/layers/fused_linear.py)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from areno.engine.fused_linear import FusedLinears
-from areno.engine.runner import ModelRunner
+from areno.engine.layers.fused_linear import FusedLinears
+from areno.engine.runner.model_runner import ModelRunner
 from areno.models.registry import adapter_for_checkpoint
 from areno.processing.types import PromptInputs
 

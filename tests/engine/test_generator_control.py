@@ -13,11 +13,11 @@ import torch
 from areno.engine import gc_freeze
 from areno.engine import generator as generator_module
 from areno.engine.config import EngineConfig, resolve_overlap
+from areno.engine.core.scheduler import SequenceTooLongError
 from areno.engine.generator import Generator
 from areno.engine.outputs import AbortCause, merge_outputs
+from areno.engine.parallel.worker import WeightUpdateError
 from areno.engine.sampling import SamplingParams
-from areno.engine.scheduler import SequenceTooLongError
-from areno.engine.worker import WeightUpdateError
 from areno.errors import ConfigError
 from tests.engine.generating import (
     GREEDY,
@@ -461,7 +461,7 @@ def test_a_cache_too_large_for_memory_fails_at_start_up_naming_the_flags(setups)
     """A pool of twice the memory this machine has available: the start-up fails with
     CacheMemoryError before allocating its first layer, and an engine of sane size starts
     right after."""
-    from areno.engine.cache import available_bytes
+    from areno.engine.layers.cache import available_bytes
     from areno.errors import CacheMemoryError
 
     setup = setups("qwen3_5")

@@ -9,7 +9,7 @@ import torch
 
 from areno.engine.config import EngineConfig
 from areno.engine.generator import Generator
-from areno.engine.runner import ModelRunner
+from areno.engine.runner.model_runner import ModelRunner
 from areno.engine.sampling import SamplingParams
 from areno.media.samples import write_image, write_video
 from areno.processing.types import PromptInputs
@@ -124,7 +124,7 @@ def test_parts_of_prompts_in_one_forward_equal_whole_prefills_on_cuda(tiny_path,
     """Parts of prompts of unequal lengths in one forward over their slots' cached keys
     (`prefill_parts`; the Triton gated-delta kernel continuing each row's state) give each
     prompt's own last logits and decode steps."""
-    from areno.engine.batched_prefill import PromptPart
+    from areno.engine.runner.batched_prefill import PromptPart
     from areno.models import get_adapter
     from areno.models.registry import read_model_type
 
@@ -335,7 +335,7 @@ def test_overlapped_steps_give_the_steps_own_outputs(tiny_path):
 def _share_weights(shapes, queue, done) -> None:
     """Child process: random CUDA tensors of `shapes`, shared by IPC handle, kept alive until
     the parent has loaded them."""
-    from areno.engine.ipc import CudaIpcWeights
+    from areno.engine.parallel.ipc import CudaIpcWeights
 
     torch.manual_seed(1)
     tensors = {n: torch.randn(s, dtype=d, device="cuda") for n, (s, d) in shapes.items()}

@@ -18,8 +18,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import areno.engine.attention as engine_attention
-import areno.engine.linear_attention as engine_linear_attention
+import areno.engine.layers.attention as engine_attention
+import areno.engine.layers.linear_attention as engine_linear_attention
 from areno.engine.kernels import INTERPRETED, references_only, triton
 from areno.engine.kernels.chunked_delta import chunked_gated_delta, chunked_gated_delta_torch
 from areno.engine.kernels.decode_attention import (
@@ -30,7 +30,7 @@ from areno.engine.kernels.decode_attention import (
 )
 from areno.engine.kernels.gated_delta import gated_delta, gated_delta_reference
 from areno.engine.kernels.write_kv import write_kv, write_kv_reference
-from areno.engine.runner import ModelRunner
+from areno.engine.runner.model_runner import ModelRunner
 from areno.processing.types import PromptInputs
 
 RUNS_KERNELS = triton is not None and (INTERPRETED or torch.cuda.is_available())
@@ -251,7 +251,7 @@ def test_a_prefill_rule_continues_a_state_as_one_rule_over_the_whole(split):
     """A prompt's later chunk: the rule over tokens split.. from the state after ..split gives
     the whole prompt's outputs and state (the Triton token kernel on CUDA and under the
     interpreter, the PyTorch chunked form elsewhere), and leaves the state it was given."""
-    from areno.engine.linear_attention import prefill_delta_rule
+    from areno.engine.layers.linear_attention import prefill_delta_rule
 
     torch.manual_seed(0)
     batch, num_tokens, num_k, num_v, dk, dv = 2, 80, 2, 4, 32, 16

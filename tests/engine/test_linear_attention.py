@@ -6,8 +6,8 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from areno.engine import linear_attention
-from areno.engine.linear_attention import EngineKernels
+from areno.engine.layers import linear_attention
+from areno.engine.layers.linear_attention import EngineKernels
 from areno.processing import Processor
 
 VOCAB = 200  # ids below the tiny tokenizer's special tokens

@@ -13,7 +13,7 @@ import json
 import pytest
 import torch
 
-from areno.engine.grammar import GrammarError
+from areno.engine.outputs.grammar import GrammarError
 from areno.engine.sampling import SamplingParams, StructuredOutput
 from areno.errors import ConfigError
 from tests.engine.generating import run, text

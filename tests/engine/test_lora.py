@@ -1,4 +1,4 @@
-"""LoRA adapters in the engine (areno/engine/lora.py) against `peft` on plain transformers: a
+"""LoRA adapters in the engine (areno/engine/layers/lora.py) against `peft` on plain transformers: a
 PEFT adapter directory loaded into the Generator gives peft's greedy tokens, base and adapter
 requests in one batch each match their own reference, and adapters that do not fit are refused."""
 
@@ -10,7 +10,7 @@ import dataclasses
 import pytest
 import torch
 
-from areno.engine.lora import LoraError, LoraWeights
+from areno.engine.layers.lora import LoraError, LoraWeights
 from areno.train.lora import LoraConfig, apply_lora, export_adapter
 from tests.engine.generating import GREEDY, run, text, with_media
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from areno.engine.block_manager import blocks_for
-from areno.engine.kv_pool import pool_gib
+from areno.engine.kv.block_manager import blocks_for
+from areno.engine.parallel.kv_pool import pool_gib
 from areno.engine.sampling import SamplingParams
 from areno.media.samples import write_image
 from tests.engine.generating import (

@@ -13,8 +13,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from transformers import AutoConfig
 
-from areno.engine import parallel
-from areno.engine.runner import ModelRunner
+from areno.engine.parallel import tensor_parallel
+from areno.engine.runner.model_runner import ModelRunner
 from areno.errors import ConfigError
 from areno.media import MediaDecoder, MediaPolicy
 from areno.media.samples import write_image
@@ -38,7 +38,7 @@ def run_requests(model_path: str, image: str, *, tp_size: int) -> dict:
     batched decode of both. Returns each request's greedy tokens and every step's logits."""
     processor = Processor(model_path)
     decoder = MediaDecoder(MediaPolicy.for_training(), processor.decode_options())
-    model = parallel.load_model_for_rank(
+    model = tensor_parallel.load_model_for_rank(
         processor.adapter, model_path, tp_size=tp_size, dtype=torch.float32, device="cpu"
     )
     inputs = [
@@ -69,16 +69,16 @@ def run_requests(model_path: str, image: str, *, tp_size: int) -> dict:
 
 def tp_worker(rank: int, port: int, cases: dict[str, str], image: str, out_dir: str) -> None:
     torch.set_num_threads(1)  # two ranks share two cores
-    parallel.init_distributed(rank, WORLD_SIZE, "127.0.0.1", port, "cpu")
+    tensor_parallel.init_distributed(rank, WORLD_SIZE, "127.0.0.1", port, "cpu")
     try:
         message = [CONTROL_MESSAGE if rank == 0 else None]
-        dist.broadcast_object_list(message, src=0, group=parallel.control_group())
+        dist.broadcast_object_list(message, src=0, group=tensor_parallel.control_group())
         results = {"control": message[0]}
         for family, path in cases.items():
             results[family] = run_requests(path, image, tp_size=WORLD_SIZE)
         torch.save(results, Path(out_dir) / f"rank{rank}.pt")
     finally:
-        parallel.shutdown_distributed()
+        tensor_parallel.shutdown_distributed()
 
 
 def free_port() -> int:
@@ -141,26 +141,26 @@ def test_tp_runner_equals_single_process(tiny_path, image, tp_results, family):
     ],
 )
 def test_tp_plan_for(family, tp_size, plan):
-    assert parallel.tp_plan_for(get_adapter(family), tp_size) == plan
+    assert tensor_parallel.tp_plan_for(get_adapter(family), tp_size) == plan
 
 
 def test_head_counts_must_divide_by_tp_size(tiny_path):
     # Colwise q/k/v shards split heads * head_dim evenly: 1 KV head over 2 ranks would leave
     # each rank half a head and fail mid-forward, so loading refuses it up front.
     config = AutoConfig.from_pretrained(tiny_path("qwen3_5"))
-    parallel.check_head_counts(config, 2)
+    tensor_parallel.check_head_counts(config, 2)
     config.text_config.num_key_value_heads = 1
     with pytest.raises(ConfigError, match="num_key_value_heads=1"):
-        parallel.check_head_counts(config, 2)
+        tensor_parallel.check_head_counts(config, 2)
     gemma = AutoConfig.from_pretrained(tiny_path("gemma4"))
     with pytest.raises(ConfigError, match="Gemma4TextConfig"):
-        parallel.check_head_counts(gemma, 4)
+        tensor_parallel.check_head_counts(gemma, 4)
 
 
 def test_qwen3_vl_refuses_tensor_parallelism():
     with pytest.raises(ConfigError, match="qwen3_vl .* no tensor-parallel plan.*--tp-size 1"):
-        parallel.tp_plan_for(get_adapter("qwen3_vl"), 2)
+        tensor_parallel.tp_plan_for(get_adapter("qwen3_vl"), 2)
     with pytest.raises(ConfigError, match="qwen3_vl"):
-        parallel.load_model_for_rank(
+        tensor_parallel.load_model_for_rank(
             get_adapter("qwen3_vl"), "unused", tp_size=2, dtype=torch.float32, device="cpu"
         )

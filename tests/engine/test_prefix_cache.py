@@ -13,10 +13,10 @@ import pytest
 import torch
 from PIL import Image
 
-from areno.engine.block_manager import BlockManager, block_hashes, partial_block_hash
-from areno.engine.encoder_cache import EncoderCache
+from areno.engine.kv.block_manager import BlockManager, block_hashes, partial_block_hash
+from areno.engine.kv.state_cache import StateCache
+from areno.engine.runner.encoder_cache import EncoderCache
 from areno.engine.sampling import SamplingParams
-from areno.engine.state_cache import StateCache
 from areno.media.samples import write_audio, write_image, write_video
 from areno.train.policy import sequence_logprobs
 from tests.engine.generating import FAMILIES, GREEDY, arrive_together, run, text, with_media

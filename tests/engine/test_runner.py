@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from areno.engine.batched_prefill import PromptPart, can_batch_prefill
-from areno.engine.cuda_graphs import row_buckets
-from areno.engine.runner import ModelRunner
-from areno.engine.worker import MAX_PREFILL_PADDING, prefill_groups
+from areno.engine.parallel.worker import MAX_PREFILL_PADDING, prefill_groups
+from areno.engine.runner.batched_prefill import PromptPart, can_batch_prefill
+from areno.engine.runner.cuda_graphs import row_buckets
+from areno.engine.runner.model_runner import ModelRunner
 from areno.media import MediaDecoder, MediaPolicy
 from areno.media.samples import write_audio, write_image, write_video
 from areno.processing import Processor, process_messages
@@ -347,7 +347,7 @@ def test_the_compiled_steps_keep_the_cache_sizes_static(tiny_path):
     the cache storage's: with a slot-count and a length symbol for every layer's tensors,
     reasoning about them was most of a compile's time (30 s against 16 s for dynamo's trace of
     a 28-layer model on CPU)."""
-    from areno.engine.compiled import CompiledForward
+    from areno.engine.runner.compiled import CompiledForward
 
     symbolic: dict[str, set[str]] = {"decode": set(), "prefill": set()}
 

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from areno.engine.sampler import SamplingTensors, generator_for, sample
+from areno.engine.sample.sampler import SamplingTensors, generator_for, sample
 from areno.engine.sampling import SamplingParams
 
 PROBS = torch.tensor([0.5, 0.3, 0.15, 0.05])

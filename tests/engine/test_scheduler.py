@@ -6,17 +6,17 @@ from __future__ import annotations
 
 import pytest
 
-from areno.engine.block_manager import BlockManager
-from areno.engine.sampling import SamplingParams
-from areno.engine.scheduler import (
+from areno.engine.core.scheduler import (
     DuplicateRequestError,
     Scheduler,
     SchedulerConfig,
     SequenceTooLongError,
     SlotAllocator,
 )
+from areno.engine.kv.block_manager import BlockManager
+from areno.engine.outputs.stopping import check_stop
+from areno.engine.sampling import SamplingParams
 from areno.engine.sequence import SequenceGroup, SequenceStatus
-from areno.engine.stopping import check_stop
 from areno.errors import ArenoError, ConfigError, PromptTooLongError
 
 EOS = frozenset({2})

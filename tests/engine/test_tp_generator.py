@@ -11,9 +11,9 @@ import pytest
 import ray
 import torch
 
-from areno.engine import kv_pool
 from areno.engine.config import EngineConfig
 from areno.engine.generator import EngineDeadError, Generator
+from areno.engine.parallel import kv_pool
 from areno.engine.sampling import SamplingParams
 from areno.errors import ConfigError
 from areno.media import MediaDecoder, MediaPolicy
@@ -156,7 +156,7 @@ def test_tp_is_refused_for_a_family_without_a_plan(tiny_path):
 
 
 def test_a_lost_follower_fails_the_requests_instead_of_hanging_the_group(tiny_path, tmp_path):
-    from areno.engine.tp_executor import FOLLOWER_CHECK_S
+    from areno.engine.parallel.tp_executor import FOLLOWER_CHECK_S
 
     path = tiny_path("qwen3_5")
     inputs = encode_requests(path, tmp_path)[:1]

@@ -9,7 +9,7 @@ import json
 import subprocess
 import sys
 
-ENGINE_MODULES = ("areno.engine.generator", "areno.engine.runner", "torch._dynamo")
+ENGINE_MODULES = ("areno.engine.generator", "areno.engine.runner.model_runner", "torch._dynamo")
 
 
 def test_the_serving_modules_load_without_the_engine() -> None:

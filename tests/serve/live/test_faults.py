@@ -30,7 +30,7 @@ import ray
 from ray import serve
 
 from areno.engine.config import EngineConfig
-from areno.engine.tp_executor import FOLLOWER_NAME_PREFIX
+from areno.engine.parallel.tp_executor import FOLLOWER_NAME_PREFIX
 from areno.media.samples import write_image
 from areno.serve.app import build_app
 from areno.serve.config import ServeConfig

@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from areno.engine.block_manager import blocks_for
+from areno.engine.kv.block_manager import blocks_for
 from areno.engine.sampling import SamplingParams
 from areno.engine.step import PrefillItem, RowSampling, StepInput
 from areno.processing.types import PromptInputs
@@ -26,10 +26,10 @@ _DROPPED_ROW = RowSampling(seq_id=-1, params=SamplingParams(temperature=0, max_t
 
 def run_steps(core: Any, times: dict[str, float]) -> None:
     """A one-token prefill into slot 0 allocates the cache (raising CacheMemoryError where it
-    does not fit, areno/engine/cache.py); where they are compiled, a batched prefill of two
+    does not fit, areno/engine/layers/cache.py); where they are compiled, a batched prefill of two
     prompts of unequal lengths into slots 0 and 1, then a decode step of the smallest row bucket
     and one of the next. The compiles are generic in the row count and lengths (see
-    areno/engine/compiled.py); should a model's code still pin a size it first saw, the second
+    areno/engine/runner/compiled.py); should a model's code still pin a size it first saw, the second
     decode step makes that recompile happen here. Outputs are dropped; the slots are free again
     after, and their next prefills overwrite what these wrote. Records "cache" and "compile"
     seconds in `times`."""

@@ -2,7 +2,7 @@
 a GPU (after the weights, a measured activation peak and the running sequences' linear-attention
 states), or, on CPU without a size, as many as give every slot `--max-context-len` tokens.
 
-The bytes of one block are read off the model's attention layers (areno/engine/cache.py,
+The bytes of one block are read off the model's attention layers (areno/engine/layers/cache.py,
 `kv_heads_by_layer`): keys and values of `block_size` tokens in every layer that keeps its own.
 """
 
@@ -13,8 +13,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from areno.engine.block_manager import blocks_for
-from areno.engine.cache import available_bytes, kv_heads_by_layer
+from areno.engine.kv.block_manager import blocks_for
+from areno.engine.layers.cache import available_bytes, kv_heads_by_layer
 
 _GIB = 1 << 30
 

@@ -5,7 +5,7 @@ table, and only those its mask keeps.
 
 A forward over cached keys (a decode step) passes the rows' block tables as the keyword
 `areno_block_tables` (B, N), which transformers hands down to every attention call; the cache's
-layers then return their block storage as keys and values (areno/engine/cache.py). A model with
+layers then return their block storage as keys and values (areno/engine/layers/cache.py). A model with
 sliding-window layers gets a mapping by layer kind instead: its sliding layers read their
 slot's ring of blocks, or (None) return their keys in position order (a prompt's chunk). Where the
 kernel does not run (CPU, a head shape it does not take), the rows' keys and values are gathered

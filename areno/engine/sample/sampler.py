@@ -23,8 +23,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from areno.engine.grammar import allowed_tokens
-from areno.engine.penalties import apply_penalties
+from areno.engine.outputs.grammar import allowed_tokens
+from areno.engine.sample.penalties import apply_penalties
 from areno.engine.sampling import MAX_SEED, SamplingParams
 from areno.engine.transfer import to_device
 

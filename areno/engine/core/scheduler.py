@@ -2,7 +2,7 @@
 
 Two resources bound what runs. Slots (`max_running_seqs`, `--max-running-prompts`) cap how many
 sequences run at once; each holds a row of linear-attention state. KV blocks of `block_size`
-tokens (areno/engine/block_manager.py) hold every running sequence's keys and values, taken as it
+tokens (areno/engine/kv/block_manager.py) hold every running sequence's keys and values, taken as it
 grows and returned when it ends, so memory is spent on the tokens sequences have, not on
 `max_context_len` per slot. A sequence that reaches `max_context_len` finishes with "length"
 (see `check_stop`).
@@ -40,10 +40,10 @@ import heapq
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from areno.engine.block_manager import BlockManager, blocks_for
-from areno.engine.prefix_cache import PrefixCache
+from areno.engine.kv.block_manager import BlockManager, blocks_for
+from areno.engine.kv.prefix_cache import PrefixCache
+from areno.engine.outputs.stopping import reaches_length_limit
 from areno.engine.sequence import Sequence, SequenceGroup, SequenceStatus
-from areno.engine.stopping import reaches_length_limit
 from areno.errors import ArenoError, ConfigError, PromptTooLongError
 
 FLAG_MAX_CONTEXT_LEN = "--max-context-len"
@@ -76,7 +76,7 @@ class SchedulerConfig:
         shared, its prefill starts after them. Freed blocks stay cached until evicted.
     num_state_rows: rows of saved slot state (the runner's) for a model whose layers keep
         state besides keys (linear attention, sliding windows): its prompts resume only where
-        a state was saved (areno/engine/state_cache.py). 0: every layer keeps keys only.
+        a state was saved (areno/engine/kv/state_cache.py). 0: every layer keeps keys only.
     """
 
     max_running_seqs: int

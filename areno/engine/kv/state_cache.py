@@ -1,5 +1,5 @@
 """Saved slot states, where a later prompt may resume: the prefix cache's half for layers that
-keep no per-token keys. Pure Python; the runner owns the storage (areno/engine/cache.py).
+keep no per-token keys. Pure Python; the runner owns the storage (areno/engine/layers/cache.py).
 
 Qwen3.5's linear-attention layers hold one conv and one recurrent state per slot, and Gemma 4's
 sliding-window layers a ring of their last window of keys: a prompt whose first tokens are

@@ -4,7 +4,7 @@ fixed-size conv / recurrent state of linear-attention layers, one row per runnin
 Attention layers keep keys and values in blocks of `block_size` tokens, storage
 (num_blocks + 1, kv_heads, block_size, head_dim) per layer; a sequence's block table lists its
 blocks in order, so token position p lives at offset p % block_size of block
-table[p // block_size]. Block 0 is a sink nobody owns (areno/engine/block_manager.py): padded
+table[p // block_size]. Block 0 is a sink nobody owns (areno/engine/kv/block_manager.py): padded
 rows write there. Linear-attention layers (Qwen3.5's gated delta net) have no per-token cache:
 each running sequence holds a slot, one row of their states, as before paging.
 
@@ -13,7 +13,7 @@ current batch: before each forward the runner binds the batch's slots, block tab
 positions. Attention layers write new keys / values into their blocks and return what attention
 reads: a fresh prefill's own keys and values (everything it attends to is in them), or, when the
 binding says `paged`, the block storage itself, which the engine's attention function reads
-through the block tables it gets beside it (areno/engine/attention.py). Linear-attention layers
+through the block tables it gets beside it (areno/engine/layers/attention.py). Linear-attention layers
 work on gathered copies of the batch's states that `commit` writes back after the forward.
 
 Every storage tensor is allocated at the first forward that reaches its layer (the Generator
@@ -470,7 +470,7 @@ def copy_blocks(cache: PagedCache, pairs) -> None:
 def copy_rows(cache: PagedCache, src_rows: list[int], dst_rows: list[int]) -> None:
     """Copy the slot state of each row of `src_rows` into the row of `dst_rows` beside it:
     linear-attention conv and recurrent states, sliding-window rings (rows past the running
-    slots are saved states, areno/engine/state_cache.py)."""
+    slots are saved states, areno/engine/kv/state_cache.py)."""
     ring = cache.ring_blocks
     for layer in cache.attention.values():
         if layer.is_initialized and layer.ring_blocks is not None:

@@ -10,15 +10,15 @@ from __future__ import annotations
 from collections.abc import Collection
 from typing import Any
 
-from areno.engine.detokenizer import IncrementalDetokenizer
-from areno.engine.executor import Executor
-from areno.engine.grammar import Grammars, accept, fill
+from areno.engine.core.scheduler import ScheduledPrefill, Scheduler, SchedulerConfig
 from areno.engine.outputs import AbortCause, RequestOutput, SampleDelta
+from areno.engine.outputs.detokenizer import IncrementalDetokenizer
+from areno.engine.outputs.grammar import Grammars, accept, fill
+from areno.engine.outputs.stopping import StopCheck, check_stop
+from areno.engine.parallel.executor import Executor
 from areno.engine.sampling import SamplingParams
-from areno.engine.scheduler import ScheduledPrefill, Scheduler, SchedulerConfig
 from areno.engine.sequence import Sequence, SequenceGroup
 from areno.engine.step import PendingStep, PrefillItem, RowSampling, StepInput, StepOutput
-from areno.engine.stopping import StopCheck, check_stop
 from areno.errors import ConfigError
 from areno.processing.types import PromptInputs
 
@@ -198,7 +198,7 @@ class EngineCore:
         A sequence that drew a stop token therefore decodes one step more, and that token is
         dropped; max_tokens and the context length are known ahead and cost no extra step.
         While a grammar-bound sequence runs, steps are not overlapped: its matcher must see each
-        token before it masks the next (areno/engine/grammar.py).
+        token before it masks the next (areno/engine/outputs/grammar.py).
         """
         early = []
         overlap = self.overlap and not self._matchers

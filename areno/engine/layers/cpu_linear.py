@@ -7,12 +7,12 @@ and prefill-sized ones 1.1-1.4x. This is what torch.compile's CPU "freezing" doe
 compiling. `benchmarks/engine_throughput.py --workload cpu --cpu-linear aten packed` shows the
 whole engine both ways.
 
-Like the engine's kernels (areno/engine/attention.py, linear_attention.py), the packed layers are
+Like the engine's kernels (areno/engine/layers/attention.py, linear_attention.py), the packed layers are
 in force only inside the engine's forwards (`with linears:`); outside, the model is transformers'
 own. The packed tensors are copies derived from the weights, so whoever changes a weight must
 `repack` it (`Worker.load_weights` does). They double the memory of the packed layers.
 
-With the model's projections fused (`fuse_projections`, areno/engine/fused_linear.py), each
+With the model's projections fused (`fuse_projections`, areno/engine/layers/fused_linear.py), each
 fused group's weight is packed whole and the group's one matmul runs packed; a weight update to
 any sibling repacks its group.
 
@@ -36,7 +36,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from areno.engine.fused_linear import FusedLinears
+from areno.engine.layers.fused_linear import FusedLinears
 
 # Rows the packing is tuned for (oneDNN takes any row count at run time): a decode step's batch.
 ROWS_HINT = 16

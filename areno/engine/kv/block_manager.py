@@ -1,5 +1,5 @@
 """The KV block pool's bookkeeping: which blocks are free, and how many tables hold each one.
-Pure Python; the runner owns the storage (areno/engine/cache.py).
+Pure Python; the runner owns the storage (areno/engine/layers/cache.py).
 
 Block ids run 1..num_blocks: block 0 of the storage is a sink that no sequence owns, where the
 padded rows of a batched step (a CUDA-graph bucket's idle rows, a padded prefill's pads) write
@@ -57,7 +57,7 @@ def partial_block_hash(
 ) -> bytes:
     """The hash of a block that holds only `token_ids` (fewer than a block's), after the full
     blocks whose last hash is `parent`: where a finished sequence's state resumes
-    (areno/engine/state_cache.py). Never equal to a full block's (`block_hashes`)."""
+    (areno/engine/kv/state_cache.py). Never equal to a full block's (`block_hashes`)."""
     h = hashlib.blake2b(b"partial:" + parent, digest_size=16)
     h.update(array("q", token_ids).tobytes())
     _hash_media(h, media, 0, len(token_ids))

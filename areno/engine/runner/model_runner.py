@@ -9,7 +9,7 @@ Every sequence runs in a slot (0..num_slots-1: its linear-attention state, its r
 last token on the device) and keeps its keys and values in the blocks its table lists. The engine
 sends each row's table with the step; the runner keeps them, by slot, in one host tensor.
 Prefills of part of a prompt over keys its blocks already hold (a long prompt's later chunks, a
-resumption from the prefix cache) are in areno/engine/part_prefill.py.
+resumption from the prefix cache) are in areno/engine/runner/part_prefill.py.
 """
 
 from __future__ import annotations
@@ -21,34 +21,34 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from areno.engine import kernels
-from areno.engine.attention import BLOCK_TABLES_KWARG, KV_LENGTHS_KWARG, EngineAttention
-from areno.engine.batched_prefill import (
-    last_real_positions,
-    pad_tokens,
-)
-from areno.engine.block_manager import blocks_for
-from areno.engine.cache import (
+from areno.engine.config import resolve_step_modes
+from areno.engine.kernels.decode_attention import fits_heads
+from areno.engine.kv.block_manager import blocks_for
+from areno.engine.layers.attention import BLOCK_TABLES_KWARG, KV_LENGTHS_KWARG, EngineAttention
+from areno.engine.layers.cache import (
     BatchBinding,
     PagedCache,
     copy_blocks,
     copy_rows,
     fork,
 )
-from areno.engine.compiled import CompiledForward
-from areno.engine.config import resolve_step_modes
-from areno.engine.cpu_linear import PackedLinears, can_pack
-from areno.engine.cuda_graphs import DecodeGraphs
-from areno.engine.encoder_cache import EncoderCache
-from areno.engine.fused_linear import FusedLinears
-from areno.engine.kernels.decode_attention import fits_heads
-from areno.engine.linear_attention import EngineKernels
-from areno.engine.lora import LoraLayers
-from areno.engine.part_prefill import PartPrefills
-from areno.engine.prompt_chunks import (
+from areno.engine.layers.cpu_linear import PackedLinears, can_pack
+from areno.engine.layers.fused_linear import FusedLinears
+from areno.engine.layers.linear_attention import EngineKernels
+from areno.engine.layers.lora import LoraLayers
+from areno.engine.runner.batched_prefill import (
+    last_real_positions,
+    pad_tokens,
+)
+from areno.engine.runner.compiled import CompiledForward
+from areno.engine.runner.cuda_graphs import DecodeGraphs
+from areno.engine.runner.encoder_cache import EncoderCache
+from areno.engine.runner.part_prefill import PartPrefills
+from areno.engine.runner.prompt_chunks import (
     StagedPrompt,
 )
-from areno.engine.row_inputs import RowInputs
-from areno.engine.slot_tables import SlotTables
+from areno.engine.runner.row_inputs import RowInputs
+from areno.engine.runner.slot_tables import SlotTables
 from areno.engine.transfer import to_device
 from areno.processing.types import PromptInputs
 
@@ -87,14 +87,14 @@ class ModelRunner(PartPrefills):
         "inductor", "aot_eager"); "auto" compiles with inductor where graphs are captured.
         `prefill_compile`: the torch.compile backend of the text stack in batched prefills
         (`prefill_batch`); "auto" is the decode step's. `packed_linear`: on CPU in
-        float32, the linear layers run on prepacked oneDNN weights (areno/engine/cpu_linear.py).
+        float32, the linear layers run on prepacked oneDNN weights (areno/engine/layers/cpu_linear.py).
         `fuse_projections`: sibling projections of one input run as one matmul (packed whole
-        where the layers are packed; areno/engine/fused_linear.py). `state_rows`: spare rows of
+        where the layers are packed; areno/engine/layers/fused_linear.py). `state_rows`: spare rows of
         slot state (linear-attention states, sliding rings) that the prefix cache saves states
-        in (areno/engine/state_cache.py); none where every layer keeps only keys.
+        in (areno/engine/kv/state_cache.py); none where every layer keeps only keys.
         `encoder_cache_bytes`: media tower outputs kept by content (encoder_cache.py).
         `max_loras`, `max_lora_rank`: LoRA adapter slots beside the text stack's linear layers
-        (areno/engine/lora.py); a slot runs the adapter `assign_adapter` gave it.
+        (areno/engine/layers/lora.py); a slot runs the adapter `assign_adapter` gave it.
         `linear_state_dtype`: the stored dtype of linear-attention recurrent states (None:
         fp32); they are computed in fp32 either way."""
         self.model = model.eval()

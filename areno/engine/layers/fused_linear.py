@@ -51,7 +51,7 @@ class _Group:
         self.input: torch.Tensor | None = None
         self.outputs: list[torch.Tensor] | None = None
         # The fused matmul, x -> x @ weight.T + bias; the CPU's packed layers swap in their own
-        # while active (areno/engine/cpu_linear.py).
+        # while active (areno/engine/layers/cpu_linear.py).
         self.linear = self.plain_linear
         # Each sibling's parameters become views of its rows of the fused tensors.
         start = 0

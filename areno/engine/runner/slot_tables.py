@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from areno.engine.block_manager import SINK_BLOCK, blocks_for
+from areno.engine.kv.block_manager import SINK_BLOCK, blocks_for
 from areno.engine.transfer import to_device
 
 

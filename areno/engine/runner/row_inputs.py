@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from areno.engine.cache import ring_tables
+from areno.engine.layers.cache import ring_tables
 
 
 class RowInputs:

@@ -14,20 +14,20 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from areno.engine.batched_prefill import PromptPart, can_batch_prefill
 from areno.engine.config import EngineConfig, KVPoolOptions, pool_options
-from areno.engine.kv_pool import (
+from areno.engine.layers.lora import LoraError, LoraWeights
+from areno.engine.outputs import TokenScores
+from areno.engine.parallel.kv_pool import (
     KVPool,
     agree_across_ranks,
     block_bytes,
     fraction_budget,
     reserved_bytes,
 )
-from areno.engine.lora import LoraError, LoraWeights
-from areno.engine.outputs import TokenScores
-from areno.engine.penalties import TokenHistory
-from areno.engine.runner import ModelRunner
-from areno.engine.sampler import (
+from areno.engine.runner.batched_prefill import PromptPart, can_batch_prefill
+from areno.engine.runner.model_runner import ModelRunner
+from areno.engine.sample.penalties import TokenHistory
+from areno.engine.sample.sampler import (
     SamplingTensors,
     StepLogits,
     generator_for,
@@ -104,16 +104,16 @@ class Worker:
         max_lora_rank: int = 16,
         linear_state_dtype: torch.dtype | None = None,
     ):
-        """`pool`: how the KV block pool is sized (areno/engine/kv_pool.py); `num_blocks` sets
+        """`pool`: how the KV block pool is sized (areno/engine/parallel/kv_pool.py); `num_blocks` sets
         its size directly (None: every slot `max_len` tokens). `packed_linear`: on CPU in
         float32, linear layers run on prepacked oneDNN weights
-        (areno/engine/cpu_linear.py); not under tensor parallelism, whose shards are DTensors.
+        (areno/engine/layers/cpu_linear.py); not under tensor parallelism, whose shards are DTensors.
         `prefill_compile` "auto" compiles batched prefills as the decode step is compiled, but
         not under tensor parallelism (not yet run there on a GPU). `fuse_projections` "auto"
         fuses on CUDA without tensor parallelism, whose shards cannot be concatenated.
         `state_rows`, `encoder_cache_bytes`: saved slot states and media tower outputs for the
         prefix cache (ModelRunner's). `max_loras`, `max_lora_rank`: LoRA adapter slots
-        (areno/engine/lora.py). `linear_state_dtype`: the stored dtype of linear-attention
+        (areno/engine/layers/lora.py). `linear_state_dtype`: the stored dtype of linear-attention
         recurrent states (None: fp32)."""
         if prefill_compile == "auto" and tensor_parallel:
             prefill_compile = "off"
@@ -273,7 +273,7 @@ class Worker:
         if step.state_saves:  # before the decode, which may scribble on idle slots
             self.runner.save_states(step.state_saves)
         # NOTE: decode before prefill: a graphed decode may scribble on slots that are not
-        # decoding (see areno/engine/cuda_graphs.py), which the prefill then overwrites.
+        # decoding (see areno/engine/runner/cuda_graphs.py), which the prefill then overwrites.
         decoded = []
         if step.decode_slots:
             token_ids = step.decode_token_ids

@@ -23,13 +23,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from areno.engine import parallel
 from areno.engine.config import EngineConfig
-from areno.engine.executor import Executor
-from areno.engine.ipc import visible_gpu_uuids
 from areno.engine.outputs import TokenScores
+from areno.engine.parallel import tensor_parallel
+from areno.engine.parallel.executor import Executor
+from areno.engine.parallel.ipc import visible_gpu_uuids
+from areno.engine.parallel.worker import Worker
 from areno.engine.step import StepInput, StepOutput
-from areno.engine.worker import Worker
 from areno.errors import ConfigError
 from areno.models.registry import adapter_for_checkpoint
 from areno.processing.types import PromptInputs
@@ -57,11 +57,11 @@ class RankSpec:
     max_len: int
     config: EngineConfig  # the engine's: every rank builds its worker from it
     master_port: int
-    bind_device: bool = True  # see parallel.can_bind_device
+    bind_device: bool = True  # see tensor_parallel.can_bind_device
 
 
 def _load_worker(rank: int, spec: RankSpec) -> Worker:
-    parallel.init_distributed(
+    tensor_parallel.init_distributed(
         rank,
         spec.config.tp_size,
         LOOPBACK,
@@ -70,7 +70,7 @@ def _load_worker(rank: int, spec: RankSpec) -> Worker:
         bind_device=spec.bind_device,
     )
     adapter = adapter_for_checkpoint(spec.model_path)
-    model = parallel.load_model_for_rank(
+    model = tensor_parallel.load_model_for_rank(
         adapter, spec.model_path, tp_size=spec.config.tp_size, dtype=spec.dtype, device=spec.device
     )
     return Worker.from_config(
@@ -80,7 +80,7 @@ def _load_worker(rank: int, spec: RankSpec) -> Worker:
 
 def _broadcast(message: Any = None) -> Any:
     box = [message]
-    dist.broadcast_object_list(box, src=0, group=parallel.control_group())
+    dist.broadcast_object_list(box, src=0, group=tensor_parallel.control_group())
     return box[0]
 
 
@@ -115,7 +115,7 @@ class TPFollower:
                     self.worker.load_weights((n, torch.empty(s, dtype=d)) for n, s, d in payload)
                 elif kind == "stop":
                     self.worker.release_cache()
-                    parallel.shutdown_distributed()
+                    tensor_parallel.shutdown_distributed()
                     return num_steps
             except Exception:
                 log.exception("TP rank %d failed in %r after %d steps", self.rank, kind, num_steps)
@@ -129,7 +129,7 @@ class TPExecutor(Executor):
         import ray
 
         # A family without a plan fails here, before any rank exists or joins a group.
-        parallel.tp_plan_for(adapter_for_checkpoint(spec.model_path), spec.config.tp_size)
+        tensor_parallel.tp_plan_for(adapter_for_checkpoint(spec.model_path), spec.config.tp_size)
         if not ray.is_initialized():
             ray.init()
         num_gpus = 1 if torch.device(spec.device).type == "cuda" else 0
@@ -157,7 +157,7 @@ class TPExecutor(Executor):
                 ray.kill(actor)
             # NOTE: no barrier: the followers are gone. A group left behind would hang this
             # process's next collective.
-            parallel.leave_distributed()
+            tensor_parallel.leave_distributed()
             raise
         self._loops = [f.follow.remote() for f in self.followers]
         self._stopped = False
@@ -169,7 +169,7 @@ class TPExecutor(Executor):
         spec = RankSpec(
             **spec_without_port,
             master_port=_free_port(),
-            bind_device=parallel.can_bind_device(),
+            bind_device=tensor_parallel.can_bind_device(),
         )
         return cls(spec, **kwargs)
 
@@ -222,10 +222,10 @@ class TPExecutor(Executor):
         self.worker.release_cache()
         ended, _ = ray.wait(self._loops, num_returns=len(self._loops), timeout=0)
         if ended:  # a follower is gone: no collective can complete, so leave without one
-            parallel.leave_distributed()
+            tensor_parallel.leave_distributed()
         else:
             _broadcast(("stop", None))
-            parallel.shutdown_distributed()
+            tensor_parallel.shutdown_distributed()
             ray.get(self._loops, timeout=60)
         for actor in self.followers:
             ray.kill(actor)

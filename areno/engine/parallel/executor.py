@@ -1,7 +1,7 @@
 """Executors carry the engine's step messages to the workers of one model replica.
 
 `LocalExecutor` runs a single worker in the engine's process (`--tp-size 1`);
-`areno.engine.tp_executor.TPExecutor` runs rank 0 of a tensor-parallel group here and the other
+`areno.engine.parallel.tp_executor.TPExecutor` runs rank 0 of a tensor-parallel group here and the other
 ranks as Ray actors. Both answer what the engine asks of the replica (its device, vocabulary,
 pool, LoRA adapters, media cache) from the worker in this process (`Executor`): nothing else
 reads an executor's worker.
@@ -14,11 +14,11 @@ from collections.abc import Iterable
 
 import torch
 
-from areno.engine.kv_pool import KVPool
-from areno.engine.lora import LoraWeights
+from areno.engine.layers.lora import LoraWeights
 from areno.engine.outputs import TokenScores
+from areno.engine.parallel.kv_pool import KVPool
+from areno.engine.parallel.worker import CompiledPaths, Worker
 from areno.engine.step import PendingStep, StepInput, StepOutput
-from areno.engine.worker import CompiledPaths, Worker
 from areno.processing.types import PromptInputs
 
 

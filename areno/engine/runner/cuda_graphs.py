@@ -30,12 +30,12 @@ from typing import Protocol
 
 import torch
 
-from areno.engine.attention import BLOCK_TABLES_KWARG, KV_LENGTHS_KWARG
-from areno.engine.block_manager import SINK_BLOCK, blocks_for
-from areno.engine.cache import BatchBinding, PagedCache, restore_rows, save_rows
-from areno.engine.compiled import CompiledForward
-from areno.engine.row_inputs import RowInputs
-from areno.engine.slot_tables import SlotTables
+from areno.engine.kv.block_manager import SINK_BLOCK, blocks_for
+from areno.engine.layers.attention import BLOCK_TABLES_KWARG, KV_LENGTHS_KWARG
+from areno.engine.layers.cache import BatchBinding, PagedCache, restore_rows, save_rows
+from areno.engine.runner.compiled import CompiledForward
+from areno.engine.runner.row_inputs import RowInputs
+from areno.engine.runner.slot_tables import SlotTables
 
 
 class GraphedRunner(Protocol):

@@ -17,8 +17,9 @@ from __future__ import annotations
 
 import torch
 
-from areno.engine.attention import BLOCK_TABLES_KWARG
-from areno.engine.batched_prefill import (
+from areno.engine.layers.attention import BLOCK_TABLES_KWARG
+from areno.engine.layers.cache import BatchBinding, clear_rows, ring_window
+from areno.engine.runner.batched_prefill import (
     PromptPart,
     last_real_positions,
     part_masks,
@@ -26,8 +27,7 @@ from areno.engine.batched_prefill import (
     part_token_ids,
     stack_rows,
 )
-from areno.engine.cache import BatchBinding, clear_rows, ring_window
-from areno.engine.prompt_chunks import (
+from areno.engine.runner.prompt_chunks import (
     StagedPrompt,
     at_text_stack,
     bidirectional_groups,

@@ -4,7 +4,7 @@
 grammars: an agent sends the same schema or tools request after request) and gives each
 sequence its own matcher. Per step, the engine core asks every grammar row's matcher for the
 tokens it allows next (`fill`), a packed bitmask the sampler applies on the device
-(`areno/engine/sampler.py`), then advances the matcher with the token drawn (`accept`).
+(`areno/engine/sample/sampler.py`), then advances the matcher with the token drawn (`accept`).
 
 NOTE: a matcher must see a row's token before it can mask that row's next one, so a step with
 grammar rows is never launched ahead of the previous step's tokens (`EngineCore.step`).

@@ -1,6 +1,6 @@
 """The prefix cache's policy: which blocks a sequence registers, where a prompt starts from
 (cached blocks, and on models that keep layer state a saved resume point), and when states are
-saved. Pure Python over request state; the scheduler calls it (areno/engine/scheduler.py), the
+saved. Pure Python over request state; the scheduler calls it (areno/engine/core/scheduler.py), the
 block manager and the state cache hold its books (block_manager.py, state_cache.py).
 
 See docs/architecture.md ("Prefix caching") for what is saved where and in what order.
@@ -8,9 +8,9 @@ See docs/architecture.md ("Prefix caching") for what is saved where and in what 
 
 from __future__ import annotations
 
-from areno.engine.block_manager import BlockManager, block_hashes, partial_block_hash
+from areno.engine.kv.block_manager import BlockManager, block_hashes, partial_block_hash
+from areno.engine.kv.state_cache import ResumePoint, StateCache
 from areno.engine.sequence import Sequence, SequenceGroup
-from areno.engine.state_cache import ResumePoint, StateCache
 
 
 class PrefixCache:

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from areno.engine.prompt_chunks import patched_forward
+from areno.engine.runner.prompt_chunks import patched_forward
 from areno.processing.types import PromptInputs
 
 

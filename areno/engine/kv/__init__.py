@@ -1,0 +1,1 @@
+"""The KV cache's books, pure Python: blocks, prefix hashes, saved states."""

@@ -1,0 +1,1 @@
+"""What the runner puts into the model's layers: paged caches, attention and linear-attention paths, fused and packed linears, LoRA."""

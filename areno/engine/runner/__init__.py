@@ -1,0 +1,1 @@
+"""One model runner: a step's forwards (prefill planning, chunks, CUDA graphs), encoder cache."""

@@ -1,0 +1,1 @@
+"""Sampling on the device: filters, penalties, grammar masks, logprobs."""
