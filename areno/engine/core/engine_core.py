@@ -1,8 +1,9 @@
 """The engine core: one step is schedule -> execute -> update (or, overlapped, schedule ->
 launch -> update of the step before; see `EngineCore.step`).
 
-`EngineCore` owns the scheduler and the per-sequence output text; the executor owns every tensor.
-It is single-threaded by design: the async `Generator` calls it from one engine thread only.
+`EngineCore` owns the scheduler and the output processor (what tokens become: text, stops,
+grammar masks); the executor owns every tensor. It is single-threaded by design: the async
+`Generator` calls it from one engine thread only.
 """
 
 from __future__ import annotations
@@ -12,74 +13,13 @@ from typing import Any
 
 from areno.engine.core.scheduler import ScheduledPrefill, Scheduler, SchedulerConfig
 from areno.engine.outputs import AbortCause, RequestOutput, SampleDelta
-from areno.engine.outputs.detokenizer import IncrementalDetokenizer
-from areno.engine.outputs.grammar import Grammars, accept, fill
-from areno.engine.outputs.stopping import StopCheck, check_stop
+from areno.engine.outputs.processor import OutputProcessor
 from areno.engine.parallel.executor import Executor
 from areno.engine.sampling import SamplingParams
 from areno.engine.sequence import Sequence, SequenceGroup
 from areno.engine.step import PendingStep, PrefillItem, RowSampling, StepInput, StepOutput
 from areno.errors import ConfigError
 from areno.processing.types import PromptInputs
-
-
-class OutputText:
-    """One sequence's output text: detokenized incrementally, released as it becomes final.
-
-    With stop strings, the last `max(len(stop)) - 1` characters are held back until the next
-    token shows they do not begin a stop string, so a stop string never leaks into a stream.
-
-    Not `incremental` (a caller that reads the text only at the end, and no stop strings to
-    match): the tokens are kept and decoded once when the sequence ends (`rest`), sparing the
-    engine thread two decodes a token.
-    """
-
-    def __init__(self, tokenizer: Any, seq: Sequence, incremental: bool = True):
-        self.detokenizer = IncrementalDetokenizer(
-            tokenizer, seq.prompt_token_ids, skip_special_tokens=seq.params.skip_special_tokens
-        )
-        self.hold = max((len(s) for s in seq.params.stop), default=1) - 1
-        self.has_stops = bool(seq.params.stop)
-        self.incremental = incremental or self.has_stops
-        self.num_sent = 0
-        self._tail_start = 0
-        self._kept: list[int] = []
-
-    def add(self, token_id: int) -> str | None:
-        """Detokenize a new token; return the text tail `check_stop` needs (None: no stops)."""
-        if not self.incremental:
-            self._kept.append(token_id)
-            return None
-        new_text = self.detokenizer.add(token_id)
-        if not self.has_stops:
-            return None
-        text = self.detokenizer.text
-        self._tail_start = max(0, len(text) - len(new_text) - self.hold)
-        return text[self._tail_start :]
-
-    def rest(self) -> str:
-        """Not incremental: the text of the tokens kept so far, which only the sequence's last
-        output carries (at an abort, an incomplete last character reads as U+FFFD)."""
-        kept, self._kept = self._kept, []
-        return self.detokenizer.decode_rest(kept)
-
-    def release(self, stop: StopCheck | None, finished: bool) -> str:
-        """The text that became final with this step's token."""
-        if not self.incremental:
-            return self.rest() if finished else ""
-        if stop is not None and stop.text_end is not None:
-            end = self._tail_start + stop.text_end
-            text = self.detokenizer.text
-        elif finished:
-            self.detokenizer.flush()
-            text = self.detokenizer.text
-            end = len(text)
-        else:
-            text = self.detokenizer.text
-            end = len(text) - self.hold
-        delta = text[self.num_sent : end] if end > self.num_sent else ""
-        self.num_sent = max(self.num_sent, end)
-        return delta
 
 
 class EngineCore:
@@ -102,20 +42,15 @@ class EngineCore:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.policy_version = 0
         self.overlap = overlap
-        self._texts: dict[int, OutputText] = {}
+        self.outputs = OutputProcessor(
+            tokenizer,
+            self.eos_token_ids,
+            lambda: executor.vocab_size,
+            self.scheduler.max_context_len,
+        )
         self._freed_seq_ids: list[int] = []
         # The launched step whose tokens the host has not read: its rows' sequences, in order.
         self._in_flight: tuple[list[Sequence], PendingStep] | None = None
-        self._grammars: Grammars | None = None  # built on the first structured request
-        self._matchers: dict[int, Any] = {}  # seq_id -> its xgrammar matcher
-
-    @property
-    def grammars(self) -> Grammars:
-        """The grammar compiler over this engine's tokenizer, vocabulary and EOS tokens."""
-        if self._grammars is None:
-            vocab_size = self.executor.vocab_size
-            self._grammars = Grammars(self.tokenizer, vocab_size, self.eos_token_ids)
-        return self._grammars
 
     @property
     def has_work(self) -> bool:
@@ -138,8 +73,7 @@ class EngineCore:
                 f"(0..{executor.vocab_size - 1})",
                 param="logit_bias",
             )
-        if params.structured is not None:
-            self.grammars.compile(params.structured)  # GrammarError; cached for add_request
+        self.outputs.check(params)  # GrammarError
 
     def add_request(
         self,
@@ -161,12 +95,7 @@ class EngineCore:
             whole_runs=self.executor.whole_runs(inputs),
         )
         self.scheduler.add(group)
-        if params.structured is not None:
-            for seq in group.seqs:
-                self._matchers[seq.seq_id] = self.grammars.matcher(params.structured)
-        if params.detokenize:
-            for seq in group.seqs:
-                self._texts[seq.seq_id] = OutputText(self.tokenizer, seq, incremental=stream)
+        self.outputs.add(group.seqs, params, stream=stream)
 
     def abort(self, request_id: str, cause: AbortCause = AbortCause.CALLER) -> RequestOutput | None:
         """Stop a request now; returns its final output, whose unfinished samples end with
@@ -180,7 +109,7 @@ class EngineCore:
             SampleDelta(
                 seq.sample_index,
                 [],
-                text=self._kept_text(seq),
+                text=self.outputs.kept_text(seq),
                 finish_reason="abort",
                 abort_cause=cause,
             )
@@ -201,7 +130,7 @@ class EngineCore:
         token before it masks the next (areno/engine/outputs/grammar.py).
         """
         early = []
-        overlap = self.overlap and not self._matchers
+        overlap = self.overlap and not self.outputs.has_grammars
         if self._in_flight is not None and (not overlap or self.scheduler.would_preempt()):
             early = self.flush()  # only a sequence without a token in flight is preempted
         scheduled = self.scheduler.schedule()
@@ -269,8 +198,8 @@ class EngineCore:
             step.rows.append(self._row(seq))
         if overlap:
             step.decode_token_ids = None  # the worker's own, on the device (see `step`)
-        if self._matchers:
-            self._mask_grammar_rows(
+        if self.outputs.has_grammars:
+            self.outputs.mask_grammar_rows(
                 step, [s for item in prefill if item.is_final for s in item.seqs] + decode
             )
         return step
@@ -291,18 +220,6 @@ class EngineCore:
             row.banned = tuple(sorted(stops))
         return row
 
-    def _mask_grammar_rows(self, step: StepInput, seqs: list[Sequence]) -> None:
-        """Each grammar row's allowed next tokens, from its matcher."""
-        rows = [
-            (i, self._matchers[s.seq_id]) for i, s in enumerate(seqs) if s.seq_id in self._matchers
-        ]
-        if not rows:
-            return
-        step.token_bitmask = self.grammars.bitmask(len(seqs))
-        for i, matcher in rows:
-            fill(matcher, step.token_bitmask, i)
-        step.grammar_rows = [i for i, _ in rows]
-
     def _update(self, seqs: list[Sequence], result: StepOutput) -> list[RequestOutput]:
         """Append each row's token to its sequence (`seqs` in row order) and check its stops.
         A row whose sequence finished meanwhile (a stop read after this step was launched, or
@@ -312,7 +229,10 @@ class EngineCore:
         for row, seq in enumerate(seqs):
             if seq.is_finished:
                 continue
-            delta = self._append(seq, row, result)
+            token_id = result.token_ids[row]
+            delta = self.outputs.append(
+                seq, token_id, result.logprobs[row], result.top_logprobs[row]
+            )
             deltas.setdefault(seq.request_id, []).append(delta)
             if delta.finish_reason is not None:
                 finished.append(seq)
@@ -321,48 +241,9 @@ class EngineCore:
         self._forget(finished)
         return [self._output(groups[rid], request_deltas) for rid, request_deltas in deltas.items()]
 
-    def _append(self, seq: Sequence, row: int, result: StepOutput) -> SampleDelta:
-        token_id = result.token_ids[row]
-        seq.append_token(token_id)
-        text = self._texts.get(seq.seq_id)
-        tail = None
-        if text is not None and not self._is_stop_token(seq, token_id):
-            tail = text.add(token_id)
-        stop = check_stop(
-            seq, token_id, self.eos_token_ids, tail, max_context_len=self.scheduler.max_context_len
-        )
-        matcher = self._matchers.get(seq.seq_id)
-        if matcher is not None and (not accept(matcher, token_id) or matcher.is_terminated()):
-            stop = stop or StopCheck("stop")  # the grammar is complete (or, ignore_eos, past it)
-        if stop is not None:
-            seq.finish(stop.reason)
-        params = seq.params
-        return SampleDelta(
-            index=seq.sample_index,
-            token_ids=[token_id],
-            text=text.release(stop, stop is not None) if text is not None else "",
-            logprobs=[result.logprobs[row]] if params.logprobs else None,
-            top_logprobs=[result.top_logprobs[row]] if params.top_logprobs else None,
-            finish_reason=stop.reason if stop is not None else None,
-            stop_reason=_stop_reason(stop, token_id, params),
-        )
-
-    def _is_stop_token(self, seq: Sequence, token_id: int) -> bool:
-        params = seq.params
-        return token_id in params.stop_token_ids or (
-            not params.ignore_eos and token_id in self.eos_token_ids
-        )
-
-    def _kept_text(self, seq: Sequence) -> str:
-        """The text a non-incremental sequence kept back (`OutputText.rest`); "" otherwise."""
-        text = self._texts.get(seq.seq_id)
-        return text.rest() if text is not None and not text.incremental else ""
-
     def _forget(self, seqs: list[Sequence]) -> None:
-        for seq in seqs:
-            self._texts.pop(seq.seq_id, None)
-            self._matchers.pop(seq.seq_id, None)
-            self._freed_seq_ids.append(seq.seq_id)
+        self.outputs.forget(seqs)
+        self._freed_seq_ids.extend(seq.seq_id for seq in seqs)
 
     def _output(self, group: SequenceGroup, deltas: list[SampleDelta]) -> RequestOutput:
         return RequestOutput(
@@ -372,11 +253,3 @@ class EngineCore:
             policy_version=self.policy_version,
             finished=group.is_finished,
         )
-
-
-def _stop_reason(stop: StopCheck | None, token_id: int, params: SamplingParams) -> str | int | None:
-    if stop is None or stop.reason != "stop":
-        return None
-    if stop.stop_str is not None:
-        return stop.stop_str
-    return token_id if token_id in params.stop_token_ids else None
