@@ -332,10 +332,10 @@ def test_new_weights_forget_the_cached_blocks(setups):
     gen = setup.generator(block_size=4, enable_prefix_caching=True)
     try:
         _cached_tokens(gen, x)
-        assert gen.core.scheduler.blocks.num_cached > 0
+        assert gen.core.scheduler.kv.blocks.num_cached > 0
         weights = {name: p.detach().clone() for name, p in setup.model.named_parameters()}
         run(gen.update_weights(weights, 1))
-        assert gen.core.scheduler.blocks.num_cached == 0
+        assert gen.core.scheduler.kv.blocks.num_cached == 0
         assert _cached_tokens(gen, x)[1] == 0
     finally:
         gen.shutdown()
@@ -397,7 +397,7 @@ def test_a_reset_prefix_cache_prefills_the_next_prompt_whole(setups):
         again, cached = _cached_tokens(gen, x)
         assert cached > 0 and again == tokens
         run(gen.reset_prefix_cache())
-        assert gen.core.scheduler.blocks.num_cached == 0
+        assert gen.core.scheduler.kv.blocks.num_cached == 0
         assert _cached_tokens(gen, x) == (tokens, 0)
     finally:
         gen.shutdown()

@@ -11,9 +11,9 @@ from areno.engine.core.scheduler import (
     Scheduler,
     SchedulerConfig,
     SequenceTooLongError,
-    SlotAllocator,
 )
 from areno.engine.kv.block_manager import BlockManager
+from areno.engine.kv.manager import SlotAllocator
 from areno.engine.outputs.stopping import check_stop
 from areno.engine.sampling import SamplingParams
 from areno.engine.sequence import SequenceGroup, SequenceStatus
@@ -222,12 +222,12 @@ def test_n_samples_share_the_prompts_full_blocks_and_own_its_last_one() -> None:
     tables = [s.block_ids for s in g.seqs]
     # 10 tokens: two full blocks shared by all, a partial third block for each.
     assert all(t[:2] == tables[0][:2] for t in tables) and len({t[2] for t in tables}) == 3
-    assert sched.blocks.num_used == 5 and sched.blocks.num_refs(tables[0][0]) == 3
+    assert sched.kv.blocks.num_used == 5 and sched.kv.blocks.num_refs(tables[0][0]) == 3
     for seq in g.seqs:
         seq.append_token(5)
     assert [s.slot for s in sched.schedule().decode] == [0, 1, 2]
     finish_all(sched, g)
-    assert sched.blocks.num_free == 16
+    assert sched.kv.blocks.num_free == 16
 
 
 def test_a_sequence_takes_a_block_when_it_crosses_into_one() -> None:
@@ -239,7 +239,7 @@ def test_a_sequence_takes_a_block_when_it_crosses_into_one() -> None:
     decode_step(sched)  # feeds position 3: still the first block
     assert len(seq.block_ids) == 1
     decode_step(sched)  # feeds position 4: a second block
-    assert len(seq.block_ids) == 2 and sched.blocks.num_used == 2
+    assert len(seq.block_ids) == 2 and sched.kv.blocks.num_used == 2
 
 
 def test_the_newest_sequence_is_preempted_and_resumes_with_its_tokens() -> None:
@@ -251,7 +251,7 @@ def test_the_newest_sequence_is_preempted_and_resumes_with_its_tokens() -> None:
     a, b = old.seqs[0], new.seqs[0]
     decode_step(sched, token=5)  # both prefilled, each with a token at position 7
     out = decode_step(sched, token=6)  # positions 7: the second block holds them
-    assert out.decode == [a, b] and sched.blocks.num_free == 0
+    assert out.decode == [a, b] and sched.kv.blocks.num_free == 0
     out = decode_step(sched, token=7)  # position 8 needs a third block: "new" gives way
     assert out.preempted == [b] and out.decode == [a] and out.prefill == []
     assert b.status is SequenceStatus.WAITING and b.slot is None and b.block_ids == []
@@ -313,7 +313,7 @@ def test_cancel_running_request_frees_its_slots_and_blocks() -> None:
     sched.cancel("big")
     assert [s.finish_reason for s in g.seqs] == ["abort", "stop", "abort"]
     assert all(s.slot is None and s.block_ids == [] for s in g.seqs)
-    assert sched.num_free_slots == 3 and sched.blocks.num_used == 0
+    assert sched.num_free_slots == 3 and sched.kv.blocks.num_used == 0
     assert ids(sched.schedule().prefill) == ["next"]
     sched.cancel("unknown")
 
@@ -447,4 +447,4 @@ def test_a_sequence_running_across_new_weights_never_caches_its_blocks():
     assert old_seq.num_registered_blocks == 0
     sched.schedule()
     assert new_seq.num_registered_blocks == 2
-    assert sched.blocks.num_cached == 2
+    assert sched.kv.blocks.num_cached == 2

@@ -36,12 +36,11 @@ After executing, the engine appends each token, calls `check_stop`, marks finish
 from __future__ import annotations
 
 import bisect
-import heapq
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from areno.engine.kv.block_manager import BlockManager, blocks_for
-from areno.engine.kv.prefix_cache import PrefixCache
+from areno.engine.kv.block_manager import blocks_for
+from areno.engine.kv.manager import KVCacheManager
 from areno.engine.outputs.stopping import reaches_length_limit
 from areno.engine.sequence import Sequence, SequenceGroup, SequenceStatus
 from areno.errors import ArenoError, ConfigError, PromptTooLongError
@@ -114,41 +113,6 @@ class SchedulerConfig:
                 f"--kv-cache-memory-fraction) or lower {FLAG_MAX_CONTEXT_LEN}",
                 param="kv_cache_gib",
             )
-
-
-class SlotAllocator:
-    """Cache slot ids 0..num_slots-1; the lowest free slot goes first, so slots in use stay
-    packed at the front (deterministic for tests; a runner may slice the cache by the max slot)."""
-
-    def __init__(self, num_slots: int) -> None:
-        self.num_slots = num_slots
-        self._free = list(range(num_slots))  # already a valid min-heap
-        self._used: set[int] = set()
-
-    @property
-    def num_free(self) -> int:
-        return len(self._free)
-
-    @property
-    def num_used(self) -> int:
-        return len(self._used)
-
-    def can_allocate(self, num: int) -> bool:
-        return num <= len(self._free)
-
-    def allocate(self, num: int) -> list[int]:
-        """`num` free slots, lowest first."""
-        if not self.can_allocate(num):
-            raise RuntimeError(f"asked for {num} slots with only {self.num_free} free")
-        slots = [heapq.heappop(self._free) for _ in range(num)]
-        self._used.update(slots)
-        return slots
-
-    def free(self, slot: int) -> None:
-        if slot not in self._used:
-            raise RuntimeError(f"slot {slot} is not allocated (double free?)")
-        self._used.remove(slot)
-        heapq.heappush(self._free, slot)
 
 
 @dataclass
@@ -228,8 +192,6 @@ class Scheduler:
 
     def __init__(self, config: SchedulerConfig) -> None:
         self.config = config
-        self.slots = SlotAllocator(config.max_running_seqs)
-        self.blocks = BlockManager(config.num_blocks, config.block_size)
         self._waiting: list[Sequence] = []  # sorted by (arrival, sample index)
         self._running: list[Sequence] = []  # in admission order: the newest last
         self._groups: dict[str, SequenceGroup] = {}  # unfinished requests, in arrival order
@@ -238,10 +200,14 @@ class Scheduler:
         # Prompt tokens admitted, and of them those the prefix cache held.
         self.num_admitted_tokens = 0
         self.num_cached_tokens = 0
-        self.prefix = PrefixCache(
-            config.enable_prefix_caching, self.blocks, config.num_state_rows, self._groups
+        self.kv = KVCacheManager(
+            num_slots=config.max_running_seqs,
+            num_blocks=config.num_blocks,
+            block_size=config.block_size,
+            enable_prefix_caching=config.enable_prefix_caching,
+            num_state_rows=config.num_state_rows,
+            groups=self._groups,
         )
-        self.states = self.prefix.states
         self._watermark = int(self.WATERMARK * config.num_blocks)
 
     @property
@@ -252,11 +218,11 @@ class Scheduler:
     @property
     def num_running(self) -> int:
         """Sequences holding a slot."""
-        return self.slots.num_used
+        return self.kv.num_used_slots
 
     @property
     def num_free_slots(self) -> int:
-        return self.slots.num_free
+        return self.kv.num_free_slots
 
     @property
     def has_work(self) -> bool:
@@ -305,12 +271,9 @@ class Scheduler:
         """Decide this step's work: decode every running sequence (preempting the newest where
         blocks run out), then admit waiting sequences (unless `hold_admission` is set, e.g.
         while the engine drains for a pause, or this step preempted)."""
-        if self.config.enable_prefix_caching:
-            for seq in self._running:
-                self.prefix.register(seq)
+        self.kv.register(self._running)
         decode, preempted = self._reserve_decode_blocks()
-        if self.states.num_rows:
-            self.prefix.save_last_states(self._running, self._may_decode)
+        self.kv.save_last_states(self._running, self._may_decode)
         budget = self.config.max_prefill_tokens_per_step
         prefill = self._continue_chunks(budget)
         budget -= sum(item.num_chunk_tokens for item in prefill)
@@ -318,7 +281,7 @@ class Scheduler:
             prefill += self._admit(budget, first=not prefill)
         out = SchedulerOutput(prefill, decode, self.num_waiting, self.num_running, preempted)
         if not out.is_empty:  # else they wait for the next step that runs (before any reuse)
-            out.state_saves = self.prefix.take_saves()
+            out.state_saves = self.kv.take_saves()
         return out
 
     def _is_prefilling(self, seq: Sequence) -> bool:
@@ -326,7 +289,7 @@ class Scheduler:
 
     def forget_cached(self) -> None:
         """Forget every cached block and saved state (new weights make them stale)."""
-        self.prefix.forget(self._running)
+        self.kv.forget(self._running)
 
     def _continue_chunks(self, budget: int) -> list[ScheduledPrefill]:
         """The next chunk of every sequence whose prompt is being prefilled in chunks, oldest
@@ -343,7 +306,7 @@ class Scheduler:
             end = _chunk_end(group, start, limit)
             seq.num_computed_tokens = seq.num_fed_tokens = end
             item = ScheduledPrefill(group, [seq], start, end)
-            item.save = self.prefix.take_save(seq, start, end)
+            item.save = self.kv.take_save(seq, start, end)
             items.append(item)
             budget -= end - start
         return items
@@ -351,7 +314,7 @@ class Scheduler:
     def would_preempt(self) -> bool:
         """Whether this step's decodes need more blocks than are free (an overlapped engine
         reads the step in flight first: only a sequence with no unread token is preempted)."""
-        return self._blocks_needed(self._decoding()) > self.blocks.num_free
+        return self._blocks_needed(self._decoding()) > self.kv.num_free_blocks
 
     def _decoding(self) -> list[Sequence]:
         return [
@@ -361,12 +324,8 @@ class Scheduler:
             if self._may_decode(seq)
         ]
 
-    def _new_blocks(self, seq: Sequence) -> int:
-        """Blocks `seq` needs beyond its own to write the token it feeds this step."""
-        return blocks_for(seq.next_position + 1, self.config.block_size) - len(seq.block_ids)
-
     def _blocks_needed(self, seqs: list[Sequence]) -> int:
-        return sum(max(self._new_blocks(seq), 0) for seq in seqs)
+        return sum(max(self.kv.blocks_to_grow(seq), 0) for seq in seqs)
 
     def _reserve_decode_blocks(self) -> tuple[list[Sequence], list[Sequence]]:
         """Give every decoding sequence, oldest first, the blocks its next token needs,
@@ -375,8 +334,8 @@ class Scheduler:
         for seq in self._decoding():
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # preempted by an older sequence of this step
-            need = self._new_blocks(seq)
-            while need > 0 and not self.blocks.can_allocate(need):
+            need = self.kv.blocks_to_grow(seq)
+            while need > 0 and not self.kv.can_grow(need):
                 victim = self._running[-1]
                 self._preempt(victim)
                 preempted.append(victim)
@@ -385,7 +344,7 @@ class Scheduler:
             if seq.status is not SequenceStatus.RUNNING:
                 continue
             if need > 0:
-                seq.block_ids += self.blocks.allocate(need)
+                self.kv.grow(seq, need)
             seq.num_fed_tokens = seq.next_position + 1
             decode.append(seq)
         return decode, preempted
@@ -417,7 +376,7 @@ class Scheduler:
         # that a long prompt cannot starve.
         admitted: list[ScheduledPrefill] = []
         block_size = self.config.block_size
-        while self._waiting and self.slots.can_allocate(1):
+        while self._waiting and self.kv.can_allocate_slot():
             seq = self._waiting[0]
             group = self._groups[seq.request_id]
             last = admitted[-1] if admitted else None
@@ -432,49 +391,35 @@ class Scheduler:
                 and not last.seqs[0].output_token_ids
             )
             end = seq.num_tokens
-            hit: list[int] = []
-            point = None
+            prefix = None
             if joins:
                 shared = seq.num_prompt_tokens // block_size
                 need = len(last.seqs[0].block_ids) - shared
-            elif self.prefix.awaits(seq, group, self._running):
+            elif self.kv.awaits(seq, group, self._running):
                 break
             else:
-                hit, point = self.prefix.lookup(seq, group)
-                cached = point.num_tokens if point is not None else len(hit) * block_size
-                need = blocks_for(seq.num_tokens, block_size) - len(hit)
+                prefix = self.kv.lookup(seq, group)
+                cached = prefix.num_tokens
+                need = blocks_for(seq.num_tokens, block_size) - len(prefix.blocks)
                 if seq.num_tokens - cached > budget:
                     if group.can_chunk and budget >= block_size:
                         end = _chunk_end(group, cached, cached + budget)  # the rest later
                     if end - cached > budget and (admitted or not first):
                         break
-            # Cached blocks nobody holds count as free until this sequence takes them.
-            taken = need + sum(1 for block in hit if self.blocks.num_refs(block) == 0)
-            if self.blocks.num_free - taken < (self._watermark if self._running else 0):
+            if not self.kv.can_admit(need, prefix, self._watermark if self._running else 0):
                 break
             self._waiting.pop(0)
-            seq.slot = self.slots.allocate(1)[0]
             seq.status = SequenceStatus.RUNNING
             seq.prefill_end, seq.num_computed_tokens = seq.num_tokens, end
             seq.num_fed_tokens = end
-            self.prefix.stamp(seq)
             if joins:
-                own = last.seqs[0].block_ids
-                seq.block_ids = self.blocks.share(own[:shared]) + self.blocks.allocate(need)
+                self.kv.join(seq, last.seqs[0], shared, need)
                 last.seqs.append(seq)
             else:
+                admission = self.kv.admit(seq, group, prefix, need)
                 item = ScheduledPrefill(group, [seq], cached, end, cached)
-                # NOTE: the tail block's copy runs before any prefill of the step writes a
-                # block, so it may be evicted below, even into this table.
-                tail = point and point.tail_hash and self.blocks.lookup([point.tail_hash])[0]
-                seq.block_ids = self.blocks.acquire(hit) + self.blocks.allocate(need)
-                if point is not None:
-                    item.restore_row = point.row
-                if tail:
-                    item.copy_block = (tail, seq.block_ids[len(hit)])
-                seq.num_registered_blocks = len(hit)
-                self.prefix.plan_prompt_save(seq, group, cached)
-                item.save = self.prefix.take_save(seq, item.start, item.end)
+                item.restore_row, item.copy_block = admission.restore_row, admission.copy_block
+                item.save = self.kv.take_save(seq, item.start, item.end)
                 admitted.append(item)
                 budget -= end - cached
                 self.num_admitted_tokens += seq.num_tokens
@@ -483,19 +428,7 @@ class Scheduler:
         return admitted
 
     def _release(self, seq: Sequence) -> None:
-        if seq.state_save is not None:  # its prefill never reached the save
-            self.states.discard(seq.state_save)
-            seq.state_save = None
-        if self.states.num_rows and seq.finish_reason in ("stop", "length") and not seq.end_saved:
-            self.prefix.save_end_state(seq)
-        if self.config.enable_prefix_caching and seq.block_ids:
-            self.prefix.register(seq)  # its blocks stay cached once freed
-        seq.num_registered_blocks = 0
-        if seq.slot is not None:
-            self.slots.free(seq.slot)
-            seq.slot = None
-        self.blocks.free(seq.block_ids)
-        seq.block_ids = []
+        self.kv.release(seq)
 
     def update(self, finished: Iterable[Sequence]) -> None:
         """Free the slots and blocks of sequences the engine finished this step
