@@ -29,6 +29,7 @@ from engine_workloads import MODELS, make_random_id_workload, random_model  # no
 
 from areno.engine.config import COMPILE_MODES, EngineConfig  # noqa: E402
 from areno.engine.generator import Generator  # noqa: E402
+from areno.engine.parallel import worker as worker_module
 
 
 class PartTimer:
@@ -197,20 +198,19 @@ def kernel_profile(generator, requests, device) -> dict:
         return {}
     asyncio.run(generator.reset_prefix_cache())
     decode = _profiled(generator, [dict(r, max_tokens=40) for r in requests], 40)
-    worker = generator.core.executor.worker
     calls = {"prefill": 0}
-    inner = worker._prefill
+    inner = worker_module.run_prefills
 
     def counted(*args, **kwargs):
         calls["prefill"] += 1
         return inner(*args, **kwargs)
 
-    worker._prefill = counted
+    worker_module.run_prefills = counted
     asyncio.run(generator.reset_prefix_cache())  # else the decode profile's prompts are cached
     try:
         prefill = _profiled(generator, [dict(r, max_tokens=1) for r in requests], None, calls)
     finally:
-        worker._prefill = inner
+        worker_module.run_prefills = inner
     return {
         "profiled_steps": 40,
         **decode,

@@ -150,7 +150,7 @@ def test_n_samples_share_a_prefill_and_match_separate_seeded_requests(setups, ov
 def test_text_prompts_of_unequal_lengths_arriving_together_equal_generate(
     setups, family, overlap, prefill_compile
 ):
-    """Prompts admitted in one step share a padded prefill (`worker.prefill_groups`); each gives
+    """Prompts admitted in one step share a padded prefill (`runner/prefills.py::prefill_groups`); each gives
     what transformers' generate gives it alone, also when that prefill runs compiled (dynamo's
     trace, as inductor gets it; compiled during the engine's warm-up)."""
     setup = setups(family)

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from areno.engine.parallel.worker import MAX_PREFILL_PADDING, prefill_groups
 from areno.engine.runner.batched_prefill import PromptPart, can_batch_prefill
 from areno.engine.runner.cuda_graphs import row_buckets
 from areno.engine.runner.model_runner import ModelRunner
+from areno.engine.runner.prefills import MAX_PREFILL_PADDING, prefill_groups
 from areno.media import MediaDecoder, MediaPolicy
 from areno.media.samples import write_audio, write_image, write_video
 from areno.processing import Processor, process_messages

@@ -24,8 +24,8 @@ from areno.engine.parallel.kv_pool import (
     fraction_budget,
     reserved_bytes,
 )
-from areno.engine.runner.batched_prefill import PromptPart, can_batch_prefill
 from areno.engine.runner.model_runner import ModelRunner
+from areno.engine.runner.prefills import run_prefills
 from areno.engine.sample.penalties import TokenHistory
 from areno.engine.sample.sampler import (
     SamplingTensors,
@@ -34,7 +34,7 @@ from areno.engine.sample.sampler import (
     sample,
 )
 from areno.engine.sampling import SamplingParams
-from areno.engine.step import PendingStep, PrefillItem, RowSampling, StepInput, StepOutput
+from areno.engine.step import PendingStep, RowSampling, StepInput, StepOutput
 from areno.engine.transfer import to_device
 from areno.errors import ArenoError
 from areno.processing.types import PromptInputs
@@ -44,30 +44,6 @@ class WeightUpdateError(ArenoError):
     """New weights do not fit the loaded model (unknown name, wrong shape)."""
 
     code = "weight_update_mismatch"
-
-
-# A padded prefill group computes at most this many tokens per real one.
-MAX_PREFILL_PADDING = 1.25
-
-
-def prefill_groups(lengths: list[int], *, pad: bool) -> list[list[int]]:
-    """Indices into `lengths` (prompt lengths), grouped to share prefill forwards. Without `pad`
-    a group holds equal lengths; with it, lengths in ascending order join a group while its
-    padded size (rows x longest) stays within MAX_PREFILL_PADDING of its real tokens."""
-    groups: list[list[int]] = []
-    real = 0
-    for i in sorted(range(len(lengths)), key=lengths.__getitem__):
-        group = groups[-1] if groups else None
-        if group is not None and (
-            lengths[i] == lengths[group[-1]]
-            or (pad and (len(group) + 1) * lengths[i] <= MAX_PREFILL_PADDING * (real + lengths[i]))
-        ):
-            group.append(i)
-            real += lengths[i]
-        else:
-            groups.append([i])
-            real = lengths[i]
-    return groups
 
 
 @dataclass(frozen=True)
@@ -285,119 +261,16 @@ class Worker:
                     step.decode_slots, step.decode_positions, token_ids, step.decode_block_tables
                 )
             )
-        for item in step.prefill:  # before any prefill writes a block
+        for item in step.prefill:
             self.runner.assign_adapter(item.slots, self.adapter_index(item.adapter))
-            if item.copy_block is not None:
-                self.runner.copy_block(*item.copy_block)
-            if item.restore_row is not None:
-                self.runner.restore_state(item.restore_row, item.slots[0])
-        logits = self._prefill(step.prefill) + decoded
+        prefilled = run_prefills(self.runner, step.prefill, share_parts=self.shares_part_prefills)
+        logits = prefilled + decoded
         if not self.samples or not logits:
             return None
         logits_BV = logits[0] if len(logits) == 1 else torch.cat(logits)
         row_slots = [s for item in step.prefill if item.is_final for s in item.slots]
         row_slots += step.decode_slots
         return self._sample(logits_BV, step, row_slots)
-
-    def _prefill(self, items: list[PrefillItem]) -> list[torch.Tensor]:
-        """Each final item's last logits, repeated for its n rows, in item order (a chunk that
-        does not end its prompt has none). Whole prompts without media share forwards
-        (`prefill_groups`); so do chunks and resumptions from the prefix cache
-        (`_prefill_parts`)."""
-        last: list[torch.Tensor | None] = [None] * len(items)
-        batchable, parts = [], []
-        for i, item in enumerate(items):
-            if item.is_chunk or item.save is not None:
-                if self.shares_part_prefills:
-                    parts.append(i)
-                else:
-                    last[i] = self._prefill_chunks(item)
-            elif can_batch_prefill(item.inputs):
-                batchable.append(i)
-            else:
-                last[i] = self.runner.prefill(item.inputs, item.slots, item.block_tables)
-        lengths = [items[i].inputs.num_prompt_tokens for i in batchable]
-        for group in prefill_groups(lengths, pad=self.runner.can_pad_prefill):
-            indices = [batchable[g] for g in group]
-            if len(indices) == 1:
-                item = items[indices[0]]
-                last[indices[0]] = self.runner.prefill(item.inputs, item.slots, item.block_tables)
-                continue
-            tables = [items[i].block_tables for i in indices]
-            logits_BV = self.runner.prefill_batch(
-                [items[i].inputs for i in indices],
-                [items[i].slots for i in indices],
-                tables if all(t is not None for t in tables) else None,
-            )
-            for row, i in enumerate(indices):
-                last[i] = logits_BV[row]
-        for i, logits_V in zip(parts, self._prefill_parts([items[i] for i in parts]), strict=True):
-            last[i] = logits_V
-        return [
-            v.expand(len(item.slots), -1)
-            for v, item in zip(last, items, strict=True)
-            if item.is_final
-        ]
-
-    def _prefill_parts(self, items: list[PrefillItem]) -> list[torch.Tensor]:
-        """Each item's last logits (V,), its tokens start..end-1 prefilled over the keys its
-        blocks hold, in forwards shared by items of lengths within MAX_PREFILL_PADDING of each
-        other (`ModelRunner.prefill_parts`). An item with a state save runs up to it first,
-        saves, and runs the rest in a second round (as `_prefill_chunks`); an item that ends
-        its prompt is then forked into its other slots."""
-        rounds: list[list[tuple[int, PromptPart]]] = [[], []]
-        saves = []
-        for i, item in enumerate(items):
-            table = item.block_tables[0] if item.block_tables else None
-            end = item.end if item.end is not None else item.inputs.num_prompt_tokens
-            stop = end
-            if item.save is not None:
-                stop = item.save[0] if self.runner.has_linear_state else end
-                saves.append((item.slots[0], item.save[1]))
-            first = item.start == item.cached
-            rounds[0].append(
-                (i, PromptPart(item.inputs, item.slots[0], table, item.start, stop, first))
-            )
-            if stop < end:
-                rounds[1].append(
-                    (i, PromptPart(item.inputs, item.slots[0], table, stop, end, False))
-                )
-        last: list[torch.Tensor | None] = [None] * len(items)
-        for number, parts in enumerate(rounds):
-            for group in prefill_groups([p.end - p.start for _, p in parts], pad=True):
-                logits_BV = self.runner.prefill_parts([parts[g][1] for g in group])
-                for row, g in enumerate(group):
-                    last[parts[g][0]] = logits_BV[row]
-            if number == 0 and saves:
-                self.runner.save_states(saves)
-        for item in items:
-            if len(item.slots) > 1 and item.is_final:
-                self.runner.fork_prompt(
-                    item.slots, item.block_tables, item.inputs.num_prompt_tokens
-                )
-        return last
-
-    def _prefill_chunks(self, item: PrefillItem) -> torch.Tensor:
-        """An item's tokens start..end as one chunk, or as two around its state save. A
-        sliding ring saved up to a block past its position holds all a resumption there reads
-        (the window before it), so only linear-attention state needs the prefill to stop there."""
-        table = item.block_tables[0] if item.block_tables else None
-        end = item.end if item.end is not None else item.inputs.num_prompt_tokens
-        bounds = [item.start, end]
-        save_at = None
-        if item.save is not None:
-            save_at = item.save[0] if self.runner.has_linear_state else end
-            if save_at < end:
-                bounds.insert(1, save_at)
-        for start, stop in zip(bounds, bounds[1:], strict=False):
-            last = self.runner.prefill_chunk(
-                item.inputs, item.slots[0], table, start, stop, item.cached
-            )
-            if stop == save_at:
-                self.runner.save_states([(item.slots[0], item.save[1])])
-        if len(item.slots) > 1:
-            self.runner.fork_prompt(item.slots, item.block_tables, end)
-        return last
 
     def _sample(
         self, logits_BV: torch.Tensor, step: StepInput, row_slots: list[int]

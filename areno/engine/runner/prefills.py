@@ -1,0 +1,145 @@
+"""Every prefill of a step, planned in one place: which items share a forward and how each runs.
+
+A step's `PrefillItem`s are whole prompts, chunks of long prompts and resumptions from the prefix
+cache. Whole prompts without media share right-padded forwards (`ModelRunner.prefill_batch`)
+in groups whose padding stays within MAX_PREFILL_PADDING (`prefill_groups`); a prompt with media
+runs alone (`ModelRunner.prefill`). Chunks and resumptions run over the keys their blocks hold,
+several in one forward (`ModelRunner.prefill_parts`), or one at a time under tensor parallelism
+(`ModelRunner.prefill_chunk`); a state save midway splits an item into two rounds. An item of
+several samples is forked into their slots once its prompt is done.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from areno.engine.runner.batched_prefill import PromptPart, can_batch_prefill
+from areno.engine.runner.model_runner import ModelRunner
+from areno.engine.step import PrefillItem
+
+# A padded prefill group computes at most this many tokens per real one.
+MAX_PREFILL_PADDING = 1.25
+
+
+def prefill_groups(lengths: list[int], *, pad: bool) -> list[list[int]]:
+    """Indices into `lengths` (prompt lengths), grouped to share prefill forwards. Without `pad`
+    a group holds equal lengths; with it, lengths in ascending order join a group while its
+    padded size (rows x longest) stays within MAX_PREFILL_PADDING of its real tokens."""
+    groups: list[list[int]] = []
+    real = 0
+    for i in sorted(range(len(lengths)), key=lengths.__getitem__):
+        group = groups[-1] if groups else None
+        if group is not None and (
+            lengths[i] == lengths[group[-1]]
+            or (pad and (len(group) + 1) * lengths[i] <= MAX_PREFILL_PADDING * (real + lengths[i]))
+        ):
+            group.append(i)
+            real += lengths[i]
+        else:
+            groups.append([i])
+            real = lengths[i]
+    return groups
+
+
+def run_prefills(
+    runner: ModelRunner, items: list[PrefillItem], *, share_parts: bool
+) -> list[torch.Tensor]:
+    """Run a step's prefills on `runner` (its slots' adapters already assigned): each item's
+    resume point restored and its tail block copied first, then the forwards. Returns each
+    final item's last logits, repeated for its n rows, in item order (a chunk that does not end
+    its prompt has none). Whole prompts without media share forwards (`prefill_groups`); so do
+    chunks and resumptions from the prefix cache where `share_parts` (`_prefill_parts`; not
+    under tensor parallelism), else each runs alone (`_prefill_chunks`)."""
+    for item in items:  # before any prefill writes a block
+        if item.copy_block is not None:
+            runner.copy_block(*item.copy_block)
+        if item.restore_row is not None:
+            runner.restore_state(item.restore_row, item.slots[0])
+    last: list[torch.Tensor | None] = [None] * len(items)
+    batchable, parts = [], []
+    for i, item in enumerate(items):
+        if item.is_chunk or item.save is not None:
+            if share_parts:
+                parts.append(i)
+            else:
+                last[i] = _prefill_chunks(runner, item)
+        elif can_batch_prefill(item.inputs):
+            batchable.append(i)
+        else:
+            last[i] = runner.prefill(item.inputs, item.slots, item.block_tables)
+    lengths = [items[i].inputs.num_prompt_tokens for i in batchable]
+    for group in prefill_groups(lengths, pad=runner.can_pad_prefill):
+        indices = [batchable[g] for g in group]
+        if len(indices) == 1:
+            item = items[indices[0]]
+            last[indices[0]] = runner.prefill(item.inputs, item.slots, item.block_tables)
+            continue
+        tables = [items[i].block_tables for i in indices]
+        logits_BV = runner.prefill_batch(
+            [items[i].inputs for i in indices],
+            [items[i].slots for i in indices],
+            tables if all(t is not None for t in tables) else None,
+        )
+        for row, i in enumerate(indices):
+            last[i] = logits_BV[row]
+    for i, logits_V in zip(parts, _prefill_parts(runner, [items[i] for i in parts]), strict=True):
+        last[i] = logits_V
+    return [
+        v.expand(len(item.slots), -1) for v, item in zip(last, items, strict=True) if item.is_final
+    ]
+
+
+def _prefill_parts(runner: ModelRunner, items: list[PrefillItem]) -> list[torch.Tensor]:
+    """Each item's last logits (V,), its tokens start..end-1 prefilled over the keys its
+    blocks hold, in forwards shared by items of lengths within MAX_PREFILL_PADDING of each
+    other (`ModelRunner.prefill_parts`). An item with a state save runs up to it first,
+    saves, and runs the rest in a second round (as `_prefill_chunks` does); an item that ends
+    its prompt is then forked into its other slots."""
+    rounds: list[list[tuple[int, PromptPart]]] = [[], []]
+    saves = []
+    for i, item in enumerate(items):
+        table = item.block_tables[0] if item.block_tables else None
+        end = item.end if item.end is not None else item.inputs.num_prompt_tokens
+        stop = end
+        if item.save is not None:
+            stop = item.save[0] if runner.has_linear_state else end
+            saves.append((item.slots[0], item.save[1]))
+        first = item.start == item.cached
+        rounds[0].append(
+            (i, PromptPart(item.inputs, item.slots[0], table, item.start, stop, first))
+        )
+        if stop < end:
+            rounds[1].append((i, PromptPart(item.inputs, item.slots[0], table, stop, end, False)))
+    last: list[torch.Tensor | None] = [None] * len(items)
+    for number, parts in enumerate(rounds):
+        for group in prefill_groups([p.end - p.start for _, p in parts], pad=True):
+            logits_BV = runner.prefill_parts([parts[g][1] for g in group])
+            for row, g in enumerate(group):
+                last[parts[g][0]] = logits_BV[row]
+        if number == 0 and saves:
+            runner.save_states(saves)
+    for item in items:
+        if len(item.slots) > 1 and item.is_final:
+            runner.fork_prompt(item.slots, item.block_tables, item.inputs.num_prompt_tokens)
+    return last
+
+
+def _prefill_chunks(runner: ModelRunner, item: PrefillItem) -> torch.Tensor:
+    """An item's tokens start..end as one chunk, or as two around its state save. A
+    sliding ring saved up to a block past its position holds all a resumption there reads
+    (the window before it), so only linear-attention state needs the prefill to stop there."""
+    table = item.block_tables[0] if item.block_tables else None
+    end = item.end if item.end is not None else item.inputs.num_prompt_tokens
+    bounds = [item.start, end]
+    save_at = None
+    if item.save is not None:
+        save_at = item.save[0] if runner.has_linear_state else end
+        if save_at < end:
+            bounds.insert(1, save_at)
+    for start, stop in zip(bounds, bounds[1:], strict=False):
+        last = runner.prefill_chunk(item.inputs, item.slots[0], table, start, stop, item.cached)
+        if stop == save_at:
+            runner.save_states([(item.slots[0], item.save[1])])
+    if len(item.slots) > 1:
+        runner.fork_prompt(item.slots, item.block_tables, end)
+    return last
