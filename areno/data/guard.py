@@ -44,26 +44,25 @@ class PrivateDataLeakError(SampleError):
 def check_private(sample: Sample) -> None:
     """Raise PrivateDataLeakError when a private value shows on `sample`'s public side."""
     allowed = {_words(text) for v in sample.private.get(PUBLIC_VALUES, ()) for text in _texts(v)}
-    places = []
-    for where, text, is_media in _public_places(sample):
-        name = text.rstrip("/").rsplit("/", 1)[-1] if is_media else text
-        for name_only, part in ((False, text), (True, name)):
-            fine = _words(part, split=True) if is_media else None
-            places.append((where, name_only, _words(part), fine, is_media))
+    places = [
+        (where, is_media, _words(text), _words(text, split=True), _words(_file_name(text)))
+        for where, text, is_media in _public_places(sample)
+    ]
     for key, value in _private_scalars(sample.private):
         for text in _texts(value):
             words = _words(text)
             if not words:
                 continue
             long = isinstance(value, str) and len(text) >= SPLIT_MIN_CHARS
-            fine = _words(text, split=True) if long else None
             shown = words in allowed
-            for where, name_only, place, split_place, is_media in places:
-                if (shown and not is_media) or name_only == long:
-                    continue
-                if _contains(place, words) or (
-                    fine and split_place and _contains(split_place, fine)
-                ):
+            for where, is_media, whole, pieces, name in places:
+                if not is_media:
+                    hit = not shown and _contains(whole, words)
+                elif long:
+                    hit = _contains(whole, words) or _contains(pieces, _words(text, split=True))
+                else:
+                    hit = _contains(name, words)
+                if hit:
                     raise PrivateDataLeakError(
                         f"sample {sample.id!r}: private[{key!r}] ({len(text)} characters) shows "
                         f"in its {where}; the policy and its tools would read it. Remove it "
@@ -71,6 +70,11 @@ def check_private(sample: Sample) -> None:
                         "design",
                         param=key,
                     )
+
+
+def _file_name(reference: str) -> str:
+    """The last path segment of a media reference."""
+    return reference.rstrip("/").rsplit("/", 1)[-1]
 
 
 # A string this long is also looked for in a media reference's camel-case and letter/digit

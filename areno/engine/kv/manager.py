@@ -76,8 +76,9 @@ class CachedPrefix:
 
 @dataclass
 class Admission:
-    """What a sequence's admitted prefill must do besides its tokens: restore a saved state row
-    into its slot, copy a block (a resume point's tail) and save its state on the way."""
+    """What a sequence's admitted prefill must do before its tokens: restore a saved state row
+    into its slot and copy a block (a resume point's tail). Its state save, if any, comes from
+    `take_save`."""
 
     restore_row: int | None = None
     copy_block: tuple[int, int] | None = None
