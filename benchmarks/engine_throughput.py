@@ -162,7 +162,7 @@ def _run_engine(model, tokenizer, requests, concurrency, config: EngineConfig) -
         asyncio.run(generator.reset_prefix_cache())
         synchronize(model.device)
         warmup_s = time.perf_counter() - start
-        runner = generator.core.executor.worker.runner
+        runner = generator.core.executor.runner
         phases = PhaseTimes(runner)
         compiles = _TimedRunCompiles(runner)
         with GcPauses() as pauses:

@@ -109,7 +109,7 @@ def decode(generator: Generator, requests: list[dict], concurrency: int, adapter
     run(generator, [dict(r, max_tokens=2) for r in requests[:concurrency]], adapter)  # warm-up
     asyncio.run(generator.reset_prefix_cache())  # the timed prompts prefill whole
     synchronize(torch.device("cuda"))
-    compiles = _TimedRunCompiles(generator.core.executor.worker.runner)
+    compiles = _TimedRunCompiles(generator.core.executor.runner)
     start = time.perf_counter()
     outputs = run(generator, requests, adapter)
     synchronize(torch.device("cuda"))
@@ -201,7 +201,7 @@ def main() -> None:
             "load_s": sync_seconds(slots, lora_payload, 1),
         }
         # the adapter loaded, requests naming none run the base through the low-rank path
-        slots.core.executor.worker.default_adapter = None
+        slots.core.executor.default_adapter = None
         results["decode_lora_engine_base"] = decode(slots, requests, args.concurrency, None)
         results["decode_lora_engine_adapter"] = decode(
             slots, requests, args.concurrency, POLICY_ADAPTER

@@ -52,7 +52,7 @@ def run_episodes(generator: Generator, first: list[list[int]], later: list[list[
     params = SamplingParams(
         temperature=0, max_tokens=args.new_tokens, ignore_eos=True, detokenize=False
     )
-    runner = generator.core.executor.worker.runner
+    runner = generator.core.executor.runner
     forwards = {"n": 0, "depth": 0}  # a chunk that starts its prompt calls `prefill`: one
     for name in PREFILLS:
         inner = getattr(runner, name)
@@ -128,7 +128,7 @@ def main() -> None:
     for mode, shared in MODES.items():
         generator = Generator.from_model(model, tokenizer, config)
         try:
-            generator.core.executor.worker.shares_part_prefills = shared
+            generator.core.executor.share_part_prefills(shared)
             run_episodes(generator, warm_first, warm_later, args)  # compiles, captures
             asyncio.run(generator.reset_prefix_cache())
             before = generator.stats()["num_prompt_tokens_cached"]

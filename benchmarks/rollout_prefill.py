@@ -114,7 +114,7 @@ def measure(path: str, samples: list[Sample], args, caching: bool, shared: bool)
     rollout = Rollout(path, args, caching)
     calls = args.calls.split(",")
     gen = rollout.generator
-    gen.core.executor.worker.shares_part_prefills &= shared
+    gen.core.executor.share_part_prefills(shared)
     try:
         asyncio.run(rollout.step(samples, calls, args))  # warm-up: first forwards of each shape
         gen.core.scheduler.forget_cached()
@@ -129,7 +129,7 @@ def measure(path: str, samples: list[Sample], args, caching: bool, shared: bool)
     cached = after["num_prompt_tokens_cached"] - before["num_prompt_tokens_cached"]
     return {
         "prefix_caching": caching,
-        "shared_resumptions": caching and gen.core.executor.worker.shares_part_prefills,
+        "shared_resumptions": caching and gen.core.executor.shares_part_prefills,
         "prompt_tokens_requested": requested,
         "prompt_tokens_cached": cached,
         "prompt_tokens_computed": requested - cached,

@@ -91,7 +91,7 @@ def run_chunked(gen, inputs: list) -> tuple[list, list[tuple[int, int, int]]]:
     """inputs[0] decoding, then the rest arriving; returns their outputs and every prefill
     chunk the runner ran, alone or in a forward of parts, as (prompt tokens, start, end)."""
     chunks: list[tuple[int, int, int]] = []
-    runner = gen.core.executor.worker.runner
+    runner = gen.core.executor.runner
     prefill_chunk, prefill_parts = runner.prefill_chunk, runner.prefill_parts
 
     def recording(inputs, slot, table, start, end, cached=0):

@@ -60,7 +60,7 @@ def test_staggered_greedy_equals_generate(setups, media, family, graphs, compile
         assert have == want, (i, have, want)
     assert gen.core.overlap is (overlap == "on")
     if compile != "off":  # the compiled step ran: it never fell back to the uncompiled one
-        assert gen.core.executor.worker.runner.graphs.compiled
+        assert gen.core.executor.runner.graphs.compiled
 
 
 def test_a_compiled_decode_compiles_only_while_the_engine_starts(setups):
@@ -125,7 +125,7 @@ def test_n_samples_share_a_prefill_and_match_separate_seeded_requests(setups, ov
     # and serve the later requests from it (test_prefix_cache.py covers n samples with it).
     gen = setup.generator(overlap_steps=overlap, enable_prefix_caching=False)
     prefills = []
-    runner = gen.core.executor.worker.runner
+    runner = gen.core.executor.runner
     original = runner.prefill
     runner.prefill = lambda inputs, slots, tables: (
         prefills.append(slots) or original(inputs, slots, tables)
@@ -161,7 +161,7 @@ def test_text_prompts_of_unequal_lengths_arriving_together_equal_generate(
     assert len({x.num_prompt_tokens for x in inputs}) == 3
     expected = [setup.reference(x, GREEDY.max_tokens) for x in inputs]
     gen = setup.generator(overlap_steps=overlap, prefill_compile=prefill_compile)
-    runner = gen.core.executor.worker.runner
+    runner = gen.core.executor.runner
     batched: list[list[int]] = []
     prefill_batch = runner.prefill_batch
 
@@ -220,7 +220,7 @@ def test_a_bf16_linear_state_keeps_greedy_parity(setups, media, graphs):
 
     try:
         got = run(main())
-        states = gen.core.executor.worker.runner.cache.linear.values()
+        states = gen.core.executor.runner.cache.linear.values()
         assert {state.recurrent.dtype for state in states} == {torch.bfloat16}
     finally:
         gen.shutdown()

@@ -359,7 +359,7 @@ def test_update_weights_changes_outputs_and_policy_version(setups, tiny_path, ov
             cpu_packed_linear=False,
         ),
     )
-    assert (gen.core.executor.worker.runner.fused is not None) == (fuse == "on")
+    assert (gen.core.executor.runner.fused is not None) == (fuse == "on")
     try:
         before = run(gen.generate_all(x, GREEDY))
         with pytest.raises(WeightUpdateError, match="no parameter named"):
@@ -368,7 +368,7 @@ def test_update_weights_changes_outputs_and_policy_version(setups, tiny_path, ov
         with pytest.raises(WeightUpdateError, match="shape"):
             run(gen.update_weights({name: value[..., :1]}, version=9))
         assert gen.policy_version == 0
-        params = {n for n, _ in gen.core.executor.worker.model.named_parameters()}
+        params = {n for n, _ in gen.core.executor.model.named_parameters()}
         count = run(gen.update_weights({n: new_weights[n] for n in params}, version=1))
         after = run(gen.generate_all(x, GREEDY))
     finally:
@@ -448,7 +448,7 @@ def test_the_cache_is_allocated_whole_at_start_up(setups, family):
     """Every layer's storage exists before the first request, and the allocator counted it."""
     gen = setups(family).generator()
     try:
-        cache = gen.core.executor.worker.runner.cache
+        cache = gen.core.executor.runner.cache
         storages = [t for layer in cache.attention.values() for t in (layer.keys, layer.values)]
         storages += [t for s in cache.linear.values() for t in (s.conv, s.recurrent)]
         assert all(t is not None for t in storages)

@@ -205,8 +205,8 @@ def test_generator_on_cuda_bf16(tiny_path):
         )
     finally:
         gen.shutdown()
-    assert gen.core.executor.worker.device.type == "cuda"
-    assert gen.core.executor.worker.runner.fused is not None
+    assert gen.core.executor.device.type == "cuda"
+    assert gen.core.executor.runner.fused is not None
     assert [len(s.token_ids) for s in out.samples] == [16, 16, 16]
     assert all(lp <= 0 for s in out.samples for lp in s.logprobs)
 
@@ -246,7 +246,7 @@ def test_weights_from_device_memory_are_copied_before_update_weights_returns(tin
     stream is held busy first, so queued copies would still be waiting behind it."""
     gen = Generator.from_config(tiny_path("qwen3_vl"), EngineConfig(max_running_prompts=2))
     try:
-        model = gen.core.executor.worker.model
+        model = gen.core.executor.model
         weights = {name: (p.detach() * 0.5).clone() for name, p in model.named_parameters()}
         torch.cuda._sleep(2_000_000_000)  # ~1 s of a busy stream
         assert asyncio.run(gen.update_weights(weights, 1)) == len(weights)
@@ -274,7 +274,7 @@ def test_a_bf16_linear_state_decodes_the_fp32_states_greedy_tokens_on_cuda(tiny_
 
         try:
             tokens[state_dtype] = [out.samples[0].token_ids for out in asyncio.run(run_all())]
-            states = gen.core.executor.worker.runner.cache.linear.values()
+            states = gen.core.executor.runner.cache.linear.values()
             assert {s.recurrent.dtype for s in states} == {getattr(torch, state_dtype)}
         finally:
             gen.shutdown()
@@ -353,7 +353,7 @@ def test_update_weights_by_cuda_ipc(tiny_path):
     context = multiprocessing.get_context("spawn")
     queue, done = context.Queue(), context.Event()
     try:
-        params = dict(gen.core.executor.worker.model.named_parameters())
+        params = dict(gen.core.executor.model.named_parameters())
         names = [n for n in params if "language_model" in n][:4]
         shapes = {n: (tuple(params[n].shape), params[n].dtype) for n in names}
         child = context.Process(target=_share_weights, args=(shapes, queue, done))

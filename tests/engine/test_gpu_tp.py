@@ -65,7 +65,7 @@ class EngineRun:
             gen.shutdown()
             faulthandler.cancel_dump_traceback_later()
         samples = [(out.samples[0].token_ids, out.samples[0].logprobs) for out in outputs]
-        return gen.core.executor.worker.device.type, samples
+        return gen.core.executor.device.type, samples
 
 
 @pytest.mark.parametrize("graphs", ["off", "capture"])  # eager first: it isolates NCCL itself

@@ -142,7 +142,7 @@ def test_requests_in_later_slots_decode_with_their_own_adapter_on_cuda(tiny_path
         gen = setup.generator(max_running_prompts=4, max_loras=1, max_lora_rank=8,
                               decode_graphs=graphs)  # fmt: skip
         try:
-            assert (gen.core.executor.worker.runner.graphs is not None) == (graphs == "auto")
+            assert (gen.core.executor.runner.graphs is not None) == (graphs == "auto")
             outs[graphs] = run(_in_later_slots(gen, prompt, adapters["first"][0]))
         finally:
             gen.shutdown()

@@ -122,7 +122,7 @@ def test_media_prompts_prefilled_in_chunks_through_their_media_equal_generate(
         overlap_steps=overlap,
         enable_prefix_caching=False,  # every prompt from its first token
     )
-    runner = gen.core.executor.worker.runner
+    runner = gen.core.executor.runner
     runs = {x.num_prompt_tokens: runner.whole_runs(x) for x in inputs[1:]}
     outputs, chunks = run_chunked(gen, inputs)
     for i, (want, output) in enumerate(zip(expected, outputs, strict=True)):
@@ -157,7 +157,7 @@ def test_gemma4_sliding_layers_keep_only_their_window_while_decoding_past_it(set
     gen = setup.generator(max_running_prompts=2, max_context_len=1024, overlap_steps=overlap)
     try:
         got = run(gen.generate_all(x, params)).samples[0].token_ids
-        runner = gen.core.executor.worker.runner
+        runner = gen.core.executor.runner
         cache, types = runner.cache, runner.cache.layer_types
     finally:
         gen.shutdown()

@@ -510,7 +510,7 @@ def test_turns_that_resume_together_share_forwards_and_keep_the_cold_tokens(
     results = {}
     for cache in (False, True):
         gen = setup.generator(block_size=4, enable_prefix_caching=cache, overlap_steps=overlap)
-        runner = gen.core.executor.worker.runner
+        runner = gen.core.executor.runner
         prefill_parts, shared = runner.prefill_parts, []
 
         def recording(parts, prefill_parts=prefill_parts, shared=shared):

@@ -132,7 +132,7 @@ def test_tp2_update_weights_reaches_every_shard(tiny_path, tmp_path):
     reference = Generator.from_config(other, config(1))
     try:
         want = asyncio.run(run_all(reference, inputs))
-        weights = dict(reference.core.executor.worker.model.named_parameters())
+        weights = dict(reference.core.executor.model.named_parameters())
         weights = {name: p.detach().clone() for name, p in weights.items()}
     finally:
         reference.shutdown()

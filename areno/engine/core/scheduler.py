@@ -380,16 +380,7 @@ class Scheduler:
             seq = self._waiting[0]
             group = self._groups[seq.request_id]
             last = admitted[-1] if admitted else None
-            # A new sample of the group whose new samples were admitted just before shares
-            # their prefill: only its own copy of the last, partial block is new.
-            joins = (
-                last is not None
-                and last.group is group
-                and last.is_final
-                and last.start == 0
-                and not seq.output_token_ids
-                and not last.seqs[0].output_token_ids
-            )
+            joins = _joins(last, seq, group)
             end = seq.num_tokens
             prefix = None
             if joins:
@@ -457,6 +448,19 @@ class Scheduler:
         for seq in group.unfinished_seqs():
             seq.finish("abort")
         self.update(group.seqs)
+
+
+def _joins(last: ScheduledPrefill | None, seq: Sequence, group: SequenceGroup) -> bool:
+    """Whether `seq`, a new sample of the group whose new samples were admitted just before
+    (`last`), shares their prefill: only its own copy of the last, partial block is new."""
+    return (
+        last is not None
+        and last.group is group
+        and last.is_final
+        and last.start == 0
+        and not seq.output_token_ids
+        and not last.seqs[0].output_token_ids
+    )
 
 
 def _chunk_end(group: SequenceGroup, start: int, end: int) -> int:

@@ -18,6 +18,7 @@ from areno.engine.layers.lora import LoraWeights
 from areno.engine.outputs import TokenScores
 from areno.engine.parallel.kv_pool import KVPool
 from areno.engine.parallel.worker import CompiledPaths, Worker
+from areno.engine.runner.model_runner import ModelRunner
 from areno.engine.step import PendingStep, StepInput, StepOutput
 from areno.processing.types import PromptInputs
 
@@ -52,6 +53,12 @@ class Executor(abc.ABC):
     @property
     def model(self) -> torch.nn.Module:
         return self.worker.model
+
+    @property
+    def runner(self) -> ModelRunner:
+        """Rank 0's model runner: its caches, graphs and compiled paths, for the checks of tests
+        and benchmarks (the engine asks the methods below)."""
+        return self.worker.runner
 
     @property
     def vocab_size(self) -> int:
@@ -121,3 +128,19 @@ class LocalExecutor(Executor):
 
     def shutdown(self) -> None:
         self.worker.release_cache()
+
+    def share_part_prefills(self, shared: bool) -> None:
+        """Whether parts of prompts (resumptions, chunks) share forwards, where the runner can
+        (its default); a benchmark's baseline runs each part alone."""
+        self.worker.shares_part_prefills = shared and self.worker.runner.can_prefill_parts
+
+    @property
+    def shares_part_prefills(self) -> bool:
+        return self.worker.shares_part_prefills
+
+    @Executor.default_adapter.setter
+    def default_adapter(self, name: str | None) -> None:
+        """The adapter of requests that name none (None: the base model)."""
+        if name is not None:
+            self.worker.adapter_index(name)  # raises for an adapter never loaded
+        self.worker.default_adapter = name
