@@ -164,6 +164,10 @@ class SequenceGroup:
     # to both ways, as Gemma 4's images in its sliding layers).
     can_chunk: bool = False
     whole_runs: list[tuple[int, int]] = field(default_factory=list)
+    # Prompt tokens the scheduler admitted for prefill (again after a preemption; once for
+    # samples that share their group's prefill) and, of them, those the prefix cache held.
+    num_prefill_tokens: int = 0
+    num_cached_tokens: int = 0
 
     @classmethod
     def create(

@@ -92,6 +92,8 @@ async def run_episode(
         sample = output.samples[0]
         generated = list(sample.token_ids)
         traj.policy_versions.append(output.policy_version)
+        traj.num_prefill_tokens += output.num_prefill_tokens
+        traj.num_cached_tokens += output.num_cached_tokens
         traj.token_versions += sample.policy_versions or [output.policy_version] * len(generated)
         traj.loss_mask += [1] * len(generated)
         traj.rollout_logprobs += list(sample.logprobs or [0.0] * len(generated))

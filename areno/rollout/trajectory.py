@@ -47,6 +47,10 @@ class Trajectory:
     # the policy version of each sampled token (loss_mask 1), in order: weights may change in
     # the middle of a turn when rollouts overlap training (rollout.max_staleness)
     token_versions: list[int] = field(default_factory=list)
+    # prompt tokens the engine prefilled over the episode's turns and, of them, those its
+    # prefix cache held (the step's prefill metrics sum them)
+    num_prefill_tokens: int = 0
+    num_cached_tokens: int = 0
 
     @property
     def token_ids(self) -> list[int]:

@@ -13,6 +13,7 @@ from areno.logs import ENV
 from areno.models.registry import adapter_for_checkpoint
 from areno.rollout.worker import RolloutSpec, RolloutWorker
 from areno.train.config import GRPOConfig, cpu_threads
+from areno.train.controller import rollouts_overlap_training
 
 logger = logging.getLogger("areno.train")
 
@@ -45,7 +46,7 @@ def rollout_spec(config: GRPOConfig, model_path: str) -> RolloutSpec:
         max_tokens_per_turn=r.max_tokens_per_turn,
         # NOTE: only a generator computing on CPU (no GPU share) competes with the trainer's
         cpu_threads=cpu_threads(r.num_cpus_per_worker)
-        if r.max_staleness and not r.num_gpus_per_worker
+        if rollouts_overlap_training(config) and not r.num_gpus_per_worker
         else None,
     )
 
@@ -55,7 +56,7 @@ def start_rollout_workers(config: GRPOConfig, model_path: str) -> list:
 
     Ray restarts a lost worker up to rollout.max_restarts times. Its calls are never retried by
     Ray (max_task_retries=0): the restarted process holds the initial weights, so the trainer
-    first sends it the current ones and then retries the whole step (coordinator.Coordinator)."""
+    first sends it the current ones and then retries the whole step (`Controller`)."""
     import ray
 
     spec = rollout_spec(config, model_path)

@@ -1,383 +1,30 @@
-"""The GRPO loop each Ray Train worker runs: rollout (rank 0, areno/train/coordinator.py) ->
-reward (rank 0) -> train (all ranks, DeepSpeed; `grpo.mini_batches` x `grpo.epochs` optimizer
-steps) -> weight sync -> checkpoint, with rollouts of later steps running meanwhile when
-`rollout.max_staleness` > 0."""
+"""The GRPO loop each Ray Train worker runs (`train_loop`): per step, rank 0's controller makes
+the batch (rollout, reward, advantages: areno/train/controller.py) -> every rank receives its
+share -> trains it (DeepSpeed: areno/train/learner.py) -> the weights go to the rollout workers
+-> checkpoint."""
 
 from __future__ import annotations
 
-import collections
-import contextlib
 import logging
 import time
 from typing import Any
 
-import torch
 import torch.distributed as dist
 
-from areno.engine.runner.encoder_cache import EncoderCache
-from areno.processing.types import PromptInputs
-from areno.rollout.trajectory import Trajectory
 from areno.train import checkpoint
-from areno.train.batching import MiniBatch, plan_step
-from areno.train.config import GRPOConfig, cpu_threads
-from areno.train.coordinator import Coordinator, PendingRollout, staleness_metrics
-from areno.train.grpo import logprob_mismatch, policy_loss
-from areno.train.lora import base_model, export_adapter, is_lora
-from areno.train.packing import packed_logprobs, row_length
-from areno.train.policy import (
-    batch_logprobs,
-    count_parameters,
-    load_policy,
-    pack_layout,
-    set_train_mode,
-)
+from areno.train.config import GRPOConfig
+from areno.train.controller import Controller, StepBatch
+from areno.train.learner import Learner, reduce_sums
+from areno.train.lora import export_adapter, is_lora
 from areno.train.weight_sync import WeightSync, gathered, trainable_named
 
 logger = logging.getLogger("areno.train")
 
 
-def _dtype(config: GRPOConfig, device: str) -> torch.dtype:
-    if config.trainer.dtype == "auto":
-        return torch.bfloat16 if device.startswith("cuda") else torch.float32
-    return getattr(torch, config.trainer.dtype)
-
-
-def deepspeed_config(config: GRPOConfig, world_size: int, dtype: torch.dtype) -> dict:
-    # NOTE: micro-batches vary in number per step; `Learner.accumulate` marks the last one of
-    # each mini-batch as the accumulation boundary itself.
-    return {
-        "train_micro_batch_size_per_gpu": 1,
-        "gradient_accumulation_steps": 1,
-        "gradient_clipping": config.optim.grad_clip,
-        "zero_optimization": {"stage": config.trainer.zero_stage},
-        "bf16": {"enabled": dtype == torch.bfloat16},
-        "steps_per_print": 1 << 30,
-        "wall_clock_breakdown": False,
-    }
-
-
-# What a rank adds up over a step's passes (`Learner.train_step`, combined by `_reduce`).
-SUM_KEYS = ("tokens", "abs_diff", "max_abs", "clip", "kl", "loss", "ratio_max", "steps")
-SUM_KEYS += ("passes", "rows", "padded", "packed", "real", "fresh", "ratio", "tis")
-
-# Media features a trainer rank keeps within one step (frozen towers: `Learner.features`).
-TRAINER_FEATURE_BYTES = 1 << 30
-
-
-def _keep_cpu_ranks_on_gloo() -> None:
-    """DeepSpeed's CPU accelerator replaces gloo's allreduce with a shared-memory C++ op that it
-    JIT-compiles on first use: 70-150 s on a 2-core machine, again whenever the build command
-    changes (measured here), for the few small allreduces of a GRPO step. gloo does them."""
-    import deepspeed.ops
-
-    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
-
-
-class Learner:
-    """One rank's policy under DeepSpeed."""
-
-    def __init__(self, config: GRPOConfig, model_path: str, rank: int, world_size: int):
-        import deepspeed
-
-        self.config, self.rank, self.world_size = config, rank, world_size
-        self.device = _device(config)
-        if self.device == "cpu":
-            _keep_cpu_ranks_on_gloo()
-            if config.rollout.max_staleness:
-                # NOTE: rollouts run beside training: each side computes on its own share of the
-                # cores (oversubscribed, both slow down by more than half).
-                torch.set_num_threads(cpu_threads(config.trainer.num_cpus_per_worker))
-        dtype = _dtype(config, self.device)
-        # Seeded before the policy is built: a LoRA adapter's initial factors come from torch's
-        # generator (and so does dropout's noise), so two runs of one config start from the same
-        # adapter on every rank. Unseeded, each run drew its own lora_A and the runs parted at
-        # their second step.
-        torch.manual_seed(config.run.seed)
-        model, self.adapter, self.frozen = load_policy(
-            model_path,
-            dtype=dtype,
-            freeze_towers=config.trainer.freeze_media_towers,
-            freeze_projectors=config.trainer.freeze_projectors,
-            lora=config.lora,
-        )
-        self.num_trainable, self.num_total = count_parameters(model)
-        params = [p for p in model.parameters() if p.requires_grad]
-        optim = config.optim
-        optimizer = torch.optim.AdamW(
-            params, lr=optim.lr, betas=optim.betas, weight_decay=optim.weight_decay
-        )
-        self.engine, *_ = deepspeed.initialize(
-            model=model.to(self.device),
-            optimizer=optimizer,
-            model_parameters=params,
-            config=deepspeed_config(config, world_size, dtype),
-        )
-        # A group's episodes share a row, their prompt once (`areno.train.packing`); None:
-        # one trajectory a row.
-        self.layout = pack_layout(self.module, self.device)
-        # The KL term's reference: the initial weights, a model of their own; under LoRA the
-        # base model itself, its adapters disabled for the pass (`_reference`).
-        self.kl = config.grpo.loss.kl_coef > 0
-        self.ref = None
-        if self.kl and not config.lora.enabled:
-            self.ref = self.adapter.load_model(model_path, dtype=dtype).to(self.device).eval()
-            self.ref.requires_grad_(False)
-        # Frozen towers and projectors give every pass the same media features: the step's
-        # trajectories (a group's share its prompt's media) and the reference's pass reuse them.
-        # NOTE: not under ZeRO-3, whose every module forward gathers its partitioned
-        # parameters with the other ranks: a rank that skipped a tower's forward would hang.
-        self.features = None
-        adapter = self.adapter
-        if set(adapter.media_towers + adapter.projectors) <= set(self.frozen) and (
-            config.trainer.zero_stage < 3
-        ):
-            self.features = EncoderCache(base_model(self.module), TRAINER_FEATURE_BYTES)
-
-    @property
-    def module(self) -> torch.nn.Module:
-        return self.engine.module
-
-    def train_step(self, share: list[MiniBatch], learn: bool = True) -> dict[str, float]:
-        """This rank's part of a step: for each of `grpo.epochs` passes over the rollout batch,
-        each mini-batch's micro-batches accumulated, then one optimizer step."""
-        set_train_mode(self.module, self.frozen)
-        sums = dict.fromkeys(SUM_KEYS, 0.0)
-        if not learn:
-            # NOTE: every advantage is 0 and there is no KL term, so the loss has no gradient;
-            # an optimizer step would still move the weights along Adam's momentum.
-            return sums
-        cfg = self.config.grpo
-        fixed: dict[int, dict[str, torch.Tensor]] = {}  # per trajectory, constant over passes
-        try:
-            if cfg.behaviour_logprobs == "recompute" and cfg.mini_batches * cfg.epochs > 1:
-                self._recompute_old(share, fixed)
-            for _ in range(cfg.epochs):
-                for mini in share:
-                    self.accumulate(mini, sums, fixed)
-                    self.engine.step()
-                    sums["steps"] += 1
-        finally:
-            if self.features is not None:
-                self.features.clear()
-        return sums
-
-    def accumulate(
-        self,
-        mini: MiniBatch,
-        sums: dict[str, float],
-        fixed: dict[int, dict[str, torch.Tensor]] | None = None,
-    ) -> None:
-        """The gradient of one mini-batch's loss, accumulated over its micro-batches (the
-        optimizer step is the caller's)."""
-        fixed = {} if fixed is None else fixed
-        for index, micro in enumerate(mini.micro):
-            self.engine.set_gradient_accumulation_boundary(index == len(mini.micro) - 1)
-            if mini.is_filler(index):
-                self._filler(micro, _rows(mini, index))
-            else:
-                self._learn(micro, _rows(mini, index), mini, sums, fixed)
-
-    def _recompute_old(self, share: list[MiniBatch], fixed: dict) -> None:
-        """behaviour_logprobs="recompute" with several optimizer steps per batch: the policy's
-        logprobs before the first of them."""
-        temperature = self.config.rollout.temperature
-        with torch.no_grad():
-            for mini in share:
-                for index, micro in enumerate(mini.micro):
-                    if mini.is_filler(index):
-                        continue
-                    trajs = [traj for traj, _ in micro]
-                    rows = self._logprobs(self.module, trajs, _rows(mini, index), temperature)
-                    for traj, row in zip(trajs, rows, strict=True):
-                        fixed.setdefault(id(traj), {})["old"] = row
-
-    def _logprobs(self, model, trajs: list[Trajectory], sizes: list[int], temperature) -> list:
-        """Each trajectory's logprobs of its response tokens, from one forward over the
-        micro-batch: rows of `sizes` consecutive trajectories packed (each trajectory's media
-        features looked up around its own forward to the stack; media tensors of two
-        trajectories are never concatenated), or, where the trainer does not pack, padded rows
-        of one trajectory each."""
-        if self.layout is None or len(trajs) == 1:
-            starts = [t.num_prompt_tokens for t in trajs]
-            inputs = [t.inputs for t in trajs]
-            with self._shared_features(inputs):
-                return batch_logprobs(model, inputs, starts, self.device, temperature)
-        rows = _split(trajs, sizes)
-        inputs = [[t.inputs for t in row] for row in rows]
-        starts = [[t.num_prompt_tokens for t in row] for row in rows]
-        out = packed_logprobs(
-            model,
-            self.layout,
-            inputs,
-            starts,
-            self.device,
-            temperature,
-            around=lambda item: self._shared_features([item]),
-        )
-        return [lp for row in out for lp in row]
-
-    def _shared_features(self, items: list[PromptInputs]) -> contextlib.ExitStack:
-        """Around one forward over `items`: the policy's and the reference's media features
-        from `self.features` (frozen towers: a GRPO group's passes encode its media once)."""
-        stack = contextlib.ExitStack()
-        if self.features is not None:
-            spans = [span for item in items for span in item.mm_spans]
-            stack.enter_context(self.features.around(spans))
-            if self.ref is not None:
-                stack.enter_context(self.features.around(spans, self.ref))
-        return stack
-
-    @contextlib.contextmanager
-    def _reference(self):
-        """The KL term's reference model within the block."""
-        if self.ref is not None:
-            yield self.ref
-            return
-        with self.module.disable_adapter():
-            yield self.module
-
-    def _filler(self, micro, sizes: list[int]) -> None:
-        """A backward pass that adds nothing (`MiniBatch.num_fillers`): this rank's gradient
-        reduction meets the other ranks' for a mini-batch it has fewer trajectories of."""
-        rows = self._logprobs(self.module, [traj for traj, _ in micro], sizes, 1.0)
-        self.engine.backward(sum(row.sum() for row in rows) * 0.0)
-
-    def _learn(self, micro, sizes: list[int], mini: MiniBatch, sums: dict, fixed: dict) -> None:
-        """One micro-batch's forward (rows of `sizes` consecutive trajectories), its
-        trajectories' losses and one backward, added to `sums`."""
-        cfg = self.config.grpo
-        # The rollouts' sampling temperature: their logprobs are tempered (see
-        # areno/rollout/episode.py), and so are these.
-        temperature = self.config.rollout.temperature
-        trajs = [traj for traj, _ in micro]
-        rows = self._logprobs(self.module, trajs, sizes, temperature)
-        if self.kl and any("ref" not in fixed.get(id(t), {}) for t in trajs):
-            with torch.no_grad(), self._reference() as ref:
-                refs = self._logprobs(ref, trajs, sizes, temperature)
-            for traj, ref in zip(trajs, refs, strict=True):
-                fixed.setdefault(id(traj), {})["ref"] = ref
-        total = None
-        for (traj, advantage), row in zip(micro, rows, strict=True):
-            start = traj.num_prompt_tokens
-            logprobs = row[None]
-            mask = torch.tensor([traj.loss_mask[start:]], dtype=torch.float32, device=self.device)
-            rollout_lp = torch.tensor([traj.rollout_logprobs[start:]], device=self.device)
-            kept = fixed.get(id(traj), {})
-            if cfg.behaviour_logprobs == "rollout":
-                old = rollout_lp
-            else:
-                old = kept["old"][None] if "old" in kept else logprobs.detach()
-            ref_lp = kept["ref"][None] if "ref" in kept else None
-            adv = torch.tensor([advantage], dtype=torch.float32, device=self.device)
-            loss, info = policy_loss(
-                logprobs.float(),
-                old.float(),
-                adv,
-                mask,
-                config=cfg.loss,
-                ref_logprobs=ref_lp,
-                rollout_logprobs=rollout_lp,
-            )
-            n = float(mask.sum().item())
-            if cfg.loss.loss_agg == "token_mean":
-                weight = n / max(mini.tokens, 1)
-            else:
-                weight = 1.0 / mini.episodes
-            total = loss * weight if total is None else total + loss * weight
-            # NOTE: the engine-vs-trainer mismatch is read on tokens of the policy being trained;
-            # older ones (overlapped rollouts) differ by the updates since as well.
-            fresh = mask * _sampled_by(traj, mini.version, self.device)
-            n_fresh = float(fresh.sum().item())
-            diff = logprob_mismatch(logprobs.detach(), rollout_lp, fresh)
-            sums["tokens"] += n
-            sums["fresh"] += n_fresh
-            sums["abs_diff"] += diff["logprob_mismatch_mean_abs"] * n_fresh
-            sums["max_abs"] = max(sums["max_abs"], diff["logprob_mismatch_max_abs"])
-            sums["clip"] += info["clip_fraction"] * n
-            sums["kl"] += info.get("kl", 0.0) * n
-            sums["ratio_max"] = max(sums["ratio_max"], info["ratio_max"])
-            sums["ratio"] += info["ratio_mean"] * n
-            sums["tis"] += info.get("tis_weight_mean", 1.0) * n
-            sums["loss"] += float(loss.item()) * weight
-        lengths = [row_length([t.inputs for t in row]) for row in _split(trajs, sizes)]
-        sums["passes"] += 1
-        sums["rows"] += len(trajs)
-        sums["padded"] += len(lengths) * max(lengths)
-        sums["packed"] += sum(lengths)
-        sums["real"] += sum(t.num_tokens for t in trajs)
-        # DeepSpeed averages the gradient over the ranks; undo it so the summed gradient is
-        # that of the mini-batch's aggregate.
-        self.engine.backward(total * self.world_size)
-
-
-def _rows(mini: MiniBatch, index: int) -> list[int]:
-    """The row sizes of micro-batch `index` of `mini` (1 each: unpacked)."""
-    return mini.rows[index] if mini.rows is not None else [1] * len(mini.micro[index])
-
-
-def _split(items: list, sizes: list[int]) -> list[list]:
-    """`items` cut into consecutive runs of `sizes`."""
-    out, at = [], 0
-    for size in sizes:
-        out.append(items[at : at + size])
-        at += size
-    return out
-
-
-def _sampled_by(traj: Trajectory, version: int | None, device: str) -> torch.Tensor:
-    """[1, response tokens]: 1 where policy `version` sampled the token (None: any policy)."""
-    start = traj.num_prompt_tokens
-    if version is None or not traj.token_versions:
-        return torch.ones(1, traj.num_tokens - start, device=device)
-    versions = iter(traj.token_versions)
-    marks = [float(next(versions) == version) if m else 0.0 for m in traj.loss_mask]
-    return torch.tensor([marks[start:]], device=device)
-
-
-def _device(config: GRPOConfig) -> str:
-    if config.trainer.use_gpu and torch.cuda.is_available():
-        import ray.train.torch
-
-        return str(ray.train.torch.get_device())
-    return "cpu"
-
-
-def _reduce(sums: dict[str, float]) -> dict[str, float]:
-    """Combine every rank's sums into the step's training metrics (on every rank)."""
-    gathered: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, sums)
-    tokens = sum(s["tokens"] for s in gathered) or 1.0
-    steps = gathered[0]["steps"]  # the same on every rank
-    passes = sum(s["passes"] for s in gathered)
-    padded = sum(s["padded"] for s in gathered)
-    packed = sum(s["packed"] for s in gathered)
-    real = sum(s["real"] for s in gathered)
-    return {
-        # the mean over the step's optimizer steps of each mini-batch's loss
-        "loss": sum(s["loss"] for s in gathered) / max(steps, 1),
-        "optimizer_steps": steps,
-        "trained_tokens": real,  # every pass's trajectory tokens
-        "train_passes": passes,
-        "trajectories_per_pass": sum(s["rows"] for s in gathered) / max(passes, 1),
-        "padding_fraction": 1.0 - packed / padded if padded else 0.0,
-        # the trajectory tokens a pass did not run again: a group's prompt, packed once
-        "shared_fraction": 1.0 - packed / real if real else 0.0,
-        "logprob_mismatch_mean_abs": sum(s["abs_diff"] for s in gathered)
-        / (sum(s["fresh"] for s in gathered) or 1.0),
-        "logprob_mismatch_max_abs": max(s["max_abs"] for s in gathered),
-        "clip_fraction": sum(s["clip"] for s in gathered) / tokens,
-        "kl": sum(s["kl"] for s in gathered) / tokens,
-        "ratio_max": max(s["ratio_max"] for s in gathered),
-        "ratio_mean": sum(s["ratio"] for s in gathered) / tokens,
-        # the truncated importance weight (proximal / sampler, capped): 1 without tis_cap
-        "tis_weight_mean": sum(s["tis"] for s in gathered) / tokens,
-    }
-
-
-def _scatter(shares: list | None, learn: bool | None, rank: int) -> tuple[list, bool]:
+def _scatter(batch: StepBatch | None, rank: int) -> tuple[list, bool]:
     """Each rank receives its own mini-batches of the step (and whether the step learns)."""
     received: list[Any] = [None]
-    inputs = [(share, learn) for share in shares] if rank == 0 else None
+    inputs = [(share, batch.learn) for share in batch.shares] if rank == 0 else None
     dist.scatter_object_list(received, inputs, src=0)
     return received[0]
 
@@ -405,7 +52,7 @@ def train_loop(loop_config: dict) -> None:
     restarted = checkpoint.saved_by(config.run.run_dir, launch_id)
     if (config.run.resume or restarted) and checkpoint.has_checkpoint(config.run.run_dir):
         state = checkpoint.load(learner.engine, config.run.run_dir)
-    sync = coordinator = None
+    sync = controller = None
     if rank == 0:
         sync = WeightSync(
             workers,
@@ -414,7 +61,15 @@ def train_loop(loop_config: dict) -> None:
             config.rollout.max_restarts,
             config.trainer.weight_sync,
         )
-        coordinator = Coordinator(config, sync, state)
+        controller = Controller(
+            config,
+            sync,
+            state.step,
+            state.data_position,
+            world_size=world,
+            batched_media=learner.adapter.batched_media,
+            packs=learner.layout is not None,
+        )
         logger.warning(
             "areno train: %d of %d parameters trainable (frozen: %s), sent to the rollout "
             "workers by %s; starting at step %d%s",
@@ -428,7 +83,9 @@ def train_loop(loop_config: dict) -> None:
             else "",
         )
     _sync(learner, sync, state.step, rank)
-    run_steps(config, learner, coordinator, sync, state, rank, launch_id)
+    state = run_steps(config, learner, controller, sync, state, rank, launch_id)
+    if controller is not None:
+        controller.close(state.step)
     if is_lora(learner.module):
         named = trainable_named(learner.module)
         with gathered([p for _, p in named], config.trainer.zero_stage):
@@ -442,8 +99,6 @@ def train_loop(loop_config: dict) -> None:
             zero_stage=config.trainer.zero_stage,
             rank=rank,
         )
-    if coordinator is not None:
-        coordinator.writer.close()
     learner.engine.destroy()
 
 
@@ -457,85 +112,44 @@ def _sync(learner: Learner, sync: WeightSync | None, version: int, rank: int) ->
 def run_steps(
     config: GRPOConfig,
     learner: Learner,
-    coordinator: Coordinator | None,
+    controller: Controller | None,
     sync: WeightSync | None,
     state: checkpoint.TrainState,
     rank: int,
     launch_id: str | None = None,
-) -> None:
-    """The steps from `state.step` to `run.max_steps`. With `rollout.max_staleness` k, rank 0
-    keeps the rollouts of the next k steps running while it trains on the current one: step
-    s's rollout starts once policy s - k is on the workers, so no token it trains on comes from
-    an older policy; the weights of each step reach the workers between two engine steps, in
-    the middle of those rollouts."""
-    from tqdm import tqdm
-
-    progress = None
-    if rank == 0 and config.run.progress:
-        progress = tqdm(total=config.run.max_steps, initial=state.step, desc="grpo", unit="step")
-    world = dist.get_world_size()
-    pending: collections.deque[PendingRollout] = collections.deque()
-    launched = state.step  # the next step whose rollout is to start
+) -> checkpoint.TrainState:
+    """The steps from `state.step` to `run.max_steps`: batch (rank 0) -> scatter -> train ->
+    sync -> checkpoint. Returns the state after the last."""
     while state.step < config.run.max_steps:
         step_start = time.perf_counter()
-        metrics: dict[str, Any] = {}
-        eval_due = config.run.eval_every and state.step % config.run.eval_every == 0
-        if rank == 0:
-            if eval_due:
-                coordinator.writer.write(state.step, coordinator.evaluate())
-            last = min(state.step + config.rollout.max_staleness, config.run.max_steps - 1)
-            while launched <= last:
-                pending.append(coordinator.launch(launched))
-                launched += 1
-            this = pending.popleft()
-            trajectories, adv, rollout_m = coordinator.finish(this)
-            metrics.update(rollout_m)
-            metrics.update(staleness_metrics(trajectories, state.step, config))
-            pairs = list(zip(trajectories, adv.tolist(), strict=True))
-            shares = plan_step(
-                pairs,
-                world,
-                config.grpo.mini_batches,
-                config.trainer.micro_batch_tokens,
-                batched_media=learner.adapter.batched_media,
-                version=state.step,
-                packs=learner.layout is not None,
-            )
-            learn = config.grpo.loss.kl_coef > 0 or bool(adv.ne(0).any())
-            metrics["update_skipped"] = float(not learn)
-        else:
-            shares, learn = None, None
-        share, learn = _scatter(shares, learn, rank)
+        batch = controller.batch(state.step) if controller is not None else None
+        share, learn = _scatter(batch, rank)
         train_start = time.perf_counter()
-        sums = learner.train_step(share, learn)
-        train_metrics = _reduce(sums)
+        train_metrics = reduce_sums(learner.train_step(share, learn))
         train_s = time.perf_counter() - train_start
         state.step += 1
         if learn:
             sync_s = _sync(learner, sync, state.step, rank)
         else:  # no optimizer step: the workers' weights are current, only the version moves
             sync_s = sync.advance(state.step) if sync is not None else 0.0
-        if rank == 0:
+        if batch is not None:
             # the samples of rollouts still running are drawn again by a run resumed from here
-            state.data_position = this.data_position
+            state.data_position = batch.data_position
         state = _broadcast(state, rank)
         saved = config.run.save_every and state.step % config.run.save_every == 0
         if saved or state.step == config.run.max_steps:
             checkpoint.save(
                 learner.engine, config.run.run_dir, state, rank=rank, launch_id=launch_id
             )
-        if rank == 0:
-            metrics.update(train_metrics)
-            step_s = time.perf_counter() - step_start
-            metrics.update(train_s=train_s, weight_sync_s=sync_s, step_s=step_s)
-            metrics["train_tokens_per_s"] = train_metrics["trained_tokens"] / max(train_s, 1e-9)
-            metrics["data_position"] = state.data_position
-            metrics["trainable_params"] = learner.num_trainable
-            coordinator.writer.write(state.step, metrics)
-            if progress is not None:
-                progress.update(1)
-                progress.set_postfix(reward=f"{metrics['reward_mean']:.3f}")
-    if rank == 0 and config.run.eval_every:
-        coordinator.writer.write(state.step, coordinator.evaluate())
-    if progress is not None:
-        progress.close()
+        if controller is not None:
+            metrics = {**batch.metrics, **train_metrics}
+            metrics.update(
+                train_s=train_s,
+                weight_sync_s=sync_s,
+                step_s=time.perf_counter() - step_start,
+                train_tokens_per_s=train_metrics["trained_tokens"] / max(train_s, 1e-9),
+                data_position=state.data_position,
+                trainable_params=learner.num_trainable,
+            )
+            controller.record(state.step, metrics)
+    return state

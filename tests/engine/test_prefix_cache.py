@@ -131,10 +131,15 @@ def test_saved_states_are_found_after_their_blocks_and_evicted_least_recently_us
 
 
 def _cached_tokens(gen, x, params=GREEDY) -> tuple[list[int], int]:
-    """Run `x` alone; its tokens and how many of its prompt tokens the prefix cache held."""
-    before = gen.stats()["num_prompt_tokens_cached"]
+    """Run `x` alone; its tokens and how many of its prompt tokens the prefix cache held. The
+    request's own counters (what a GRPO step's prefill metrics sum) equal the engine's."""
+    before = gen.stats()
     (output,) = run(arrive_together(gen, [x], params))
-    return output.samples[0].token_ids, gen.stats()["num_prompt_tokens_cached"] - before
+    after = gen.stats()
+    cached = after["num_prompt_tokens_cached"] - before["num_prompt_tokens_cached"]
+    admitted = after["num_prompt_tokens_admitted"] - before["num_prompt_tokens_admitted"]
+    assert (output.num_prefill_tokens, output.num_cached_tokens) == (admitted, cached)
+    return output.samples[0].token_ids, cached
 
 
 def test_prompts_start_from_their_cached_prefix_media_included_and_equal_generate(

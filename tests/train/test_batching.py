@@ -266,7 +266,7 @@ def _group_trajectories(path, media) -> list[Trajectory]:
 
 
 def _learner(path, zero_stage: int, budget: int, loss: dict, **grpo):
-    from areno.train.trainer import Learner
+    from areno.train.learner import Learner
 
     config = GRPOConfig.from_dict(
         {
@@ -286,7 +286,7 @@ def _gradient(
     """The gradient of one mini-batch of `trajs` (ZeRO-0: whole on the parameters) and the
     number of passes it took; the ratio is taken against the trainer's own logprobs, so that
     no token is clipped out of the comparison."""
-    from areno.train.trainer import SUM_KEYS
+    from areno.train.learner import SUM_KEYS
 
     learner = _learner(path, 0, budget, loss, behaviour_logprobs="recompute")
     try:
@@ -347,7 +347,7 @@ def test_a_filler_pass_adds_no_gradient_and_no_metric(process_group, tiny_path, 
     """A rank short of trajectories runs a filler so its reduction meets the others': it must
     leave the gradient and the step's sums as they were."""
     from areno.train.batching import MiniBatch
-    from areno.train.trainer import SUM_KEYS
+    from areno.train.learner import SUM_KEYS
 
     path = tiny_path("qwen3_5")
     trajs = _trajectories(path, media)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from areno.train import rollouts
+from areno.train import controller
 from areno.train.batching import plan_step
 from areno.train.config import GRPOConfig
 from areno.train.policy import sequence_logprobs
@@ -32,7 +32,7 @@ def group(tiny_path, tmp_path_factory):
 
 
 def learner(checkpoint, lr: float):
-    from areno.train.trainer import Learner
+    from areno.train.learner import Learner
 
     config = GRPOConfig.from_dict(
         {
@@ -72,7 +72,7 @@ def one_step(checkpoint, episodes, rewards: list[float], lr: float = 1e-4, learn
     trajectories = [traj for traj, _ in episodes]
     for traj, reward in zip(trajectories, rewards, strict=True):
         traj.reward = reward
-    advantages = rollouts.advantages([trajectories], normalize_std=True)
+    advantages = controller.advantages([trajectories], normalize_std=True)
     before = [[sum(t.logprobs) / len(t.token_ids) for t in sampled] for _, sampled in episodes]
     model = learner(checkpoint, lr)
     pairs = list(zip(trajectories, advantages.tolist(), strict=True))

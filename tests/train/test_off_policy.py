@@ -63,14 +63,14 @@ def trajectories(tiny_path):
 
 
 def _train_metrics(path, trajs, **grpo) -> dict[str, float]:
-    from areno.train.trainer import Learner, _reduce
+    from areno.train.learner import Learner, reduce_sums
 
     torch.manual_seed(0)
     learner = Learner(_config(path, **grpo), str(path), 0, 1)
     try:
         pairs = list(zip(trajs, ADVANTAGES, strict=True))
         (share,) = plan_step(pairs, 1, learner.config.grpo.mini_batches, 0, version=0)
-        return _reduce(learner.train_step(share))
+        return reduce_sums(learner.train_step(share))
     finally:
         learner.engine.destroy()
 

@@ -76,7 +76,7 @@ def test_a_lora_learner_starts_from_the_adapter_its_seed_gives(tiny_path, proces
     (two runs of one config train alike; unseeded, each drew its own lora_A and the runs parted
     at their second step), another seed another adapter."""
     from areno.train.config import GRPOConfig
-    from areno.train.trainer import Learner
+    from areno.train.learner import Learner
 
     path = str(tiny_path("qwen3_5"))
 

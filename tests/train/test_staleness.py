@@ -9,9 +9,8 @@ import pytest
 from areno.engine.outputs import RequestOutput, SampleDelta, merge_outputs
 from areno.processing.types import PromptInputs
 from areno.rollout.trajectory import Trajectory
-from areno.train.config import GRPOConfig
-from areno.train.coordinator import staleness_metrics
-from areno.train.trainer import _sampled_by
+from areno.train.controller import staleness_metrics
+from areno.train.learner import _sampled_by
 
 
 def _traj(versions: list[int]) -> Trajectory:
@@ -32,12 +31,11 @@ def test_a_merged_output_knows_the_version_of_each_token() -> None:
 
 
 def test_staleness_is_counted_per_token_and_the_bound_is_enforced() -> None:
-    config = GRPOConfig.from_dict({"rollout": {"max_staleness": 1}})
     trajectories = [_traj([4, 4, 5]), _traj([5])]
-    metrics = staleness_metrics(trajectories, 5, config)
+    metrics = staleness_metrics(trajectories, 5, max_staleness=1)
     assert metrics == {"staleness/0": 2.0, "staleness/1": 2.0, "staleness_max": 1.0}
     with pytest.raises(RuntimeError, match="2 policy versions old; rollout.max_staleness is 1"):
-        staleness_metrics([_traj([3, 5])], 5, config)
+        staleness_metrics([_traj([3, 5])], 5, max_staleness=1)
 
 
 def test_the_engine_trainer_mismatch_is_read_on_the_trained_policys_tokens_only() -> None:

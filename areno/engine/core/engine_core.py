@@ -252,4 +252,6 @@ class EngineCore:
             num_prompt_tokens=group.num_prompt_tokens,
             policy_version=self.policy_version,
             finished=group.is_finished,
+            num_prefill_tokens=group.num_prefill_tokens,
+            num_cached_tokens=group.num_cached_tokens,
         )

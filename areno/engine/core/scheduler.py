@@ -415,6 +415,8 @@ class Scheduler:
                 budget -= end - cached
                 self.num_admitted_tokens += seq.num_tokens
                 self.num_cached_tokens += cached
+                group.num_prefill_tokens += seq.num_tokens
+                group.num_cached_tokens += cached
             self._running.append(seq)
         return admitted
 

@@ -68,6 +68,10 @@ class RequestOutput:
     num_prompt_tokens: int = 0
     policy_version: int = 0
     finished: bool = False
+    # The request's prompt tokens prefilled so far and, of them, those the prefix cache held
+    # (`SequenceGroup.num_prefill_tokens`): counted once for a request's samples.
+    num_prefill_tokens: int = 0
+    num_cached_tokens: int = 0
 
 
 def merge_outputs(outputs: list[RequestOutput]) -> RequestOutput:
@@ -96,4 +100,6 @@ def merge_outputs(outputs: list[RequestOutput]) -> RequestOutput:
         last.num_prompt_tokens,
         last.policy_version,
         last.finished,
+        last.num_prefill_tokens,
+        last.num_cached_tokens,
     )

@@ -1,0 +1,345 @@
+"""Rank 0's GRPO controller: everything a step needs before its ranks train and after.
+
+`Controller.batch(step)` is one step's rollout side, from the sample stream to each rank's
+mini-batches: the evaluation when due, the window of rollouts in flight (`rollout.max_staleness`
+steps ahead of the one trained on), the oldest of them gathered (retried while lost rollout
+workers come back), rewards, advantages, the step's metrics and the ranks' shares.
+`Controller.record` writes what the step measured; `Controller.close` runs the last evaluation.
+The Ray calls to the rollout workers are `areno.train.rollouts`'.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from areno.data import Sample, SampleStream, load_samples
+from areno.data.sample import SampleError
+from areno.engine.sampling import SamplingParams
+from areno.imports import import_callable
+from areno.rewards import combine
+from areno.rollout.trajectory import Trajectory
+from areno.train import rollouts
+from areno.train.batching import MiniBatch, plan_step
+from areno.train.config import GRPOConfig
+from areno.train.grpo import group_advantages
+from areno.train.metrics import MetricsWriter
+from areno.train.weight_sync import WeightSync
+
+logger = logging.getLogger("areno.train")
+
+# The seed of the evaluation's sampling (the same every evaluation of a run).
+EVAL_SEED = 12345
+
+
+def rollouts_overlap_training(config: GRPOConfig) -> bool:
+    """Whether rollouts of later steps run while a step trains (`rollout.max_staleness` > 0):
+    then the two compete for a CPU machine's cores."""
+    return config.rollout.max_staleness > 0
+
+
+@dataclass
+class StepBatch:
+    """What rank 0 hands the ranks for one step: each rank's mini-batches, whether the step
+    learns (a step whose advantages are all zero, without a KL term, has no gradient), its
+    rollout metrics, and the sample stream's position a run resumed after it starts from."""
+
+    shares: list[list[MiniBatch]]
+    learn: bool
+    metrics: dict[str, Any]
+    data_position: int
+
+
+@dataclass
+class _InFlight:
+    """A step's rollout, dispatched and not yet gathered."""
+
+    step: int
+    samples: list[Sample]
+    seed: int
+    dispatched: rollouts.Dispatched
+    data_position: int  # the sample stream's position once this step's samples were drawn
+
+
+class Controller:
+    """Rank 0's data stream, rollouts, rewards, evaluation and metrics (the module's
+    docstring)."""
+
+    def __init__(
+        self,
+        config: GRPOConfig,
+        sync: WeightSync,
+        start_step: int,
+        data_position: int,
+        *,
+        world_size: int,
+        batched_media: bool,
+        packs: bool,
+    ):
+        data = config.data
+        self.config, self.sync, self.workers = config, sync, sync.workers
+        self.world_size, self.batched_media, self.packs = world_size, batched_media, packs
+        train = list(load_samples(data.loader, **{"split": "train", **data.loader_kwargs}))
+        eval_spec = data.eval_loader or data.loader
+        eval_kwargs = data.eval_loader_kwargs or {"split": "validation", **data.loader_kwargs}
+        self.eval_samples = list(load_samples(eval_spec, **eval_kwargs))[: config.run.eval_size]
+        self.stream = SampleStream(
+            train, seed=config.run.seed, shuffle=data.shuffle, start_position=data_position
+        )
+        self.reward_fn = import_callable(config.reward, "reward")
+        r = config.rollout
+        self.sampling = SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k)
+        self.writer = MetricsWriter(config.run.run_dir)
+        # The rollouts in flight, oldest first, and the next step whose rollout is to start.
+        self._in_flight: collections.deque[_InFlight] = collections.deque()
+        self._next_launch = start_step
+        self._progress = None
+        if config.run.progress:
+            from tqdm import tqdm
+
+            self._progress = tqdm(
+                total=config.run.max_steps, initial=start_step, desc="grpo", unit="step"
+            )
+
+    def batch(self, step: int) -> StepBatch:
+        """Step `step`'s batch. With `rollout.max_staleness` k the rollouts of steps up to
+        step + k are running when it returns: step s's rollout starts once policy s - k is on
+        the workers, so no token a step trains on comes from a policy older than k steps."""
+        cfg = self.config
+        if cfg.run.eval_every and step % cfg.run.eval_every == 0:
+            self.writer.write(step, self.evaluate())
+        last = min(step + cfg.rollout.max_staleness, cfg.run.max_steps - 1)
+        while self._next_launch <= last:
+            self._in_flight.append(self._launch(self._next_launch))
+            self._next_launch += 1
+        this = self._in_flight.popleft()
+        trajectories, adv, metrics = self._finish(this)
+        metrics.update(staleness_metrics(trajectories, step, cfg.rollout.max_staleness))
+        shares = plan_step(
+            list(zip(trajectories, adv.tolist(), strict=True)),
+            self.world_size,
+            cfg.grpo.mini_batches,
+            cfg.trainer.micro_batch_tokens,
+            batched_media=self.batched_media,
+            version=step,
+            packs=self.packs,
+        )
+        learn = cfg.grpo.loss.kl_coef > 0 or bool(adv.ne(0).any())
+        metrics["update_skipped"] = float(not learn)
+        return StepBatch(shares, learn, metrics, this.data_position)
+
+    def record(self, step: int, metrics: dict[str, Any]) -> None:
+        """Write step `step`'s metrics (the rollout's and the training's)."""
+        self.writer.write(step, metrics)
+        if self._progress is not None:
+            self._progress.update(1)
+            self._progress.set_postfix(reward=f"{metrics['reward_mean']:.3f}")
+
+    def close(self, step: int) -> None:
+        """The run's last evaluation (at `step`, when evaluation is on), then close the
+        writers."""
+        if self.config.run.eval_every:
+            self.writer.write(step, self.evaluate())
+        if self._progress is not None:
+            self._progress.close()
+        self.writer.close()
+
+    def evaluate(self) -> dict[str, float]:
+        if not self.eval_samples:
+            return {}
+        start = time.perf_counter()
+        sampling = dataclasses.replace(self.sampling, temperature=self.config.run.eval_temperature)
+        per_prompt = self.config.run.eval_samples_per_prompt
+        gathered, _ = self._gather("evaluation", self.eval_samples, per_prompt, sampling, EVAL_SEED)
+        groups, samples = _kept("evaluation", gathered, self.eval_samples)
+        score(self.reward_fn, groups, samples, self.config.reward_kwargs)
+        metrics = rollout_metrics([t for g in groups for t in g], prefix="eval/")
+        metrics["eval_s"] = time.perf_counter() - start
+        metrics["eval/skipped_samples"] = float(len(gathered.skipped))
+        return metrics
+
+    def _launch(self, step: int) -> _InFlight:
+        """Draw step `step`'s samples and start its rollout on the workers."""
+        cfg = self.config
+        samples = self.stream.next_batch(cfg.grpo.prompts_per_step)
+        seed = cfg.run.seed * 1_000_003 + step * 10_007
+        dispatched = rollouts.dispatch(
+            self.workers, samples, cfg.grpo.group_size, self.sampling, seed=seed
+        )
+        return _InFlight(step, samples, seed, dispatched, self.stream.position)
+
+    def _finish(self, this: _InFlight) -> tuple[list[Trajectory], torch.Tensor, dict[str, Any]]:
+        """Gather a launched rollout and score it: its trajectories, advantages, metrics."""
+        cfg = self.config
+        what = f"step {this.step + 1}'s rollout"
+        wait_start = time.perf_counter()
+        gathered, retries = self._gather(
+            what, this.samples, cfg.grpo.group_size, self.sampling, this.seed, this.dispatched
+        )
+        idle_s = time.perf_counter() - wait_start
+        groups, samples = _kept(what, gathered, this.samples)
+        reward_s = score(self.reward_fn, groups, samples, cfg.reward_kwargs)
+        adv = advantages(groups, cfg.grpo.normalize_std)
+        trajectories = [t for group in groups for t in group]
+        metrics: dict[str, Any] = rollout_metrics(trajectories)
+        metrics.update(prefill_metrics(trajectories))
+        generated = sum(t.num_generated_tokens for t in trajectories)
+        metrics.update(
+            rollout_s=gathered.seconds,
+            idle_s=idle_s,  # the trainer waiting for the rollout
+            reward_s=reward_s,
+            rollout_tokens_per_s=generated / max(gathered.seconds, 1e-9),
+            policy_version=min(t.policy_version for t in trajectories),
+            rollout_retries=retries,
+            skipped_samples=float(len(gathered.skipped)),
+            sample_ids=[sample.id for sample in this.samples],  # the data the step consumed
+        )
+        return trajectories, adv, metrics
+
+    def _gather(
+        self,
+        what: str,
+        samples: list[Sample],
+        group_size: int,
+        sampling: SamplingParams,
+        seed: int,
+        dispatched: rollouts.Dispatched | None = None,
+    ) -> tuple[rollouts.Gathered, int]:
+        """The groups of `samples` (`dispatched` already, or dispatched now), run again while
+        lost rollout workers come back (Ray restarts them, rollout.max_restarts): same samples,
+        same seeds, on the current policy. Returns what the attempt that succeeded gathered and
+        the number of retries."""
+        max_retries = self.config.rollout.max_restarts
+        retries = 0
+        while True:
+            try:
+                if dispatched is None or retries:
+                    dispatched = rollouts.dispatch(
+                        self.workers, samples, group_size, sampling, seed=seed
+                    )
+                return rollouts.gather(dispatched), retries
+            except rollouts.RolloutWorkerLostError as error:
+                if retries == max_retries:
+                    raise
+                retries += 1
+                logger.warning(
+                    "areno train: %s is retried (retry %d of at most %d) because %s; same "
+                    "samples and seeds, and the restarted workers get policy version %s first",
+                    what,
+                    retries,
+                    max_retries,
+                    error,
+                    self.sync.version,
+                )
+                self.sync.restore()
+
+
+def _kept(what: str, gathered: rollouts.Gathered, samples: list[Sample]) -> tuple[list, list]:
+    """The groups that ran and their samples; each skipped sample is logged with the error
+    that skipped it (a sample's own media or length, `RolloutWorker.run_group`). Raises
+    SampleError when every sample was skipped: then the data or the limits are wrong."""
+    for index, why in gathered.skipped.items():
+        logger.warning("areno train: sample %r skipped in %s: %s", samples[index].id, what, why)
+    kept = [i for i in range(len(samples)) if i not in gathered.skipped]
+    if not kept:
+        first = min(gathered.skipped)
+        raise SampleError(
+            f"every sample of {what} was skipped ({len(samples)}); sample "
+            f"{samples[first].id!r}: {gathered.skipped[first]}"
+        )
+    return [gathered.groups[i] for i in kept], [samples[i] for i in kept]
+
+
+def score(
+    reward_fn: Callable[..., Any],
+    groups: Sequence[Sequence[Trajectory]],
+    samples: Sequence[Sample],
+    reward_kwargs: dict | None = None,
+) -> float:
+    """Set each trajectory's reward (and components) from its sample's private metadata; the
+    seconds it took. Private metadata never leaves rank 0: the workers got `Sample.public()`."""
+    start = time.perf_counter()
+    for group, sample in zip(groups, samples, strict=True):
+        for traj in group:
+            value = reward_fn(traj, sample.private, **(reward_kwargs or {}))
+            if isinstance(value, dict):
+                traj.reward_components = {k: float(v) for k, v in value.items()}
+                traj.reward = float(combine(traj.reward_components))
+            else:
+                traj.reward = float(value)
+    return time.perf_counter() - start
+
+
+def advantages(groups: Sequence[Sequence[Trajectory]], normalize_std: bool) -> torch.Tensor:
+    rewards = torch.tensor([t.reward for group in groups for t in group], dtype=torch.float32)
+    group_ids = [g for g, group in enumerate(groups) for _ in group]
+    return group_advantages(rewards, group_ids, normalize_std=normalize_std)
+
+
+def prefill_metrics(trajectories: Sequence[Trajectory]) -> dict[str, float]:
+    """Prompt tokens the step's episodes asked the engines to prefill, those they computed (the
+    rest the prefix cache held) and the hit rate, as each episode's requests reported them."""
+    requested = sum(t.num_prefill_tokens for t in trajectories)
+    cached = sum(t.num_cached_tokens for t in trajectories)
+    return {
+        "prefill_tokens_requested": float(requested),
+        "prefill_tokens_computed": float(requested - cached),
+        "prefix_hit_rate": cached / requested if requested else 0.0,
+    }
+
+
+def rollout_metrics(trajectories: Sequence[Trajectory], prefix: str = "") -> dict[str, float]:
+    """Reward, accuracy, lengths and tool use over a list of trajectories."""
+    n = max(len(trajectories), 1)
+    rewards = torch.tensor([t.reward or 0.0 for t in trajectories], dtype=torch.float64)
+    metrics = {
+        "episodes": float(len(trajectories)),
+        "reward_mean": rewards.mean().item() if len(trajectories) else 0.0,
+        "reward_std": rewards.std(unbiased=False).item() if len(trajectories) else 0.0,
+        "accuracy": sum(_is_correct(t) for t in trajectories) / n,
+        "response_len_mean": sum(t.num_generated_tokens for t in trajectories) / n,
+        "episode_len_mean": sum(t.num_tokens for t in trajectories) / n,
+        "turns_mean": sum(t.num_turns for t in trajectories) / n,
+        "tool_calls_per_episode": sum(len(t.tool_calls) for t in trajectories) / n,
+        "malformed_tool_calls": float(sum(t.num_malformed_tool_calls for t in trajectories)),
+        "aborted_episodes": float(sum(t.finish == "aborted" for t in trajectories)),
+    }
+    names = sorted({k for t in trajectories for k in t.reward_components})
+    for name in names:
+        metrics[f"reward/{name}"] = (
+            sum(t.reward_components.get(name, 0.0) for t in trajectories) / n
+        )
+    return {f"{prefix}{k}": v for k, v in metrics.items()}
+
+
+def _is_correct(traj: Trajectory) -> bool:
+    if "accuracy" in traj.reward_components:
+        return traj.reward_components["accuracy"] >= 0.5
+    return (traj.reward or 0.0) >= 1.0 - 1e-6
+
+
+def staleness_metrics(
+    trajectories: list[Trajectory], step: int, max_staleness: int
+) -> dict[str, float]:
+    """How many versions behind policy `step` (the one being trained) each sampled token's
+    policy was: a histogram of token counts ("staleness/k") and the largest. Raises if a token
+    is older than `max_staleness` allows (the window's own invariant)."""
+    counts: collections.Counter[int] = collections.Counter()
+    for traj in trajectories:
+        counts.update(step - version for version in traj.token_versions)
+    oldest = max(counts, default=0)
+    if oldest > max_staleness:
+        raise RuntimeError(
+            f"step {step + 1} trains on tokens {oldest} policy versions old; "
+            f"rollout.max_staleness is {max_staleness}"
+        )
+    metrics = {f"staleness/{k}": float(n) for k, n in sorted(counts.items())}
+    metrics["staleness_max"] = float(oldest)
+    return metrics
