@@ -52,28 +52,10 @@ def _serve(args: argparse.Namespace) -> None:
     from areno.engine.config import EngineConfig
     from areno.serve.app import run_server
     from areno.serve.config import ServeConfig
+    from areno.settings import given_flags
 
     model_path = args.model_path or _default_checkpoint()
-    engine = EngineConfig(
-        tp_size=args.tp_size,
-        max_running_prompts=args.max_running_prompts,
-        max_context_len=args.max_context_len,
-        max_prefill_tokens_per_step=args.max_num_batched_tokens,
-        enable_prefix_caching=args.enable_prefix_caching,
-        prefix_state_rows=args.prefix_state_rows,
-        block_size=args.block_size,
-        kv_cache_gib=args.kv_cache_gib,
-        kv_cache_memory_fraction=args.kv_cache_memory_fraction,
-        dtype=args.dtype,
-        device=args.device,
-        decode_compile=args.decode_compile,
-        prefill_compile=args.prefill_compile,
-        overlap_steps=args.overlap_steps,
-        fuse_projections=args.fuse_projections,
-        max_loras=args.max_loras,
-        max_lora_rank=args.max_lora_rank,
-        linear_state_dtype=args.linear_state_dtype,
-    )
+    engine = EngineConfig(**given_flags(EngineConfig, args))
     config = ServeConfig(
         model_path=model_path,
         served_model_name=args.served_model_name,
@@ -81,7 +63,7 @@ def _serve(args: argparse.Namespace) -> None:
         port=args.port,
         api_key=args.api_key,
         engine=engine,
-        world_size=args.world_size or args.tp_size,
+        world_size=args.world_size or engine.tp_size,
         max_prompt_tokens=args.max_prompt_tokens,
         allowed_local_media_paths=tuple(args.allowed_local_media_path)
         if args.allowed_local_media_path
@@ -118,7 +100,8 @@ def _json_flag(flag: str, text: str | None):
 
 
 def _add_serve_parser(sub) -> None:
-    from areno.engine.config import LINEAR_STATE_DTYPES
+    from areno.engine.config import EngineConfig
+    from areno.settings import add_flags
 
     serve = sub.add_parser("serve", help="serve a checkpoint behind an OpenAI-compatible API")
     serve.add_argument(
@@ -128,52 +111,8 @@ def _add_serve_parser(sub) -> None:
     serve.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback)")
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on every route")
-    serve.add_argument("--tp-size", type=int, default=1, help="GPUs (ranks) per Generator")
     serve.add_argument(
         "--world-size", type=int, help="ranks over all Generator replicas (default: --tp-size)"
-    )
-    serve.add_argument(
-        "--max-running-prompts",
-        type=int,
-        default=8,
-        help="sequences running at once per replica (a request's n samples are n of them; "
-        "samples beyond the free ones wait)",
-    )
-    serve.add_argument(
-        "--block-size", type=int, default=16, help="tokens per KV cache block (default: 16)"
-    )
-    serve.add_argument(
-        "--kv-cache-gib",
-        type=float,
-        help="GiB of KV cache blocks per rank (default: on CUDA from --kv-cache-memory-fraction, "
-        "on CPU --max-context-len tokens for each of --max-running-prompts sequences)",
-    )
-    serve.add_argument(
-        "--kv-cache-memory-fraction",
-        type=float,
-        default=0.9,
-        help="on CUDA, the share of the GPU's memory the engine may use: the KV pool gets what "
-        "the weights, a measured activation peak and the running sequences' states leave",
-    )
-    serve.add_argument(
-        "--max-num-batched-tokens",
-        type=int,
-        default=8192,
-        help="prompt tokens prefilled in one engine step; a longer prompt is prefilled in "
-        "chunks over several steps beside the running decodes (default: 8192)",
-    )
-    serve.add_argument(
-        "--enable-prefix-caching",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="reuse the KV blocks (and the saved states of linear-attention and sliding-window "
-        "layers) of earlier prompts with the same first tokens and media (default: on)",
-    )
-    serve.add_argument(
-        "--prefix-state-rows",
-        type=int,
-        help="saved layer states the prefix cache keeps on models with linear-attention or "
-        "sliding-window layers (default: 2 x --max-running-prompts)",
     )
     serve.add_argument(
         "--max-queued-requests",
@@ -182,60 +121,12 @@ def _add_serve_parser(sub) -> None:
         "(default: 8 x --max-running-prompts)",
     )
     serve.add_argument("--max-prompt-tokens", type=int, help="limit on the ENCODED prompt")
-    serve.add_argument("--max-context-len", type=int, help="prompt + output tokens per sequence")
-    serve.add_argument(
-        "--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"]
-    )
-    serve.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    serve.add_argument(
-        "--decode-compile",
-        default="auto",
-        choices=["auto", "off", "inductor"],
-        help="torch.compile the decode step (auto: on CUDA; costs about a minute at start-up)",
-    )
-    serve.add_argument(
-        "--prefill-compile",
-        default="auto",
-        choices=["auto", "off", "inductor"],
-        help="torch.compile the text stack of batched prefills (auto: as the decode step, not "
-        "with --tp-size > 1; its compile takes about as long as the decode step's)",
-    )
-    serve.add_argument(
-        "--overlap-steps",
-        default="auto",
-        choices=["auto", "on", "off"],
-        help="launch each engine step before reading the previous one's tokens (auto: on CUDA "
-        "with --tp-size 1)",
-    )
     serve.add_argument(
         "--lora",
         action="append",
         metavar="NAME=PATH",
         help="serve a LoRA adapter (a PEFT adapter directory) beside the base model; requests "
         "pick it with model=NAME (repeatable)",
-    )
-    serve.add_argument(
-        "--max-loras",
-        type=int,
-        default=0,
-        help="LoRA adapters the engine holds (default: as many as --lora names)",
-    )
-    serve.add_argument(
-        "--max-lora-rank", type=int, default=16, help="the largest LoRA rank the engine takes"
-    )
-    serve.add_argument(
-        "--linear-state-dtype",
-        default="float32",
-        choices=LINEAR_STATE_DTYPES,
-        help="stored dtype of linear-attention (Qwen3.5) recurrent states; bfloat16 halves "
-        "their bytes per decode step (computed in fp32 either way)",
-    )
-    serve.add_argument(
-        "--fuse-projections",
-        default="auto",
-        choices=["auto", "on", "off"],
-        help="run each layer's sibling projections (q/k/v, gate/up) as one matmul (auto: on "
-        "CUDA with --tp-size 1)",
     )
     serve.add_argument(
         "--allowed-local-media-path",
@@ -256,6 +147,10 @@ def _add_serve_parser(sub) -> None:
         'generator, ingress), e.g. \'{"decoder": {"media": 1}}\': place them on the nodes '
         "started with those resources",
     )
+    engine = serve.add_argument_group(
+        "engine", "how each Generator replica runs (areno/engine/config.py::EngineConfig)"
+    )
+    add_flags(engine, EngineConfig)
     serve.set_defaults(func=_serve)
 
 
@@ -279,17 +174,17 @@ _TRAIN_FLAGS = {
     "seed": "run.seed",
     "save_every": "run.save_every",
     "eval_every": "run.eval_every",
-    "max_running_prompts": "rollout.max_running_prompts",
+    "max_running_prompts": "rollout.engine.max_running_prompts",
     "max_prompt_tokens": "rollout.max_prompt_tokens",
-    "max_context_len": "rollout.max_context_len",
-    "tp_size": "rollout.tp_size",
+    "max_context_len": "rollout.engine.max_context_len",
+    "tp_size": "rollout.engine.tp_size",
     "num_rollout_workers": "rollout.num_workers",
     "num_trainer_workers": "trainer.num_workers",
     "zero_stage": "trainer.zero_stage",
     "group_size": "grpo.group_size",
     "prompts_per_step": "grpo.prompts_per_step",
     "lr": "optim.lr",
-    "enable_prefix_caching": "rollout.enable_prefix_caching",
+    "enable_prefix_caching": "rollout.engine.enable_prefix_caching",
 }
 
 
@@ -316,6 +211,11 @@ def _train_config(args: argparse.Namespace):
 
 
 def _train(args: argparse.Namespace) -> None:
+    if args.settings:
+        from areno.train.config import config_reference
+
+        print(config_reference(), end="")
+        return
     from areno.train.run import run
 
     run_dir = run(_train_config(args))
@@ -391,6 +291,11 @@ def _add_train_parsers(sub) -> None:
         help="any config field, e.g. grpo.loss.kl_coef=0.01",
     )
     train.add_argument("--no-progress", action="store_true", help="no progress bar")
+    train.add_argument(
+        "--settings",
+        action="store_true",
+        help="print every setting of a GRPO config (docs/configuration.md) and exit",
+    )
     train.set_defaults(func=_train)
 
     sft = sub.add_parser("sft", help="a short supervised warm-start on the same data path")

@@ -107,7 +107,7 @@ def main() -> None:
         config = EngineConfig(
             max_running_prompts=NUM_STREAMS + 1,
             max_context_len=4096,  # the small checkpoint's positions
-            max_prefill_tokens_per_step=budget,
+            max_num_batched_tokens=budget,
             kv_cache_gib=0.5,
         )
         gen = Generator.from_model(model, processor.tokenizer, config)

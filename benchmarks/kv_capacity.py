@@ -40,9 +40,9 @@ def run_paged(num_blocks: int, args: argparse.Namespace, max_running: int | None
     """The scheduler over `num_blocks` blocks, at most `max_running` sequences at once (None: no
     cap); requests all arrive at once (module docstring)."""
     config = SchedulerConfig(
-        max_running_seqs=max_running or args.requests,
+        max_running_prompts=max_running or args.requests,
         max_context_len=args.max_context_len,
-        max_prefill_tokens_per_step=1 << 30,
+        max_num_batched_tokens=1 << 30,
         num_blocks=num_blocks,
         block_size=args.block_size,
     )

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 from areno.errors import ConfigError
+from areno.settings import build, setting
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 LINEAR_STATE_DTYPES = ("float32", "bfloat16")
@@ -13,13 +14,14 @@ DEVICES = ("auto", "cpu", "cuda")
 GRAPH_MODES = ("auto", "off", "static", "capture")
 COMPILE_MODES = ("auto", "off", "inductor", "aot_eager", "eager")
 ON_OFF_MODES = ("auto", "on", "off")
+DEFAULT_MAX_CONTEXT_LEN = 8192
 
 
 @dataclass(frozen=True)
 class KVPoolOptions:
     """What sizes the KV block pool (areno/engine/parallel/kv_pool.py): EngineConfig's `block_size`,
     `kv_cache_gib` and `kv_cache_memory_fraction`; `profile_tokens`, the prompt tokens of the
-    forward whose activation peak the fraction leaves room for (the per-step prefill budget)."""
+    forward whose activation peak the fraction leaves room for (`max_num_batched_tokens`)."""
 
     block_size: int = 16
     kv_cache_gib: float | None = None
@@ -29,103 +31,124 @@ class KVPoolOptions:
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """How one Generator replica runs.
+    """How one Generator replica runs: `areno serve`'s engine flags, a Ray Serve config's
+    `engine:` and a GRPO config's `rollout.engine` are this one declaration."""
 
-    tp_size: ranks of the tensor-parallel group (`--tp-size`).
-    max_running_prompts: sequences running at once (`--max-running-prompts`); each of a
-        request's n samples is one, and samples beyond the free slots wait for one.
-    max_context_len: tokens one sequence may reach, prompt plus output (`--max-context-len`);
-        None: the model's max_position_embeddings, capped at DEFAULT_MAX_CONTEXT_LEN.
-    block_size: tokens per KV cache block (`--block-size`).
-    kv_cache_gib: GiB of KV blocks in the pool (`--kv-cache-gib`); None: on CUDA
-        `kv_cache_memory_fraction` sizes it, on CPU it holds max_context_len tokens for each of
-        max_running_prompts sequences (what a slot cache would take).
-    kv_cache_memory_fraction: on CUDA without kv_cache_gib, the fraction of the device's
-        memory the whole engine may use (`--kv-cache-memory-fraction`): the pool gets what is
-        left after the weights, the activation peak of a max_prefill_tokens_per_step prefill
-        (measured at start-up) and the running sequences' linear-attention states.
-    max_prefill_tokens_per_step: prompt tokens prefilled per step (`--max-num-batched-tokens`);
-        a longer prompt is prefilled in chunks beside the decodes (see SchedulerConfig).
-    enable_prefix_caching: keep computed full KV blocks by the chained hash of their tokens and
-        media, so that a prompt starts from its longest cached prefix (SchedulerConfig;
-        `--enable-prefix-caching`, on by default as in vLLM). Where
-        layers keep state besides keys (linear attention, sliding windows), a prompt resumes
-        only where that state was saved: at the end of a prompt with media's last full block,
-        and at the end of every finished sequence (areno/engine/kv/state_cache.py).
-    prefix_state_rows: how many such saved states the engine keeps, beside the running
-        sequences' own (`--prefix-state-rows`); None: two per running sequence. Each costs one
-        sequence's linear-attention states and sliding rings; unused elsewhere.
-    encoder_cache_gib: with prefix caching, GiB of media tower outputs kept by the content
-        they encoded (`--encoder-cache-gib`), so that media seen again skip the towers
-        (areno/engine/runner/encoder_cache.py); 0: none.
-    dtype: "auto" is float32 on CPU and bfloat16 on CUDA.
-    device: "auto" is CUDA when available.
-    num_cpus_per_rank: CPUs Ray reserves for each tensor-parallel follower actor.
-    decode_graphs: "auto" (CUDA graphs on GPU), "off", "capture", or "static" (the graphs' padded
-        step run eagerly; for tests on CPU). See areno/engine/runner/cuda_graphs.py.
-    decode_compile: the torch.compile backend of the decode step's model forward: "auto" is
-        "inductor" where decode graphs are captured (CUDA) and "off" elsewhere; "aot_eager"
-        traces without generating kernels (fast; for tests). Compiling costs minutes at the
-        first decode of each new row bucket's shape family; a compile error logs a warning and
-        the step runs uncompiled. On CPU "inductor" runs the padded step compiled, keeping the
-        packed linear layers: on 2 cores the small checkpoint's decode step took 20.8-22.2 ms
-        against 25.3-26.2 eager, after a 40 s cold compile (docs/performance.md, "The generator engine").
-    prefill_compile: the torch.compile backend of the text stack when prompts without media
-        share a prefill forward: "auto" is the decode step's, except under tensor parallelism
-        (off there). Media prompts prefill uncompiled.
-    fuse_projections: run each layer's sibling projections of one input (query / key / value,
-        gate / up, a gated-delta-net's four) as one matmul over a fused weight, of which the
-        parameters become views (areno/engine/layers/fused_linear.py). "auto" is "on" on CUDA without
-        tensor parallelism, "off" on CPU, where "on" packs each fused weight whole for the packed
-        layers and gained nothing measurable (docs/performance.md, "The generator engine"). On an H200 it took
-        the Qwen3-1.7B shape from 14.8k to 16.5k tok/s, the engine's cold warm-up (both
-        compiles) 204 s (docs/performance.md, "The generator engine").
-    cpu_packed_linear: on CPU in float32 without tensor parallelism, run the model's linear
-        layers through oneDNN with prepacked weights (areno/engine/layers/cpu_linear.py), compiled or
-        not; False keeps aten's matmul.
-    overlap_steps: "on" launches each step before the host reads the previous step's tokens,
-        so the host's bookkeeping runs while the device computes (see EngineCore.step; true and
-        false mean "on" and "off", as a YAML config's bare on / off arrive); "auto"
-        is "on" on CUDA with tp_size 1 and "off" elsewhere ("on" needs tp_size 1: the followers
-        of a tensor-parallel group take each step's tokens from the host). A sequence that stops
-        on a token then decodes one wasted step; its output is the same. On an H200 it took the
-        Qwen3-1.7B shape from 10.7k to 13.4k tok/s and the Qwen3.5-2B hybrid from 9.5k to 11.8k
-        (docs/performance.md, "The generator engine"); on CPU, where nothing overlaps, it gains nothing.
-    max_loras: LoRA adapters the engine can hold beside its base weights (`--max-loras`);
-        0: none, and no low-rank path runs (areno/engine/layers/lora.py). Needs tp_size 1.
-    max_lora_rank: the largest adapter rank it takes (`--max-lora-rank`).
-    linear_state_dtype: the stored dtype of linear-attention (Qwen3.5 gated-delta-net)
-        recurrent states (`--linear-state-dtype`): "float32", or "bfloat16", which halves the
-        bytes a decode step reads and writes for them; they are computed in fp32 either way
-        (areno/engine/kernels/gated_delta.py). Its effect on greedy parity and step time is in
-        docs/performance.md ("Linear-attention state in bf16").
-    """
+    tp_size: int = setting(1, help="ranks (GPUs) of one Generator's tensor-parallel group")
+    max_running_prompts: int = setting(
+        8,
+        help="sequences running at once per replica; each of a request's n samples is one, "
+        "and samples beyond the free ones wait",
+    )
+    max_context_len: int | None = setting(
+        None,
+        help="tokens one sequence may reach, prompt plus output; none: the model's "
+        f"max_position_embeddings, at most {DEFAULT_MAX_CONTEXT_LEN}",
+    )
+    block_size: int = setting(16, help="tokens per KV cache block")
+    kv_cache_gib: float | None = setting(
+        None,
+        help="GiB of KV cache blocks per rank; none: on CUDA kv_cache_memory_fraction sizes "
+        "the pool, on CPU it holds max_context_len tokens for each of max_running_prompts "
+        "sequences",
+    )
+    kv_cache_memory_fraction: float = setting(
+        0.9,
+        help="on CUDA without kv_cache_gib, the share of the GPU's memory the engine may use: "
+        "the KV pool gets what the weights, the activation peak of a max_num_batched_tokens "
+        "prefill (measured at start-up) and the running sequences' states leave",
+    )
+    max_num_batched_tokens: int = setting(
+        8192,
+        help="prompt tokens prefilled in one engine step; a longer prompt is prefilled in "
+        "chunks over several steps beside the running decodes",
+    )
+    enable_prefix_caching: bool = setting(
+        True,
+        help="keep computed KV blocks by the chained hash of their tokens and media, so a "
+        "prompt starts from its longest cached prefix; where layers keep state besides keys "
+        "(linear attention, sliding windows) a prompt resumes where a state was saved "
+        "(areno/engine/kv/state_cache.py)",
+    )
+    prefix_state_rows: int | None = setting(
+        None,
+        help="saved layer states the prefix cache keeps on models with linear-attention or "
+        "sliding-window layers, beside the running sequences' own; none: two per running "
+        "sequence",
+    )
+    encoder_cache_gib: float = setting(
+        0.5,
+        help="with prefix caching, GiB of media tower outputs kept by the content they "
+        "encoded, so media seen again skip the towers; 0: none",
+    )
+    dtype: str = setting("auto", choices=DTYPES, help="auto: float32 on CPU, bfloat16 on CUDA")
+    device: str = setting("auto", choices=DEVICES, help="auto: CUDA when a GPU is visible")
+    num_cpus_per_rank: float = setting(
+        1.0, help="CPUs Ray reserves for each tensor-parallel follower actor"
+    )
+    decode_graphs: str = setting(
+        "auto",
+        choices=GRAPH_MODES,
+        help="CUDA graphs of the decode step: auto captures them on CUDA; static runs the "
+        "graphs' padded step eagerly (tests on CPU); see areno/engine/runner/cuda_graphs.py",
+    )
+    decode_compile: str = setting(
+        "auto",
+        choices=COMPILE_MODES,
+        help="torch.compile backend of the decode step: auto is inductor where decode graphs "
+        "are captured and off elsewhere; aot_eager traces without generating kernels; a "
+        "compile error logs a warning and the step runs uncompiled (docs/performance.md)",
+    )
+    prefill_compile: str = setting(
+        "auto",
+        choices=COMPILE_MODES,
+        help="torch.compile backend of the text stack when prompts without media share a "
+        "prefill forward: auto is the decode step's, off under tensor parallelism",
+    )
+    cpu_packed_linear: bool = setting(
+        True,
+        help="on CPU in float32 without tensor parallelism, run the linear layers through "
+        "oneDNN with prepacked weights (areno/engine/layers/cpu_linear.py)",
+    )
+    overlap_steps: str = setting(
+        "auto",
+        choices=ON_OFF_MODES,
+        help="launch each engine step before reading the previous one's tokens, so the host's "
+        "bookkeeping runs while the device computes: auto is on on CUDA with tp_size 1 (on "
+        "needs tp_size 1)",
+    )
+    fuse_projections: str = setting(
+        "auto",
+        choices=ON_OFF_MODES,
+        help="run each layer's sibling projections (q/k/v, gate/up) as one matmul over a fused "
+        "weight: auto is on on CUDA with tp_size 1 (areno/engine/layers/fused_linear.py)",
+    )
+    max_loras: int = setting(
+        0,
+        help="LoRA adapters the engine holds beside its base weights (serving raises it to the "
+        "number of --lora adapters); 0: no low-rank path runs; needs tp_size 1",
+    )
+    max_lora_rank: int = setting(16, help="the largest LoRA rank the engine takes")
+    linear_state_dtype: str = setting(
+        "float32",
+        choices=LINEAR_STATE_DTYPES,
+        help="stored dtype of linear-attention (Qwen3.5) recurrent states; bfloat16 halves "
+        "their bytes per decode step (computed in fp32 either way; docs/performance.md)",
+    )
 
-    tp_size: int = 1
-    max_running_prompts: int = 8
-    max_context_len: int | None = None
-    block_size: int = 16
-    kv_cache_gib: float | None = None
-    kv_cache_memory_fraction: float = 0.9
-    max_prefill_tokens_per_step: int = 8192
-    enable_prefix_caching: bool = True
-    prefix_state_rows: int | None = None
-    encoder_cache_gib: float = 0.5
-    dtype: str = "auto"
-    device: str = "auto"
-    num_cpus_per_rank: float = 1.0
-    decode_graphs: str = "auto"
-    decode_compile: str = "auto"
-    prefill_compile: str = "auto"
-    cpu_packed_linear: bool = True
-    overlap_steps: str = "auto"
-    fuse_projections: str = "auto"
-    max_loras: int = 0
-    max_lora_rank: int = 16
-    linear_state_dtype: str = "float32"
+    # A config's old names for settings, each refused with the new one (`from_dict`).
+    RENAMED: ClassVar[dict[str, str]] = {"max_prefill_tokens_per_step": "max_num_batched_tokens"}
+
+    @classmethod
+    def from_dict(
+        cls, raw: Any, where: str = "engine", base: EngineConfig | None = None
+    ) -> EngineConfig:
+        """An EngineConfig from a mapping (YAML, JSON), over `base`'s settings where given;
+        an unknown or renamed key is an error that names it."""
+        return build(cls, raw, where, cls.RENAMED, base)
 
     def __post_init__(self) -> None:
-        names = ("tp_size", "max_running_prompts", "max_prefill_tokens_per_step", "block_size")
+        names = ("tp_size", "max_running_prompts", "max_num_batched_tokens", "block_size")
         for name in (*names, "max_lora_rank"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -232,16 +255,13 @@ class EngineConfig:
             )
 
 
-DEFAULT_MAX_CONTEXT_LEN = 8192
-
-
 def pool_options(config: EngineConfig) -> KVPoolOptions:
     """How the engine's KV block pool is sized (areno/engine/parallel/kv_pool.py)."""
     return KVPoolOptions(
         block_size=config.block_size,
         kv_cache_gib=config.kv_cache_gib,
         memory_fraction=config.kv_cache_memory_fraction,
-        profile_tokens=config.max_prefill_tokens_per_step,
+        profile_tokens=config.max_num_batched_tokens,
     )
 
 

@@ -80,9 +80,9 @@ class Generator:
         pool = executor.pool
         try:
             scheduler_config = SchedulerConfig(
-                max_running_seqs=config.max_running_prompts,
+                max_running_prompts=config.max_running_prompts,
                 max_context_len=max_context_len,
-                max_prefill_tokens_per_step=config.max_prefill_tokens_per_step,
+                max_num_batched_tokens=config.max_num_batched_tokens,
                 num_blocks=pool.num_blocks,
                 block_size=pool.block_size,
                 enable_prefix_caching=(config.enable_prefix_caching and executor.caches_prefixes),

@@ -149,7 +149,7 @@ def app_builder(args: dict[str, Any]):
     """`serve run` entry point: `import_path: areno.serve.app:app_builder` with `args` holding
     ServeConfig fields (engine fields under `engine`; no model_path: the tiny default)."""
     args = dict(args)
-    engine = EngineConfig(**args.pop("engine", {}))
+    engine = EngineConfig.from_dict(args.pop("engine", {}))
     if not args.get("model_path"):
         from areno.models.tiny import DEFAULT_FAMILY, tiny_checkpoint
 

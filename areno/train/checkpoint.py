@@ -43,7 +43,7 @@ def has_checkpoint(run_dir: str | os.PathLike) -> bool:
 
 
 def save(
-    engine: Any,
+    deepspeed: Any,
     run_dir: str | os.PathLike,
     state: TrainState,
     *,
@@ -53,7 +53,7 @@ def save(
     """Every rank saves its shards; rank 0 then records the state next to them, with the id of
     the `areno train` launch that saved it (see `saved_by`)."""
     tag = f"step_{state.step}"
-    engine.save_checkpoint(str(checkpoint_dir(run_dir)), tag=tag, client_state=state.to_dict())
+    deepspeed.save_checkpoint(str(checkpoint_dir(run_dir)), tag=tag, client_state=state.to_dict())
     if rank == 0:
         path = Path(run_dir) / "trainer_state.json"
         tmp = path.with_suffix(".tmp")
@@ -74,9 +74,9 @@ def saved_by(run_dir: str | os.PathLike, launch_id: str) -> bool:
         return False
 
 
-def load(engine: Any, run_dir: str | os.PathLike) -> TrainState:
-    """Load the newest checkpoint into `engine` (model, optimizer, scheduler)."""
-    path, client_state = engine.load_checkpoint(str(checkpoint_dir(run_dir)))
+def load(deepspeed: Any, run_dir: str | os.PathLike) -> TrainState:
+    """Load the newest checkpoint into `deepspeed` (model, optimizer, scheduler)."""
+    path, client_state = deepspeed.load_checkpoint(str(checkpoint_dir(run_dir)))
     if path is None:
         raise FileNotFoundError(f"no checkpoint to resume from in {checkpoint_dir(run_dir)}")
     return TrainState(

@@ -9,12 +9,14 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
+from areno.engine.config import EngineConfig
 from areno.errors import ConfigError
 from areno.resources import check_custom_resources
+from areno.settings import reference, setting
 from areno.train.grpo import GRPOLossConfig
 from areno.train.lora import LoraConfig
 
@@ -36,51 +38,106 @@ def cpu_threads(num_cpus: float) -> int:
 class DataConfig:
     """Where samples come from: loaders named by import path ("module:callable")."""
 
-    loader: str = "areno.tasks.color_quiz:load"
-    loader_kwargs: dict = field(default_factory=dict)
-    eval_loader: str | None = None  # None: the training loader with split="validation"
-    eval_loader_kwargs: dict = field(default_factory=dict)
-    shuffle: bool = True
+    loader: str = setting(
+        "areno.tasks.color_quiz:load",
+        help='module:callable yielding the training samples (called with split="train")',
+    )
+    loader_kwargs: dict = setting(
+        default_factory=dict, help="keyword arguments of the loader (also the evaluation's)"
+    )
+    eval_loader: str | None = setting(
+        None, help="module:callable of the held-out samples; none: the training loader"
+    )
+    eval_loader_kwargs: dict = setting(
+        default_factory=dict,
+        help="keyword arguments of the evaluation loader; empty: loader_kwargs with "
+        'split="validation"',
+    )
+    shuffle: bool = setting(True, help="shuffle the samples each epoch (seeded by run.seed)")
+
+
+# A rollout worker's engine unless the config says otherwise: more sequences and a shorter
+# context than serving's (a GRPO step's groups run together; agent turns are short).
+_ROLLOUT_ENGINE = EngineConfig(max_running_prompts=16, max_context_len=1024)
+# Engine settings the rollout workers take from other settings (areno/train/run.py).
+_ENGINE_FROM = {
+    "max_loras": "lora.rank (a LoRA policy is the engine's one adapter)",
+    "max_lora_rank": "lora.rank",
+    "num_cpus_per_rank": "rollout.num_cpus_per_worker",
+}
 
 
 @dataclass
 class RolloutConfig:
-    """The rollout workers: serving's decoder / processor / generator, same flags as serving."""
+    """The rollout workers: serving's decoder / processor / generator, its engine settings
+    under `engine`."""
 
-    agent: str | None = None  # "module:callable" returning an areno Agent; None: single turn
-    agent_kwargs: dict = field(default_factory=dict)
-    num_workers: int = 1  # generator replicas (--world-size / --tp-size in serving)
-    tp_size: int = 1
-    max_running_prompts: int = 16
-    max_prompt_tokens: int | None = None
-    max_context_len: int = 1024
-    block_size: int = 16  # tokens per KV cache block
-    # a group's episodes and an episode's turns reuse the prefill of what they share
-    enable_prefix_caching: bool = True
-    prefix_state_rows: int | None = None  # None: two per running sequence (EngineConfig)
-    kv_cache_gib: float | None = None  # None: as serving sizes its pool (see EngineConfig)
-    kv_cache_memory_fraction: float = 0.9
-    max_tokens_per_turn: int = 64
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    dtype: str = "auto"
-    device: str = "auto"
-    num_cpus_per_worker: float = 1.0
-    num_gpus_per_worker: float = 0.0  # fractional values share a GPU with the trainer
-    # custom Ray resources per worker ({"rollout": 1}): only nodes that have them host one;
-    # its tensor-parallel followers follow rank 0 onto that node
-    resources_per_worker: dict = field(default_factory=dict)
-    # times Ray restarts a lost rollout worker (its process crashed, its node went away); the
-    # step whose rollout it was running is retried on the current policy, with the same samples
-    max_restarts: int = 3
-    # rollouts of the next steps run while the trainer trains: a trajectory trained on at step t
-    # has no token sampled by a policy older than t - max_staleness (0: rollout, then train)
-    max_staleness: int = 0
+    # The engine settings that moved under `engine` (each refused with its new name).
+    MOVED: ClassVar[tuple[str, ...]] = (
+        "tp_size",
+        "max_running_prompts",
+        "max_context_len",
+        "block_size",
+        "enable_prefix_caching",
+        "prefix_state_rows",
+        "kv_cache_gib",
+        "kv_cache_memory_fraction",
+        "dtype",
+        "device",
+    )
+
+    engine: EngineConfig = setting(
+        default_factory=lambda: _ROLLOUT_ENGINE,
+        help="each rollout worker's engine: the settings of `areno serve`'s engine flags",
+    )
+    agent: str | None = setting(
+        None, help="module:callable returning an areno Agent; none: one turn, no tools"
+    )
+    agent_kwargs: dict = setting(default_factory=dict, help="keyword arguments of the agent")
+    num_workers: int = setting(
+        1, help="rollout workers, each one Generator replica of engine.tp_size ranks"
+    )
+    max_prompt_tokens: int | None = setting(
+        None, help="limit on a sample's encoded prompt (media tokens included); longer: skipped"
+    )
+    max_tokens_per_turn: int = setting(64, help="tokens one assistant turn may sample")
+    temperature: float = setting(1.0, help="sampling temperature of the rollouts")
+    top_p: float = setting(1.0, help="nucleus sampling of the rollouts")
+    top_k: int = setting(-1, help="top-k sampling of the rollouts; -1: off")
+    num_cpus_per_worker: float = setting(1.0, help="CPUs Ray reserves for each rollout worker")
+    num_gpus_per_worker: float = setting(
+        0.0,
+        help="GPUs Ray reserves for each rollout worker; a fraction shares one with the trainer",
+    )
+    resources_per_worker: dict = setting(
+        default_factory=dict,
+        help="custom Ray resources per worker ({rollout: 1}): only nodes that have them host "
+        "one; its tensor-parallel followers follow rank 0 onto that node",
+    )
+    max_restarts: int = setting(
+        3,
+        help="times Ray restarts a lost rollout worker (its process crashed, its node went "
+        "away); the step whose rollout it was running is retried on the current policy, with "
+        "the same samples",
+    )
+    max_staleness: int = setting(
+        0,
+        help="rollouts of the next steps run while the trainer trains: a trajectory trained "
+        "on at step t has no token sampled by a policy older than t - max_staleness (0: "
+        "rollout, then train)",
+    )
 
     def __post_init__(self) -> None:
-        for name in ("num_workers", "tp_size", "max_running_prompts", "max_tokens_per_turn"):
+        for name in ("num_workers", "max_tokens_per_turn"):
             _positive("rollout", name, getattr(self, name))
+        if isinstance(self.engine, dict):
+            self.engine = EngineConfig.from_dict(self.engine, "rollout.engine", _ROLLOUT_ENGINE)
+        # Settings a rollout worker's engine takes from elsewhere in the config.
+        for name, source in _ENGINE_FROM.items():
+            if getattr(self.engine, name) != getattr(_ROLLOUT_ENGINE, name):
+                raise ConfigError(
+                    f"rollout.engine.{name} is set from {source}; leave it out", param=name
+                )
         _positive("rollout", "max_restarts", self.max_restarts, allow_zero=True)
         _positive("rollout", "max_staleness", self.max_staleness, allow_zero=True)
         self.resources_per_worker = check_custom_resources(
@@ -92,19 +149,26 @@ class RolloutConfig:
 class AlgoConfig:
     """GRPO: groups of `group_size` episodes per prompt, `prompts_per_step` prompts per step."""
 
-    group_size: int = 8
-    prompts_per_step: int = 4
-    normalize_std: bool = True
-    # "rollout": the ratio is taken against the generator's logprobs (the sampler's);
-    # "recompute": against the trainer's own logprobs before the update (the proximal policy),
-    # with `loss.tis_cap` weighting each token by proximal / sampler (decoupled PPO). The
-    # accepted combinations: docs/architecture.md, "Off-policy correction".
-    behaviour_logprobs: str = "rollout"
-    loss: GRPOLossConfig = field(default_factory=GRPOLossConfig)
-    # optimizer steps per rollout batch: the batch split into `mini_batches` parts, each one
-    # step, all of it `epochs` times; the ratio is clipped against the behaviour logprobs
-    mini_batches: int = 1
-    epochs: int = 1
+    group_size: int = setting(8, help="episodes per prompt, whose rewards are compared")
+    prompts_per_step: int = setting(4, help="prompts (groups) per step")
+    normalize_std: bool = setting(
+        True, help="divide a group's advantages by its rewards' standard deviation"
+    )
+    behaviour_logprobs: str = setting(
+        "rollout",
+        choices=("rollout", "recompute"),
+        help="what the ratio is taken against: rollout, the generator's logprobs (the "
+        "sampler's); recompute, the trainer's own before the update (the proximal policy), "
+        "with loss.tis_cap weighting each token by proximal / sampler (decoupled PPO); the "
+        'accepted combinations are in docs/architecture.md, "Off-policy correction"',
+    )
+    loss: GRPOLossConfig = setting(default_factory=GRPOLossConfig, help="the policy loss")
+    mini_batches: int = setting(
+        1,
+        help="optimizer steps per rollout batch: the batch split into this many parts, each "
+        "one step; the ratio is clipped against the behaviour logprobs",
+    )
+    epochs: int = setting(1, help="passes over the rollout batch (mini_batches steps each)")
 
     def __post_init__(self) -> None:
         _positive("grpo", "group_size", self.group_size)
@@ -122,10 +186,10 @@ class AlgoConfig:
 
 @dataclass
 class OptimConfig:
-    lr: float = 1e-5
-    weight_decay: float = 0.0
-    betas: tuple[float, float] = (0.9, 0.999)
-    grad_clip: float = 1.0
+    lr: float = setting(1e-5, help="AdamW's learning rate")
+    weight_decay: float = setting(0.0, help="AdamW's weight decay")
+    betas: tuple[float, float] = setting((0.9, 0.999), help="AdamW's betas")
+    grad_clip: float = setting(1.0, help="the gradient's largest global norm")
 
 
 WEIGHT_SYNC_TRANSPORTS = ("auto", "object_store", "cuda_ipc")
@@ -135,26 +199,35 @@ WEIGHT_SYNC_TRANSPORTS = ("auto", "object_store", "cuda_ipc")
 class TrainerConfig:
     """Ray Train workers holding the policy under DeepSpeed."""
 
-    num_workers: int = 1
-    zero_stage: int = 2
-    dtype: str = "auto"  # float32 on CPU, bfloat16 on GPU
-    use_gpu: bool = False
-    num_cpus_per_worker: float = 1.0
-    num_gpus_per_worker: float = 1.0
-    resources_per_worker: dict = field(default_factory=dict)  # custom Ray resources, as rollout's
-    freeze_media_towers: bool = True
-    freeze_projectors: bool = True
-    # the most tokens one forward / backward takes (rows x the longest row): several trajectories
-    # share a pass up to it (areno/train/batching.py); 0: one trajectory per pass
-    micro_batch_tokens: int = 4096
-    # times Ray Train restarts the worker group after a worker fails (Ray's FailureConfig); each
-    # restart resumes from this launch's newest checkpoint (set run.save_every), or from where
-    # the launch began when it has saved none yet
-    max_failures: int = 0
-    # how rank 0 sends the weights to the rollout workers after each step: "object_store" (host
-    # copies through Ray's object store, any placement), "cuda_ipc" (device-memory handles; every
-    # rollout worker must share rank 0's GPU, ZeRO-0/1/2), or "auto" (cuda_ipc where it can)
-    weight_sync: str = "auto"
+    num_workers: int = setting(1, help="Ray Train workers (DeepSpeed ranks)")
+    zero_stage: int = setting(2, choices=(0, 1, 2, 3), help="DeepSpeed ZeRO stage")
+    dtype: str = setting("auto", help="the policy's dtype; auto: float32 on CPU, bfloat16 on GPU")
+    use_gpu: bool = setting(False, help="train on GPUs (NCCL); else on CPU (gloo)")
+    num_cpus_per_worker: float = setting(1.0, help="CPUs Ray reserves for each trainer worker")
+    num_gpus_per_worker: float = setting(1.0, help="GPUs per trainer worker, with use_gpu")
+    resources_per_worker: dict = setting(
+        default_factory=dict, help="custom Ray resources per trainer worker, as rollout's"
+    )
+    freeze_media_towers: bool = setting(True, help="keep the vision / audio towers frozen")
+    freeze_projectors: bool = setting(True, help="keep the media projectors frozen")
+    micro_batch_tokens: int = setting(
+        4096,
+        help="the most tokens one forward / backward takes (rows x the longest row): several "
+        "trajectories share a pass up to it (areno/train/batching.py); 0: one a pass",
+    )
+    max_failures: int = setting(
+        0,
+        help="times Ray Train restarts the worker group after a worker fails; each restart "
+        "resumes from this launch's newest checkpoint (set run.save_every), or from where the "
+        "launch began",
+    )
+    weight_sync: str = setting(
+        "auto",
+        choices=WEIGHT_SYNC_TRANSPORTS,
+        help="how rank 0 sends the weights to the rollout workers: object_store (host copies "
+        "through Ray's object store, any placement), cuda_ipc (device-memory handles; every "
+        "rollout worker shares rank 0's GPU, ZeRO-0/1/2), auto (cuda_ipc where it can)",
+    )
 
     def __post_init__(self) -> None:
         _positive("trainer", "num_workers", self.num_workers)
@@ -174,19 +247,25 @@ class TrainerConfig:
 
 @dataclass
 class RunConfig:
-    run_dir: str = "runs/grpo"
-    max_steps: int = 20
-    save_every: int = 0  # 0: only at the end
-    eval_every: int = 5  # 0: never
-    eval_size: int = 16
-    eval_temperature: float = 0.0
-    # episodes per held-out prompt, averaged (as verl's val n): with eval_temperature > 0 the
-    # held-out reward is then that of the sampling policy, not of one draw
-    eval_samples_per_prompt: int = 1
-    seed: int = 0
-    resume: bool = False
-    export_hf: bool = True  # hf/ at the end (a LoRA run writes its small adapter/ always)
-    progress: bool = True
+    run_dir: str = setting(
+        "runs/grpo", help="where metrics.jsonl, TensorBoard, checkpoints/ and hf/ go"
+    )
+    max_steps: int = setting(20, help="GRPO steps")
+    save_every: int = setting(0, help="steps between checkpoints; 0: only at the end")
+    eval_every: int = setting(5, help="steps between evaluations; 0: never")
+    eval_size: int = setting(16, help="held-out samples an evaluation runs")
+    eval_temperature: float = setting(0.0, help="the evaluation's sampling temperature")
+    eval_samples_per_prompt: int = setting(
+        1,
+        help="episodes per held-out prompt, averaged (verl's val n): with eval_temperature > "
+        "0 the held-out reward is that of the sampling policy, not of one draw",
+    )
+    seed: int = setting(0, help="orders the data, seeds every episode's sampling and the policy")
+    resume: bool = setting(False, help="continue from the run directory's newest checkpoint")
+    export_hf: bool = setting(
+        True, help="write hf/ at the end (a LoRA run writes its small adapter/ always)"
+    )
+    progress: bool = setting(True, help="a progress bar on the console")
 
     def __post_init__(self) -> None:
         _positive("run", "max_steps", self.max_steps)
@@ -219,16 +298,21 @@ def _check_correction(grpo: AlgoConfig, max_staleness: int) -> None:
 
 @dataclass
 class GRPOConfig:
-    model_path: str | None = None  # None: the embedded tiny checkpoint
-    reward: str = "areno.tasks.color_quiz:reward"
-    reward_kwargs: dict = field(default_factory=dict)
-    data: DataConfig = field(default_factory=DataConfig)
-    rollout: RolloutConfig = field(default_factory=RolloutConfig)
-    grpo: AlgoConfig = field(default_factory=AlgoConfig)
-    optim: OptimConfig = field(default_factory=OptimConfig)
-    trainer: TrainerConfig = field(default_factory=TrainerConfig)
-    lora: LoraConfig = field(default_factory=LoraConfig)
-    run: RunConfig = field(default_factory=RunConfig)
+    model_path: str | None = setting(
+        None, help="the checkpoint to train; none: the embedded tiny checkpoint"
+    )
+    reward: str = setting(
+        "areno.tasks.color_quiz:reward",
+        help="module:callable(trajectory, private, **reward_kwargs) -> float or components",
+    )
+    reward_kwargs: dict = setting(default_factory=dict, help="keyword arguments of the reward")
+    data: DataConfig = setting(default_factory=DataConfig, help="the samples")
+    rollout: RolloutConfig = setting(default_factory=RolloutConfig, help="the rollout workers")
+    grpo: AlgoConfig = setting(default_factory=AlgoConfig, help="the algorithm")
+    optim: OptimConfig = setting(default_factory=OptimConfig, help="the optimizer")
+    trainer: TrainerConfig = setting(default_factory=TrainerConfig, help="the trainer workers")
+    lora: LoraConfig = setting(default_factory=LoraConfig, help="LoRA training")
+    run: RunConfig = setting(default_factory=RunConfig, help="the run")
 
     def __post_init__(self) -> None:
         total = self.grpo.group_size * self.grpo.prompts_per_step
@@ -295,6 +379,9 @@ def _build(cls: type, raw: Any, where: str) -> Any:
     if not isinstance(raw, dict):
         raise ConfigError(f"{where} must be a mapping; got {type(raw).__name__}")
     fields = {f.name: f for f in dataclasses.fields(cls)}
+    for name in getattr(cls, "MOVED", ()):
+        if name in raw:
+            raise ConfigError(f"{where}.{name} is now {where}.engine.{name}", param=name)
     unknown = sorted(set(raw) - set(fields))
     if unknown:
         raise ConfigError(
@@ -303,8 +390,11 @@ def _build(cls: type, raw: Any, where: str) -> Any:
     kwargs = {}
     for name, value in raw.items():
         sub = _SECTIONS.get((cls, name))
-        if sub is not None:
-            value = _build(sub, value, f"{where}.{name}" if where != "config" else name)
+        inner = f"{where}.{name}" if where != "config" else name
+        if sub is EngineConfig:  # over the section's own defaults
+            value = EngineConfig.from_dict(value, inner, _ROLLOUT_ENGINE)
+        elif sub is not None:
+            value = _build(sub, value, inner)
         elif name == "betas" and isinstance(value, list):
             value = tuple(value)
         kwargs[name] = value
@@ -323,4 +413,22 @@ _SECTIONS: dict[tuple[type, str], type] = {
     (GRPOConfig, "lora"): LoraConfig,
     (GRPOConfig, "run"): RunConfig,
     (AlgoConfig, "loss"): GRPOLossConfig,
+    (RolloutConfig, "engine"): EngineConfig,
 }
+
+
+def config_reference() -> str:
+    """The GRPO config's settings, a Markdown table per section, generated from their
+    declarations (`areno train --settings`; docs/configuration.md)."""
+    parts: list[str] = []
+
+    def section(instance: Any, where: str) -> None:
+        title = f"`{where}`" if where else "top level"
+        parts.extend([f"## {title}", reference(type(instance), where, instance)])
+        for f in dataclasses.fields(instance):
+            value = getattr(instance, f.name)
+            if dataclasses.is_dataclass(value):
+                section(value, f"{where}.{f.name}" if where else f.name)
+
+    section(GRPOConfig(), "")
+    return "\n\n".join(parts) + "\n"

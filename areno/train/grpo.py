@@ -15,34 +15,38 @@ import torch
 from torch import Tensor
 
 from areno.errors import ConfigError
+from areno.settings import setting
 
 LOSS_AGGS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
 
 
 @dataclass(frozen=True)
 class GRPOLossConfig:
-    """How `policy_loss` weighs and aggregates per-token losses.
+    """How `policy_loss` weighs and aggregates per-token losses."""
 
-    clip_low, clip_high: the PPO ratio is clipped to [1 - clip_low, 1 + clip_high]; a larger
-        clip_high is DAPO's clip-higher.
-    kl_coef: weight of the k3 KL estimate to a frozen reference policy; 0 turns it off.
-    tis_cap: truncated importance sampling for the train/rollout mismatch: each token's loss is
-        multiplied by min(exp(old_logprobs - rollout_logprobs), tis_cap); None turns it off.
-        Only meaningful where `old_logprobs` are not the rollout's (the trainer's
-        `behaviour_logprobs: recompute`, where they are the proximal policy's).
-    loss_agg: "token_mean" (sum over the batch's valid tokens / their number; DAPO),
-        "seq_mean_token_mean" (each sequence's token mean, then the mean over sequences), or
-        "seq_mean_token_sum_norm" (each sequence's token sum / max_response_len, then the mean
-        over sequences; Dr.GRPO).
-    max_response_len: the constant normaliser of "seq_mean_token_sum_norm".
-    """
-
-    clip_low: float = 0.2
-    clip_high: float = 0.2
-    kl_coef: float = 0.0
-    tis_cap: float | None = None
-    loss_agg: str = "token_mean"
-    max_response_len: int | None = None
+    clip_low: float = setting(0.2, help="the PPO ratio is clipped below at 1 - clip_low")
+    clip_high: float = setting(
+        0.2, help="the PPO ratio is clipped above at 1 + clip_high (larger: DAPO's clip-higher)"
+    )
+    kl_coef: float = setting(
+        0.0, help="weight of the k3 KL estimate to a frozen reference policy; 0: off"
+    )
+    tis_cap: float | None = setting(
+        None,
+        help="truncated importance sampling of the train / rollout mismatch: each token's loss "
+        "times min(exp(old_logprobs - rollout_logprobs), tis_cap), where old_logprobs are the "
+        "proximal policy's (grpo.behaviour_logprobs: recompute); none: off",
+    )
+    loss_agg: str = setting(
+        "token_mean",
+        choices=LOSS_AGGS,
+        help="token_mean: the batch's valid tokens' mean (DAPO); seq_mean_token_mean: each "
+        "sequence's token mean, then the mean over sequences; seq_mean_token_sum_norm: each "
+        "sequence's token sum / max_response_len, then the mean (Dr.GRPO)",
+    )
+    max_response_len: int | None = setting(
+        None, help="the constant normaliser of seq_mean_token_sum_norm"
+    )
 
     def __post_init__(self) -> None:
         _check_number("clip_low", self.clip_low, low=0.0, high=1.0, high_open=True)

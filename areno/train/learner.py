@@ -101,7 +101,7 @@ class Learner:
         optimizer = torch.optim.AdamW(
             params, lr=optim.lr, betas=optim.betas, weight_decay=optim.weight_decay
         )
-        self.engine, *_ = deepspeed.initialize(
+        self.deepspeed, *_ = deepspeed.initialize(
             model=model.to(self.device),
             optimizer=optimizer,
             model_parameters=params,
@@ -130,7 +130,7 @@ class Learner:
 
     @property
     def module(self) -> torch.nn.Module:
-        return self.engine.module
+        return self.deepspeed.module
 
     def train_step(self, share: list[MiniBatch], learn: bool = True) -> dict[str, float]:
         """This rank's part of a step: for each of `grpo.epochs` passes over the rollout batch,
@@ -149,7 +149,7 @@ class Learner:
             for _ in range(cfg.epochs):
                 for mini in share:
                     self.accumulate(mini, sums, fixed)
-                    self.engine.step()
+                    self.deepspeed.step()
                     sums["steps"] += 1
         finally:
             if self.features is not None:
@@ -166,7 +166,7 @@ class Learner:
         optimizer step is the caller's)."""
         fixed = {} if fixed is None else fixed
         for index, micro in enumerate(mini.micro):
-            self.engine.set_gradient_accumulation_boundary(index == len(mini.micro) - 1)
+            self.deepspeed.set_gradient_accumulation_boundary(index == len(mini.micro) - 1)
             if mini.is_filler(index):
                 self._filler(micro, _rows(mini, index))
             else:
@@ -235,7 +235,7 @@ class Learner:
         """A backward pass that adds nothing (`MiniBatch.num_fillers`): this rank's gradient
         reduction meets the other ranks' for a mini-batch it has fewer trajectories of."""
         rows = self._logprobs(self.module, [traj for traj, _ in micro], sizes, 1.0)
-        self.engine.backward(sum(row.sum() for row in rows) * 0.0)
+        self.deepspeed.backward(sum(row.sum() for row in rows) * 0.0)
 
     def _learn(self, micro, sizes: list[int], mini: MiniBatch, sums: dict, fixed: dict) -> None:
         """One micro-batch's forward (rows of `sizes` consecutive trajectories), its
@@ -302,7 +302,7 @@ class Learner:
         sums["real"] += sum(t.num_tokens for t in trajs)
         # DeepSpeed averages the gradient over the ranks; undo it so the summed gradient is
         # that of the mini-batch's aggregate.
-        self.engine.backward(total * self.world_size)
+        self.deepspeed.backward(total * self.world_size)
 
 
 def _rows(mini: MiniBatch, index: int) -> list[int]:

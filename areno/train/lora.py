@@ -17,6 +17,7 @@ import torch
 
 from areno.engine.layers.lora import LoraWeights, adapter_scaling
 from areno.errors import ConfigError
+from areno.settings import setting
 
 # What PEFT puts before the wrapped model's own module paths.
 PEFT_PREFIX = "base_model.model."
@@ -26,12 +27,15 @@ PEFT_PREFIX = "base_model.model."
 class LoraConfig:
     """`lora:` of a GRPO or SFT config. rank 0: full-parameter training."""
 
-    rank: int = 0
-    alpha: float = 16.0
-    dropout: float = 0.0
-    # last names of the language model's linear layers to adapt ("q_proj", "down_proj", ...);
-    # None: every linear layer of the language model (attention, MLP, linear attention)
-    target_modules: list[str] | None = None
+    rank: int = setting(0, help="the adapters' rank; 0: full-parameter training")
+    alpha: float = setting(16.0, help="LoRA's alpha (the update is scaled by alpha / rank)")
+    dropout: float = setting(0.0, help="dropout on the adapters' input")
+    target_modules: list[str] | None = setting(
+        None,
+        help="last names of the language model's linear layers to adapt (q_proj, down_proj, "
+        "...); none: every linear layer of the language model (attention, MLP, linear "
+        "attention)",
+    )
 
     def __post_init__(self) -> None:
         if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 0:

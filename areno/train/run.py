@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
 import uuid
 from pathlib import Path
 
-from areno.engine.config import EngineConfig
 from areno.logs import ENV
 from areno.models.registry import adapter_for_checkpoint
 from areno.rollout.worker import RolloutSpec, RolloutWorker
@@ -20,18 +20,11 @@ logger = logging.getLogger("areno.train")
 
 def rollout_spec(config: GRPOConfig, model_path: str) -> RolloutSpec:
     r = config.rollout
-    engine = EngineConfig(
-        tp_size=r.tp_size,
-        max_running_prompts=r.max_running_prompts,
-        max_context_len=r.max_context_len,
-        block_size=r.block_size,
-        enable_prefix_caching=r.enable_prefix_caching,
-        prefix_state_rows=r.prefix_state_rows,
-        kv_cache_gib=r.kv_cache_gib,
+    engine = dataclasses.replace(
+        r.engine,
         # A worker on a share of a GPU (beside the trainer) takes that share of its memory.
-        kv_cache_memory_fraction=r.kv_cache_memory_fraction * min(r.num_gpus_per_worker or 1, 1),
-        dtype=r.dtype,
-        device=r.device,
+        kv_cache_memory_fraction=r.engine.kv_cache_memory_fraction
+        * min(r.num_gpus_per_worker or 1, 1),
         num_cpus_per_rank=r.num_cpus_per_worker,
         # a LoRA policy runs as the engine's one adapter, beside the base weights
         max_loras=1 if config.lora.enabled else 0,

@@ -51,7 +51,7 @@ def train_loop(loop_config: dict) -> None:
     # newest checkpoint: the data position in it is where the lost group's progress was saved.
     restarted = checkpoint.saved_by(config.run.run_dir, launch_id)
     if (config.run.resume or restarted) and checkpoint.has_checkpoint(config.run.run_dir):
-        state = checkpoint.load(learner.engine, config.run.run_dir)
+        state = checkpoint.load(learner.deepspeed, config.run.run_dir)
     sync = controller = None
     if rank == 0:
         sync = WeightSync(
@@ -99,7 +99,7 @@ def train_loop(loop_config: dict) -> None:
             zero_stage=config.trainer.zero_stage,
             rank=rank,
         )
-    learner.engine.destroy()
+    learner.deepspeed.destroy()
 
 
 def _sync(learner: Learner, sync: WeightSync | None, version: int, rank: int) -> float:
@@ -139,7 +139,7 @@ def run_steps(
         saved = config.run.save_every and state.step % config.run.save_every == 0
         if saved or state.step == config.run.max_steps:
             checkpoint.save(
-                learner.engine, config.run.run_dir, state, rank=rank, launch_id=launch_id
+                learner.deepspeed, config.run.run_dir, state, rank=rank, launch_id=launch_id
             )
         if controller is not None:
             metrics = {**batch.metrics, **train_metrics}

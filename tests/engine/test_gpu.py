@@ -186,7 +186,7 @@ def test_media_prompts_prefilled_in_chunks_on_cuda(tiny_path, tmp_path, family):
         setup.encode(with_media("video", video, "Describe it for me, and " * 4)),
     ]
     expected = [setup.reference(x, GREEDY.max_tokens) for x in inputs]
-    gen = setup.generator(max_prefill_tokens_per_step=8, block_size=4)
+    gen = setup.generator(max_num_batched_tokens=8, block_size=4)
     outputs, chunks = run_chunked(gen, inputs)
     assert [o.samples[0].token_ids for o in outputs] == expected
     (span,) = inputs[1].mm_spans

@@ -90,7 +90,7 @@ def test_long_text_prompts_prefilled_in_chunks_beside_decodes_equal_generate(
     ]
     assert all(x.num_prompt_tokens > 64 for x in inputs[1:])
     expected = [setup.reference(x, GREEDY.max_tokens) for x in inputs]
-    gen = setup.generator(max_prefill_tokens_per_step=16, overlap_steps=overlap)
+    gen = setup.generator(max_num_batched_tokens=16, overlap_steps=overlap)
     outputs, chunks = run_chunked(gen, inputs)
     for i, (want, output) in enumerate(zip(expected, outputs, strict=True)):
         assert output.samples[0].token_ids == want, (i, output.samples[0].token_ids, want)
@@ -117,7 +117,7 @@ def test_media_prompts_prefilled_in_chunks_through_their_media_equal_generate(
     ]
     expected = [setup.reference(x, GREEDY.max_tokens) for x in inputs]
     gen = setup.generator(
-        max_prefill_tokens_per_step=8,
+        max_num_batched_tokens=8,
         block_size=4,
         overlap_steps=overlap,
         enable_prefix_caching=False,  # every prompt from its first token
@@ -185,7 +185,7 @@ def test_a_padded_decode_step_keeps_the_state_of_a_prompt_between_its_chunks(set
     ]
     expected = [setup.reference(x, GREEDY.max_tokens) for x in inputs]
     gen = setup.generator(
-        max_prefill_tokens_per_step=8,
+        max_num_batched_tokens=8,
         block_size=4,
         decode_graphs="static",
         decode_compile="eager",

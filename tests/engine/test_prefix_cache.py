@@ -164,7 +164,7 @@ def test_prompts_start_from_their_cached_prefix_media_included_and_equal_generat
         block_size=block,
         enable_prefix_caching=True,
         overlap_steps=overlap,
-        max_prefill_tokens_per_step=16,
+        max_num_batched_tokens=16,
     )
     try:
         assert gen.core.scheduler.config.enable_prefix_caching

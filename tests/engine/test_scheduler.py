@@ -29,14 +29,14 @@ def group(request_id: str, num_prompt_tokens: int = 4, **params) -> SequenceGrou
 
 
 def scheduler(
-    max_running_seqs: int = 4,
+    max_running_prompts: int = 4,
     max_context_len: int = 64,
     budget: int = 1000,
     num_blocks: int | None = None,
     block_size: int = 16,
 ) -> Scheduler:
     return Scheduler(
-        SchedulerConfig(max_running_seqs, max_context_len, budget, num_blocks, block_size)
+        SchedulerConfig(max_running_prompts, max_context_len, budget, num_blocks, block_size)
     )
 
 
@@ -59,11 +59,11 @@ def decode_step(sched: Scheduler, token: int = 5):
 
 
 def test_config_is_validated() -> None:
-    with pytest.raises(ConfigError, match="max_running_seqs must be an integer >= 1; got 0"):
+    with pytest.raises(ConfigError, match="max_running_prompts must be an integer >= 1; got 0"):
         SchedulerConfig(0, 64)
     with pytest.raises(ConfigError, match="max_context_len must be an integer >= 2"):
         SchedulerConfig(4, 1)
-    with pytest.raises(ConfigError, match="max_prefill_tokens_per_step"):
+    with pytest.raises(ConfigError, match="max_num_batched_tokens"):
         SchedulerConfig(4, 64, 0)
     assert SchedulerConfig(4, 64).num_blocks == 16  # every slot's 64 tokens, as slots were
     with pytest.raises(ConfigError, match="3 blocks of 16 tokens, fewer than the 4 one sequence"):
@@ -98,7 +98,7 @@ def test_block_manager_counts_references() -> None:
 
 
 def test_fcfs_admission_respects_max_running_and_queues() -> None:
-    sched = scheduler(max_running_seqs=2)
+    sched = scheduler(max_running_prompts=2)
     groups = [group(f"r{i}") for i in range(4)]
     for g in groups:
         sched.add(g)
@@ -123,7 +123,7 @@ def test_fcfs_admission_respects_max_running_and_queues() -> None:
 
 
 def test_admission_follows_arrival_not_add_order() -> None:
-    sched = scheduler(max_running_seqs=1)
+    sched = scheduler(max_running_prompts=1)
     early, late = group("early"), group("late")
     sched.add(late)
     sched.add(early)
@@ -131,7 +131,7 @@ def test_admission_follows_arrival_not_add_order() -> None:
 
 
 def test_prefill_token_budget_limits_admission_per_step() -> None:
-    sched = scheduler(max_running_seqs=8, budget=10)
+    sched = scheduler(max_running_prompts=8, budget=10)
     for name, length in [("a", 4), ("b", 5), ("c", 4)]:
         sched.add(group(name, length))
     assert ids(sched.schedule().prefill) == ["a", "b"]  # 9 tokens; c would make 13
@@ -139,7 +139,7 @@ def test_prefill_token_budget_limits_admission_per_step() -> None:
 
 
 def test_prompt_over_budget_is_admitted_alone() -> None:
-    sched = scheduler(max_running_seqs=8, budget=10)
+    sched = scheduler(max_running_prompts=8, budget=10)
     sched.add(group("long", 30))
     sched.add(group("short", 2))
     out = sched.schedule()
@@ -148,7 +148,7 @@ def test_prompt_over_budget_is_admitted_alone() -> None:
 
 
 def test_a_long_prompt_is_prefilled_in_chunks_beside_the_decodes() -> None:
-    sched = scheduler(max_running_seqs=4, budget=10, num_blocks=32, block_size=4)
+    sched = scheduler(max_running_prompts=4, budget=10, num_blocks=32, block_size=4)
     sched.add(short := group("short", 3))
     decode_step(sched)
     long = group("long", 25)
@@ -166,7 +166,7 @@ def test_a_long_prompt_is_prefilled_in_chunks_beside_the_decodes() -> None:
 
 
 def test_chunks_end_before_or_after_a_run_held_whole() -> None:
-    sched = scheduler(max_running_seqs=4, budget=10, num_blocks=32, block_size=4)
+    sched = scheduler(max_running_prompts=4, budget=10, num_blocks=32, block_size=4)
     sched.add(short := group("short", 3))
     decode_step(sched)
     image = group("image", 40)
@@ -183,7 +183,7 @@ def test_chunks_end_before_or_after_a_run_held_whole() -> None:
 
 
 def test_a_prompt_that_may_not_be_chunked_runs_alone_over_the_budget() -> None:
-    sched = scheduler(max_running_seqs=4, budget=10)
+    sched = scheduler(max_running_prompts=4, budget=10)
     sched.add(group("whole", 25))  # can_chunk False
     sched.add(group("next", 3))
     out = sched.schedule()
@@ -192,7 +192,7 @@ def test_a_prompt_that_may_not_be_chunked_runs_alone_over_the_budget() -> None:
 
 
 def test_samples_beyond_the_free_slots_wait_for_them() -> None:
-    sched = scheduler(max_running_seqs=4)
+    sched = scheduler(max_running_prompts=4)
     sched.add(one := group("one", n=2))
     sched.add(pair := group("pair", n=3))
     sched.add(group("small"))
@@ -212,7 +212,7 @@ def test_samples_beyond_the_free_slots_wait_for_them() -> None:
 
 
 def test_n_samples_share_the_prompts_full_blocks_and_own_its_last_one() -> None:
-    sched = scheduler(max_running_seqs=4, num_blocks=16, block_size=4)
+    sched = scheduler(max_running_prompts=4, num_blocks=16, block_size=4)
     g = group("fork", num_prompt_tokens=10, n=3, seed=7)
     sched.add(g)
     out = sched.schedule()
@@ -245,7 +245,7 @@ def test_a_sequence_takes_a_block_when_it_crosses_into_one() -> None:
 def test_the_newest_sequence_is_preempted_and_resumes_with_its_tokens() -> None:
     # 4 blocks of 4 tokens; two prompts of 7 tokens take 2 blocks each, and the first to need a
     # third block takes it from the newest sequence.
-    sched = scheduler(max_running_seqs=2, max_context_len=16, num_blocks=4, block_size=4)
+    sched = scheduler(max_running_prompts=2, max_context_len=16, num_blocks=4, block_size=4)
     sched.add(old := group("old", num_prompt_tokens=7))
     sched.add(new := group("new", num_prompt_tokens=7))
     a, b = old.seqs[0], new.seqs[0]
@@ -265,7 +265,7 @@ def test_the_newest_sequence_is_preempted_and_resumes_with_its_tokens() -> None:
 
 
 def test_a_sequence_alone_that_outgrows_the_pool_preempts_itself_only_when_it_must() -> None:
-    sched = scheduler(max_running_seqs=2, max_context_len=8, num_blocks=2, block_size=4)
+    sched = scheduler(max_running_prompts=2, max_context_len=8, num_blocks=2, block_size=4)
     sched.add(g := group("a", num_prompt_tokens=5))
     for _ in range(3):
         out = decode_step(sched)
@@ -274,7 +274,7 @@ def test_a_sequence_alone_that_outgrows_the_pool_preempts_itself_only_when_it_mu
 
 
 def test_an_overlapped_engine_reads_its_tokens_before_a_preemption() -> None:
-    sched = scheduler(max_running_seqs=2, max_context_len=16, num_blocks=5, block_size=4)
+    sched = scheduler(max_running_prompts=2, max_context_len=16, num_blocks=5, block_size=4)
     sched.add(old := group("old", num_prompt_tokens=8))
     sched.add(new := group("new", num_prompt_tokens=7))
     decode_step(sched)
@@ -289,7 +289,7 @@ def test_an_overlapped_engine_reads_its_tokens_before_a_preemption() -> None:
 
 
 def test_cancel_waiting_request() -> None:
-    sched = scheduler(max_running_seqs=1)
+    sched = scheduler(max_running_prompts=1)
     running, waiting = group("run"), group("wait", n=1)
     sched.add(running)
     sched.add(waiting)
@@ -302,7 +302,7 @@ def test_cancel_waiting_request() -> None:
 
 
 def test_cancel_running_request_frees_its_slots_and_blocks() -> None:
-    sched = scheduler(max_running_seqs=3)
+    sched = scheduler(max_running_prompts=3)
     g = group("big", n=3)
     sched.add(g)
     sched.add(group("next"))
@@ -363,7 +363,7 @@ def test_too_long_prompt_is_rejected_with_lengths() -> None:
 
 
 def test_duplicate_requests_are_rejected_and_many_samples_are_not() -> None:
-    sched = scheduler(max_running_seqs=2)
+    sched = scheduler(max_running_prompts=2)
     sched.add(group("many", n=8))
     sched.add(group("dup"))
     with pytest.raises(DuplicateRequestError, match="'dup'"):

@@ -306,7 +306,7 @@ def _gradient(
         }
         return grads, len(mini.micro)
     finally:
-        learner.engine.destroy()
+        learner.deepspeed.destroy()
 
 
 @pytest.mark.parametrize("family", TINY_FAMILIES)
@@ -361,7 +361,7 @@ def test_a_filler_pass_adds_no_gradient_and_no_metric(process_group, tiny_path, 
         assert all(g is None or not g.any() for g in grads)
         assert all(value == 0.0 for value in sums.values())
     finally:
-        learner.engine.destroy()
+        learner.deepspeed.destroy()
 
 
 def test_mini_batches_and_epochs_take_that_many_optimizer_steps(process_group, tiny_path, media):
@@ -374,8 +374,8 @@ def test_mini_batches_and_epochs_take_that_many_optimizer_steps(process_group, t
         pairs = list(zip(trajs, [1.0, -1.0] * 4, strict=True))
         (share,) = plan_step(pairs, 1, 2, 1 << 16)
         sums = learner.train_step(share)
-        assert sums["steps"] == 4 and learner.engine.global_steps == 4
+        assert sums["steps"] == 4 and learner.deepspeed.global_steps == 4
         assert sums["rows"] == 2 * len(trajs)
         assert sums["ratio_max"] != pytest.approx(1.0)
     finally:
-        learner.engine.destroy()
+        learner.deepspeed.destroy()

@@ -23,7 +23,7 @@ def test_the_shipped_config_loads_and_flags_override_it() -> None:
         ]
     )  # fmt: skip
     config = _train_config(args)
-    assert config.run.max_steps == 7 and config.rollout.max_context_len == 512
+    assert config.run.max_steps == 7 and config.rollout.engine.max_context_len == 512
     assert config.optim.lr == 0.01  # a number, though YAML 1.1 reads 1e-2 as a string
     assert config.lora.rank == 8 and config.lora.enabled
     assert config.trainer.num_workers == 2 and config.grpo.loss.kl_coef == 0.05

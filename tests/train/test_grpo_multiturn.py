@@ -79,7 +79,7 @@ def one_step(checkpoint, episodes, rewards: list[float], lr: float = 1e-4, learn
     (share,) = plan_step(pairs, 1, 1, model.config.trainer.micro_batch_tokens)
     sums = model.train_step(share, learn)
     after = turn_logprobs(model.module, episodes)
-    model.engine.destroy()
+    model.deepspeed.destroy()
     return advantages, before, after, sums
 
 

@@ -72,7 +72,7 @@ def _train_metrics(path, trajs, **grpo) -> dict[str, float]:
         (share,) = plan_step(pairs, 1, learner.config.grpo.mini_batches, 0, version=0)
         return reduce_sums(learner.train_step(share))
     finally:
-        learner.engine.destroy()
+        learner.deepspeed.destroy()
 
 
 def test_behaviour_rollout_takes_the_ratio_against_the_samplers_logprobs(

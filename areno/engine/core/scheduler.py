@@ -1,6 +1,6 @@
 """The scheduler: which sequences run this step. Pure Python over request state; no tensors.
 
-Two resources bound what runs. Slots (`max_running_seqs`, `--max-running-prompts`) cap how many
+Two resources bound what runs. Slots (`max_running_prompts`, `--max-running-prompts`) cap how many
 sequences run at once; each holds a row of linear-attention state. KV blocks of `block_size`
 tokens (areno/engine/kv/block_manager.py) hold every running sequence's keys and values, taken as it
 grows and returned when it ends, so memory is spent on the tokens sequences have, not on
@@ -14,7 +14,7 @@ and none is free, the newest running sequence is preempted: its slot and blocks 
 waits again, at the front (it is older than anything admitted after it), to be prefilled again
 from its prompt and the tokens it had (recomputation). It resumes with the same tokens.
 
-A prompt longer than what is left of the step's prefill budget (`max_prefill_tokens_per_step`,
+A prompt longer than what is left of the step's prefill budget (`max_num_batched_tokens`,
 `--max-num-batched-tokens`) is prefilled in chunks over several steps when its group allows it,
 beside the running decodes, so that a long prompt does not stall every stream. A chunk ends
 anywhere, media included (the engine encodes a prompt's media once, at its first chunk, and
@@ -62,9 +62,9 @@ class DuplicateRequestError(ArenoError):
 class SchedulerConfig:
     """Scheduler limits.
 
-    max_running_seqs: cache slots, i.e. sequences running at once.
+    max_running_prompts: cache slots, i.e. sequences running at once.
     max_context_len: tokens one sequence may reach (prompt plus output).
-    max_prefill_tokens_per_step: prompt tokens prefilled per step, so a long prompt or a burst
+    max_num_batched_tokens: prompt tokens prefilled per step, so a long prompt or a burst
         of them does not stall running decodes for long: a longer prompt is prefilled in chunks
         (module docstring); one that may not be split that far runs alone so it never starves.
     num_blocks: KV blocks in the pool (None: every slot's `max_context_len`, as a slot cache
@@ -78,9 +78,9 @@ class SchedulerConfig:
         a state was saved (areno/engine/kv/state_cache.py). 0: every layer keeps keys only.
     """
 
-    max_running_seqs: int
+    max_running_prompts: int
     max_context_len: int
-    max_prefill_tokens_per_step: int = 8192
+    max_num_batched_tokens: int = 8192
     num_blocks: int | None = None
     block_size: int = 16
     enable_prefix_caching: bool = False
@@ -88,10 +88,10 @@ class SchedulerConfig:
 
     def __post_init__(self) -> None:
         limits = {
-            "max_running_seqs": 1,
+            "max_running_prompts": 1,
             # One prompt token plus one generated token is the least that makes sense.
             "max_context_len": 2,
-            "max_prefill_tokens_per_step": 1,
+            "max_num_batched_tokens": 1,
             "block_size": 1,
         }
         for name, least in limits.items():
@@ -102,7 +102,7 @@ class SchedulerConfig:
                     param=name,
                 )
         if self.num_blocks is None:
-            blocks = self.max_running_seqs * blocks_for(self.max_context_len, self.block_size)
+            blocks = self.max_running_prompts * blocks_for(self.max_context_len, self.block_size)
             object.__setattr__(self, "num_blocks", blocks)
         least = blocks_for(self.max_context_len, self.block_size)
         if self.num_blocks < least:
@@ -201,7 +201,7 @@ class Scheduler:
         self.num_admitted_tokens = 0
         self.num_cached_tokens = 0
         self.kv = KVCacheManager(
-            num_slots=config.max_running_seqs,
+            num_slots=config.max_running_prompts,
             num_blocks=config.num_blocks,
             block_size=config.block_size,
             enable_prefix_caching=config.enable_prefix_caching,
@@ -274,7 +274,7 @@ class Scheduler:
         self.kv.register(self._running)
         decode, preempted = self._reserve_decode_blocks()
         self.kv.save_last_states(self._running, self._may_decode)
-        budget = self.config.max_prefill_tokens_per_step
+        budget = self.config.max_num_batched_tokens
         prefill = self._continue_chunks(budget)
         budget -= sum(item.num_chunk_tokens for item in prefill)
         if not (self.hold_admission or preempted):
