@@ -266,7 +266,7 @@ def test_ray_job_submit_runs_training_and_private_data_stays_private(
         # serial steps: step 2's rollout starts on step 1's weights
         *("--set", "rollout.max_staleness=0"),
     ]
-    for _ in range(60):  # the job agent comes up a little after the dashboard
+    for _ in range(180):  # the job agent comes up after the dashboard (later when busy)
         submitted = ray_head.run(
             "ray",
             "job",
