@@ -111,13 +111,14 @@ def profile_one(
     )
     start = time.perf_counter()
     generator = Generator.from_model(model, None, config)
+    # the parts are the in-process worker's own methods, wrapped here (a profiler reaches in)
     core, worker = generator.core, generator.core.executor.worker
     timer = PartTimer(device)
     timer.wrap(core, "step", "step (all)", sync=False)
     timer.wrap(core.scheduler, "schedule", "schedule", sync=False)
     timer.wrap(core, "_step_input", "step input", sync=False)
     timer.wrap(worker.runner, "decode", "decode forward", sync=True)
-    timer.wrap(worker, "_prefill", "prefill forward", sync=True)
+    timer.wrap(worker_module, "run_prefills", "prefill forward", sync=True)
     timer.wrap(worker, "_sample", "sample + copy", sync=True)
     timer.wrap(core, "_update", "update outputs", sync=False)
 
