@@ -6,7 +6,7 @@ small, fixed part of each request.
               with as many torch threads as the Generator replica has (Ray sets a replica's
               OpenMP threads to its CPUs, 1 by default): one thread does this tiny model's step
               faster on 2 cores, and far faster when other work loads them.
-- served:     the same request through `areno serve` (Ingress -> [MediaDecoder] -> Processor ->
+- served:     the same request through `areno serve` (Ingress -> [MediaDecoder -> Processor ->]
               Generator) over loopback HTTP: text requests timed with one keep-alive httpx
               client as the echo app is (so the difference is the server's), and again with the
               official `openai` client, which adds its own request building and reply parsing.
