@@ -29,7 +29,6 @@ from ray import serve
 from ray.serve.config import BackpressureConfig
 from starlette.exceptions import HTTPException
 
-from areno.engine.outputs import merge_outputs
 from areno.models.registry import adapter_for_checkpoint
 from areno.processing import Processor
 from areno.processing.encode import PromptLimits
@@ -42,7 +41,6 @@ from areno.serve.chat import (
     PreparedChat,
     build_response,
     error_line,
-    num_malformed_tool_calls,
     prepare,
     tools_in_play,
 )
@@ -285,8 +283,7 @@ class Ingress:
     def _respond(self, prepared: PreparedChat, model: str, merged, arrival: float) -> JSONResponse:
         """The JSON answer of a non-streaming request (its tokens/s include the prefill: the
         first token's time is not known here). The metrics read the same dump as the reply."""
-        response = build_response(prepared, model, merged, self.tokenizer)
-        malformed = num_malformed_tool_calls(prepared, merged)
+        response, malformed = build_response(prepared, model, merged, self.tokenizer)
         body = response.model_dump(exclude_none=True)
         self.metrics.record(prepared, body, arrival, malformed)
         return JSONResponse(body)
@@ -328,13 +325,10 @@ class Ingress:
 
     async def _sse(self, writer: ChunkWriter, first, stream, first_token_at: float):
         try:
-            outputs = [first]
             for line in writer.chunks(first):
                 yield line
             async for item in stream:
-                output = unwrap(item)
-                outputs.append(output)
-                for line in writer.chunks(output):
+                for line in writer.chunks(unwrap(item)):
                     yield line
         except Exception as e:  # noqa: BLE001 - the status line is sent; report in-stream
             # An error event and no [DONE]: the openai client raises APIError on it.
@@ -344,8 +338,7 @@ class Ingress:
             return
         for line in writer.end():
             yield line
-        merged = merge_outputs(outputs)
-        body = build_response(writer.prepared, writer.model, merged, self.tokenizer).model_dump()
+        body = writer.summary().model_dump()
         self.metrics.record(writer.prepared, body, first_token_at, writer.num_malformed_tool_calls)
 
     def _check_key(self, request: Request) -> JSONResponse | None:
