@@ -6,16 +6,16 @@ small, fixed part of each request.
               with as many torch threads as the Generator replica has (Ray sets a replica's
               OpenMP threads to its CPUs, 1 by default): one thread does this tiny model's step
               faster on 2 cores, and far faster when other work loads them.
-- served:     the same request through `areno serve` (Ingress -> [MediaDecoder] -> Processor ->
+- served:     the same request through `areno serve` (Ingress -> [MediaDecoder -> Processor ->]
               Generator) over loopback HTTP: text requests timed with one keep-alive httpx
               client as the echo app is (so the difference is the server's), and again with the
               official `openai` client, which adds its own request building and reply parsing.
 - serve floor: beside it, through the same proxy, the echo app of `benchmarks/serve_floor.py` (the
               same HTTP -> Ingress -> one handle call topology, no work; httpx client): what
               Serve's hops cost before AReno does anything.
-Text requests run one at a time (latency p50 / p99), in `--rounds` rounds in which the
-in-process floor, the served requests and the echo app's take turns, so that all three run
-beside the same Ray processes and a machine whose load drifts shifts them alike; image and
+Text, image and video requests run one at a time (latency p50 / p99), in `--rounds` rounds in
+which the in-process floor, the served requests and the echo app's take turns, so that all run
+beside the same Ray processes and a machine whose load drifts shifts them alike; then image and
 video requests run `--concurrency` at a time (requests/s). AReno's own share of a text request is
 served p50 - echo p50 - in-process p50: what serving adds beyond Serve's own hops and the work
 itself (the Ingress's parse, encode hand-off and reply, the handle call's payload, the replica's
@@ -130,10 +130,10 @@ def served(
         http = httpx2.Client(timeout=30)
         url = f"http://127.0.0.1:{port}/v1/chat/completions"
 
-        def post_text(i: int) -> float:
+        def post(kind: str, i: int) -> float:
             body = {
                 "model": config.model_name,
-                "messages": messages("text", media, i),
+                "messages": messages(kind, media, i),
                 "max_tokens": 1,
                 "temperature": 0,
             }
@@ -144,11 +144,14 @@ def served(
         for i in range(3):
             floor.ask(10 * num + i)  # warm-up
         text, text_openai, echo, local = [], [], [], []
+        one_at_a_time = {"image": [], "video": []}
         per_round = max(num // rounds, 1)
         for r in range(rounds):
             # question numbers of its own (none finds another's prompt cached)
             local += [floor.ask(2 * num + r * per_round + i) for i in range(per_round)]
-            text += [post_text(r * per_round + i) for i in range(per_round)]
+            text += [post("text", r * per_round + i) for i in range(per_round)]
+            for kind, times in one_at_a_time.items():
+                times += [post(kind, 3 * num + r * per_round + i) for i in range(per_round)]
             # other question numbers than the httpx requests', so neither finds the other cached
             text_openai += [ask("text", num + r * per_round + i) for i in range(per_round)]
             echo_url = f"http://127.0.0.1:{port}/floor/v1/echo"
@@ -165,6 +168,8 @@ def served(
             "text_openai": text_openai,
             "echo": echo,
             "in_process": local,
+            "image": one_at_a_time["image"],
+            "video": one_at_a_time["video"],
             "rates": rates,
         }
     finally:
@@ -202,6 +207,10 @@ def main() -> None:
             q: percentile(result["text_openai"], v) * 1e3 for q, v in (("p50", 0.5), ("p99", 0.99))
         },
     }
+    for kind in ("image", "video"):
+        rows[f"served_{kind}_ms"] = {
+            q: percentile(result[kind], v) * 1e3 for q, v in (("p50", 0.5), ("p99", 0.99))
+        }
     added = {q: rows["served_text_ms"][q] - rows["in_process_text_ms"][q] for q in ("p50", "p99")}
     rows["serve_floor_echo_ms"] = {
         q: percentile(result["echo"], v) * 1e3 for q, v in (("p50", 0.5), ("p99", 0.99))

@@ -38,7 +38,7 @@ from areno.protocol.responses import (
     Usage,
 )
 from areno.serve.structured import structured_output
-from areno.tools import ContentDelta, ParsedToolCalls, ToolParser
+from areno.tools import ContentDelta, ParsedToolCalls, StreamEvent, ToolParser
 from areno.tools.reasoning import THINK_END, ReasoningStream, opens_reasoning, split_reasoning
 
 
@@ -173,26 +173,16 @@ def parse_reply(prepared: PreparedChat, text: str) -> tuple[str, ParsedToolCalls
     return reasoning, prepared.parser.parse(prepared.prefix + text, prepared.request.tools)
 
 
-def num_malformed_tool_calls(prepared: PreparedChat, output: RequestOutput) -> int:
-    """How many tool-call texts of a merged output did not parse (each came back as content)."""
-    return sum(parse_reply(prepared, delta.text)[1].num_malformed for delta in output.samples)
-
-
 def build_response(
     prepared: PreparedChat, model: str, output: RequestOutput, tokenizer: Any
-) -> ChatCompletionResponse:
+) -> tuple[ChatCompletionResponse, int]:
     """The non-streaming response from a request's merged output (one delta per sample), each
-    sample's text read by parse_reply."""
-    choices = []
+    sample's text read once by parse_reply, and how many of its tool-call texts did not parse
+    (each came back as content)."""
+    choices, num_malformed = [], 0
     for delta in output.samples:
         reasoning, parsed = parse_reply(prepared, delta.text)
-        content: str | None = parsed.content
-        if prepared.parser is not None or prepared.thinking:
-            # A reply of only calls / reasoning has null content.
-            content = content or None
-        message = ResponseMessage(
-            content=content, reasoning_content=reasoning or None, tool_calls=parsed.tool_calls
-        )
+        num_malformed += parsed.num_malformed
         # NOTE: "abort" is never rewritten to "stop" (an aborted reply must not look complete);
         # the Generator replica answers an aborted request with RequestAbortedError instead.
         finish_reason = delta.finish_reason or "stop"
@@ -201,42 +191,57 @@ def build_response(
         choices.append(
             Choice(
                 index=delta.index,
-                message=message,
+                message=_message(prepared, reasoning, parsed),
                 finish_reason=finish_reason,
                 logprobs=logprobs_for(tokenizer, delta),
             )
         )
     num_completion = sum(len(delta.token_ids) for delta in output.samples)
     usage = usage_for(prepared.inputs, num_completion)
-    return ChatCompletionResponse(model=model, choices=choices, usage=usage)
+    return ChatCompletionResponse(model=model, choices=choices, usage=usage), num_malformed
+
+
+def _message(prepared: PreparedChat, reasoning: str, parsed: ParsedToolCalls) -> ResponseMessage:
+    """A choice's message from its reasoning and its parsed content and calls."""
+    content: str | None = parsed.content
+    if prepared.parser is not None or prepared.thinking:
+        # A reply of only calls / reasoning has null content.
+        content = content or None
+    return ResponseMessage(
+        content=content, reasoning_content=reasoning or None, tool_calls=parsed.tool_calls
+    )
 
 
 class ChunkWriter:
     """Turns one request's stream of deltas into SSE lines of `chat.completion.chunk`s. With
     `thinking`, each choice's reasoning block streams as `delta.reasoning_content` until its end
     tag; with a `parser`, the rest goes through the choice's own tool-call stream parser, fed the
-    forced call opening `prefix` first (so a forced call's deltas carry its name)."""
+    forced call opening `prefix` first (so a forced call's deltas carry its name). It keeps what
+    it wrote of each choice, for `summary`."""
 
     def __init__(self, prepared: PreparedChat, model: str, tokenizer: Any):
         self.prepared, self.model, self.tokenizer = prepared, model, tokenizer
         self.id = ChatCompletionResponse(model=model, choices=[]).id
         self.num_completion_tokens = 0
-        self._started: set[int] = set()
         self._streams: dict[int, Any] = {}
         self._reasoning: dict[int, ReasoningStream] = {}
+        # choice index -> its reasoning pieces and its content and call events, as written
+        self._written: dict[int, tuple[list[str], list[StreamEvent]]] = {}
+        self._finish_reasons: dict[int, str] = {}
 
     def chunks(self, output: RequestOutput) -> Iterator[str]:
         """SSE lines for one step's deltas."""
         for delta in output.samples:
             self.num_completion_tokens += len(delta.token_ids)
             role = None
-            if delta.index not in self._started:
-                self._started.add(delta.index)
+            if delta.index not in self._written:
+                self._written[delta.index] = ([], [])
                 role = "assistant"
             reasoning, content, calls = self._split(delta)
             finish = delta.finish_reason
             if finish == "stop" and self._streams.get(delta.index) is not None:
                 finish = "tool_calls" if self._streams[delta.index].num_calls else finish
+            self._keep(delta.index, reasoning, content, calls, finish)
             if not (role or reasoning or content or calls or finish or delta.logprobs):
                 continue
             choice = ChunkChoice(
@@ -255,6 +260,23 @@ class ChunkWriter:
     @property
     def num_malformed_tool_calls(self) -> int:
         return sum(stream.num_malformed for stream in self._streams.values())
+
+    def _keep(
+        self,
+        index: int,
+        reasoning: str,
+        content: str,
+        calls: list[ToolCallDelta],
+        finish: str | None,
+    ) -> None:
+        thoughts, events = self._written[index]
+        if reasoning:
+            thoughts.append(reasoning)
+        if content:
+            events.append(ContentDelta(content))
+        events += calls
+        if finish is not None:
+            self._finish_reasons[index] = finish
 
     def _split(self, delta: SampleDelta) -> tuple[str, str, list[ToolCallDelta]]:
         """(reasoning, content, tool-call deltas) decided by one choice's delta."""
@@ -283,6 +305,22 @@ class ChunkWriter:
             usage = usage_for(self.prepared.inputs, self.num_completion_tokens)
             yield self._line(ChatCompletionChunk(id=self.id, model=self.model, usage=usage))
         yield "data: [DONE]\n\n"
+
+    def summary(self) -> ChatCompletionResponse:
+        """What was streamed, as the same non-streaming reply without logprobs (for metrics
+        and the completion log): each choice's events accumulated as a client does."""
+        choices = [
+            Choice(
+                index=index,
+                message=_message(
+                    self.prepared, "".join(thoughts), ParsedToolCalls.from_events(events)
+                ),
+                finish_reason=self._finish_reasons.get(index) or "stop",
+            )
+            for index, (thoughts, events) in sorted(self._written.items())
+        ]
+        usage = usage_for(self.prepared.inputs, self.num_completion_tokens)
+        return ChatCompletionResponse(id=self.id, model=self.model, choices=choices, usage=usage)
 
     @staticmethod
     def _line(chunk: ChatCompletionChunk) -> str:

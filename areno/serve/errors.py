@@ -10,7 +10,7 @@ import logging
 from dataclasses import dataclass
 from typing import TypeVar
 
-from ray.exceptions import RayActorError
+from ray.exceptions import ObjectLostError, RayActorError
 from ray.serve.exceptions import BackPressureError
 
 from areno.engine.outputs import AbortCause, EngineDeadError, RequestOutput
@@ -105,7 +105,11 @@ def user_error(error: Exception) -> ArenoError:
         return EngineUnavailableError("the generation engine is restarting; retry shortly")
     if isinstance(cause, BackPressureError) or isinstance(error, BackPressureError):
         return EngineUnavailableError("the server is overloaded; retry shortly")
-    if isinstance(cause, RayActorError) or isinstance(error, RayActorError):
+    # A replica died: the one serving the request, one before it in a chain (Serve raises that
+    # death as the cause of a RayServeException), or the one that held an object the request
+    # needs (the Processor holds a StoredPrompt's media tensors until the Generator reads them).
+    lost = (RayActorError, ObjectLostError)
+    if any(isinstance(e, lost) for e in (error, cause, error.__cause__)):
         logger.warning("a replica died while serving a request: %s", error)
         return ReplicaLostError(
             "the request was cut off: the server replica handling it stopped; its "

@@ -2,11 +2,13 @@
 `/v1/completions`, `/v1/models`, `/health`) on FastAPI inside Ray Serve.
 
 A chat request's path: read and parse the body, check the model and key, encode the prompt (a
-text-only request here, one with media through the MediaDecoder and Processor deployments),
-`prepare` it (areno.serve.chat), call the Generator deployment, and write the reply as JSON or
-SSE from that one `PreparedChat`. A completions request (areno.serve.completions) is a batch of
-raw prompts, tokenized here, each run as its own Generator request side by side
-(areno.serve.fanout), its prompts scored first when `echo` asks for their logprobs.
+text-only request here, one with media through the MediaDecoder and Processor deployments as a
+chain: the Ingress gets back only the token ids, spans and text, and passes the reference to the
+media tensors on to the Generator), `prepare` it (areno.serve.chat), call the Generator
+deployment, and write the reply as JSON or SSE from that one `PreparedChat`. A completions request
+(areno.serve.completions) is a batch of raw prompts, tokenized here, each run as its own Generator
+request side by side (areno.serve.fanout), its prompts scored first when `echo` asks for their
+logprobs.
 """
 
 # NOTE: no `from __future__ import annotations` here: FastAPI reads the route signatures'
@@ -27,7 +29,6 @@ from ray import serve
 from ray.serve.config import BackpressureConfig
 from starlette.exceptions import HTTPException
 
-from areno.engine.outputs import merge_outputs
 from areno.models.registry import adapter_for_checkpoint
 from areno.processing import Processor
 from areno.processing.encode import PromptLimits
@@ -40,7 +41,6 @@ from areno.serve.chat import (
     PreparedChat,
     build_response,
     error_line,
-    num_malformed_tool_calls,
     prepare,
     tools_in_play,
 )
@@ -190,15 +190,13 @@ class Ingress:
             params = sampling_params(chat)  # refused before the prompt is encoded
             if model in self.config.lora_adapters:
                 params = dataclasses.replace(params, adapter=model)
-            encoded = await self._encode(chat, len(body))
+            encoded, stored = await self._encode(chat, len(body))
             prepared = prepare(chat, params, encoded, self.tool_parser, self.tokenizer)
-            request_id = uuid.uuid4().hex
+            args = (prepared.inputs, prepared.params, uuid.uuid4().hex, stored)
             if not chat.stream:
-                merged = await self.generator_unary.generate_all.remote(
-                    prepared.inputs, prepared.params, request_id
-                )
+                merged = await self.generator_unary.generate_all.remote(*args)
                 return self._respond(prepared, model, unwrap(merged), arrival)
-            stream = self.generator.generate.remote(prepared.inputs, prepared.params, request_id)
+            stream = self.generator.generate.remote(*args)
             first = unwrap(await stream.__anext__())  # request-level errors: before any byte
         except Exception as e:  # noqa: BLE001 - every failure becomes an OpenAI error response
             return self._error(e)
@@ -285,16 +283,17 @@ class Ingress:
     def _respond(self, prepared: PreparedChat, model: str, merged, arrival: float) -> JSONResponse:
         """The JSON answer of a non-streaming request (its tokens/s include the prefill: the
         first token's time is not known here). The metrics read the same dump as the reply."""
-        response = build_response(prepared, model, merged, self.tokenizer)
-        malformed = num_malformed_tool_calls(prepared, merged)
+        response, malformed = build_response(prepared, model, merged, self.tokenizer)
         body = response.model_dump(exclude_none=True)
         self.metrics.record(prepared, body, arrival, malformed)
         return JSONResponse(body)
 
     async def _encode(self, chat, body_size: int | None = None):
-        """PromptInputs of the request: text-only ones encoded here (a small one on the event
-        loop when the tokenizer is free, see INLINE_ENCODE_MAX_BYTES, the others on the encode
-        thread), the requests with media through MediaDecoder then Processor."""
+        """The request's PromptInputs and, for one with media, the reference to its whole
+        prompt (a `StoredPrompt`; None for text). Text-only requests are encoded here (a small one
+        on the event loop when the tokenizer is free, see INLINE_ENCODE_MAX_BYTES, the others on
+        the encode thread); those with media go through MediaDecoder then Processor, the
+        decoded media passed between them by Ray, never through this replica."""
         tools = chat.tools if tools_in_play(chat) else None
         kwargs = chat.chat_template_kwargs
         refs = self.text_processor.media_refs(chat.messages)
@@ -307,17 +306,17 @@ class Ingress:
             small = body_size is not None and body_size <= INLINE_ENCODE_MAX_BYTES
             if small and self.encode_lock.acquire(blocking=False):
                 try:
-                    return self.text_processor.encode(chat.messages, [], **options)
+                    return self.text_processor.encode(chat.messages, [], **options), None
                 finally:
                     self.encode_lock.release()
             encode = functools.partial(self._encode_text, chat.messages, **options)
-            return await asyncio.get_running_loop().run_in_executor(self.encode_thread, encode)
-        media = unwrap(await self.decoder.decode_many.remote(refs))
-        return unwrap(
-            await self.processor.encode.remote(
-                chat.messages, media, tools, kwargs, chat.max_new_tokens
-            )
+            loop = asyncio.get_running_loop()
+            return await loop.run_in_executor(self.encode_thread, encode), None
+        media = self.decoder.decode_many.remote(refs)  # resolved in the Processor replica
+        encoded = self.processor.encode.remote(
+            chat.messages, media, tools, kwargs, chat.max_new_tokens
         )
+        return unwrap(await encoded)
 
     def _encode_text(self, messages, **kwargs):
         """The encode thread's call: it holds the lock the event loop's inline encodes take."""
@@ -326,13 +325,10 @@ class Ingress:
 
     async def _sse(self, writer: ChunkWriter, first, stream, first_token_at: float):
         try:
-            outputs = [first]
             for line in writer.chunks(first):
                 yield line
             async for item in stream:
-                output = unwrap(item)
-                outputs.append(output)
-                for line in writer.chunks(output):
+                for line in writer.chunks(unwrap(item)):
                     yield line
         except Exception as e:  # noqa: BLE001 - the status line is sent; report in-stream
             # An error event and no [DONE]: the openai client raises APIError on it.
@@ -342,8 +338,7 @@ class Ingress:
             return
         for line in writer.end():
             yield line
-        merged = merge_outputs(outputs)
-        body = build_response(writer.prepared, writer.model, merged, self.tokenizer).model_dump()
+        body = writer.summary().model_dump()
         self.metrics.record(writer.prepared, body, first_token_at, writer.num_malformed_tool_calls)
 
     def _check_key(self, request: Request) -> JSONResponse | None:

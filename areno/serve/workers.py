@@ -3,6 +3,10 @@
 Each wraps the very class that training runs as a Ray actor (`MediaDecoder`, `Processor`,
 `Generator`), adding what serving needs around it: the server's media policy, Serve's health
 check, the Generator replica's admission queue (429 / 503) and Prometheus metrics.
+
+A request with media runs through them as a chain: the Processor takes the MediaDecoder's reply
+straight from Ray (the Ingress hands it on unread), and answers a `StoredPrompt`, whose media
+tensors only the Generator replica reads.
 """
 
 from __future__ import annotations
@@ -10,8 +14,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Any
+from typing import Any, NamedTuple
 
+import ray
 from ray import serve
 
 from areno.engine.sampling import SamplingParams
@@ -19,6 +24,7 @@ from areno.errors import ArenoError
 from areno.media import MediaDecoder, MediaPolicy
 from areno.processing import Processor
 from areno.processing.encode import PromptLimits
+from areno.processing.types import PromptInputs
 from areno.processing.warmup import warm_up_prompts
 from areno.serve.admission import Admission, EngineUnavailableError
 from areno.serve.config import ServeConfig
@@ -69,9 +75,19 @@ class MediaDecoderServer:
         return decoded
 
 
+class StoredPrompt(NamedTuple):
+    """A request's encoded prompt with media, as the Processor replica answers it: `inputs`
+    without the media tensors (token ids, spans, prompt text: what the Ingress reads) and `ref`,
+    the whole PromptInputs in Ray's object store, which the Ingress passes to the Generator
+    replica unread."""
+
+    inputs: PromptInputs
+    ref: ray.ObjectRef
+
+
 @serve.deployment(max_ongoing_requests=64)
 class ProcessorServer:
-    """Chat template + native processor: messages and decoded media to PromptInputs (requests
+    """Chat template + native processor: messages and decoded media to a StoredPrompt (requests
     with media; the Ingress encodes text-only requests itself)."""
 
     def __init__(self, config: ServeConfig):
@@ -82,15 +98,17 @@ class ProcessorServer:
     def encode(
         self,
         messages: list,
-        media: list,
+        media: list | Refused,
         tools: list | None,
         template_kwargs: Any,
         max_new_tokens: int | None = None,
-    ):
-        """The PromptInputs, or Refused (a prompt over the limits, media the processor cannot
-        take: see `Refused`)."""
+    ) -> StoredPrompt | Refused:
+        """The StoredPrompt, or Refused: the MediaDecoder's refusal of `media`, passed on, or
+        this replica's own (a prompt over the limits, media the processor cannot take)."""
+        if isinstance(media, Refused):
+            return media
         try:
-            return self.processor.encode(
+            inputs = self.processor.encode(
                 messages,
                 media,
                 tools=tools,
@@ -99,6 +117,8 @@ class ProcessorServer:
             )
         except ArenoError as error:
             return Refused(error)
+        header = PromptInputs(inputs.input_ids, {}, inputs.mm_spans, inputs.prompt_text)
+        return StoredPrompt(header, ray.put(inputs))
 
 
 @serve.deployment(max_ongoing_requests=4096)
@@ -167,10 +187,19 @@ class GeneratorServer:
     # paused engine, a prompt the engine refuses, a request it cut off) as a Refused value, not
     # an exception (areno/serve/errors.py, `Refused`); the Ingress unwraps it. So do the
     # decoder's and the processor's.
+    # `stored`: a request with media's whole prompt, which Ray fetched here from the reference
+    # of its StoredPrompt; `inputs` then holds its token ids as the Ingress prepared them.
 
-    async def generate_all(self, inputs, params: SamplingParams, request_id: str):
+    async def generate_all(
+        self,
+        inputs: PromptInputs,
+        params: SamplingParams,
+        request_id: str,
+        stored: PromptInputs | None = None,
+    ):
         """The whole request in one reply (non-streaming HTTP: no per-delta handle traffic), or
         Refused; RequestAbortedError (503) for a request the engine cut off."""
+        inputs = with_media(inputs, stored)
         try:
             self._admit(params, request_id)
         except ArenoError as error:
@@ -185,10 +214,17 @@ class GeneratorServer:
             return Refused(error)
         return output
 
-    async def generate(self, inputs, params: SamplingParams, request_id: str):
+    async def generate(
+        self,
+        inputs: PromptInputs,
+        params: SamplingParams,
+        request_id: str,
+        stored: PromptInputs | None = None,
+    ):
         """The request's deltas; a refused request yields only its Refused, and one the engine
         cuts off ends with Refused(RequestAbortedError) (the Ingress's error event) in place of
         its aborted delta."""
+        inputs = with_media(inputs, stored)
         try:
             self._admit(params, request_id)
         except ArenoError as error:
@@ -263,3 +299,14 @@ class GeneratorServer:
         generator = getattr(self, "generator", None)
         if generator is not None:
             generator.shutdown()
+
+
+def with_media(inputs: PromptInputs, stored: PromptInputs | None) -> PromptInputs:
+    """The prompt the engine runs: `inputs` itself for a text request; for one with media, its
+    `stored` whole prompt with the token ids of `inputs` (which may end with a forced call
+    opening: with_tokens extends the per-token media tensors to match)."""
+    if stored is None:
+        return inputs
+    if inputs.input_ids == stored.input_ids:
+        return stored
+    return stored.with_tokens(inputs.input_ids)

@@ -212,3 +212,19 @@ def test_engine_and_serve_overload_errors_map_to_503():
         "param": None,
         "code": "rate_limit_exceeded",
     }
+
+
+def test_a_replica_lost_before_or_under_the_request_is_503_replica_unavailable():
+    """A chain's earlier replica dying (Serve raises a RayServeException caused by its death)
+    and the owner of an object the request needs dying both end as the retryable 503."""
+    from ray.exceptions import ActorDiedError, OwnerDiedError
+    from ray.serve.exceptions import RayServeException
+
+    from areno.serve.errors import user_error
+
+    upstream = RayServeException("an upstream actor died before finishing a dependent task")
+    upstream.__cause__ = ActorDiedError()
+    owner_gone = OwnerDiedError("a" * 56, "", "")
+    for error in (upstream, owner_gone):
+        lost = user_error(error)
+        assert (lost.status_code, lost.code, lost.retry_after_s) == (503, "replica_unavailable", 1)

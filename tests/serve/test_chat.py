@@ -70,7 +70,9 @@ def output(text: str, finish: str = "stop") -> RequestOutput:
 @pytest.mark.parametrize("tool_format", sorted(CALL_TEXT))
 def test_response_splits_tool_calls(tokenizer, tool_format):
     text = "Let me check. " + CALL_TEXT[tool_format]
-    body = build_response(prepared(request(), tokenizer, tool_format), "m", output(text), tokenizer)
+    body, _ = build_response(
+        prepared(request(), tokenizer, tool_format), "m", output(text), tokenizer
+    )
     parsed = ChatCompletion.model_validate(body.model_dump(exclude_none=True))
     choice = parsed.choices[0]
     assert choice.finish_reason == "tool_calls"
@@ -104,9 +106,10 @@ def test_stream_splits_tool_calls_across_deltas(tokenizer, tool_format):
 
 def test_malformed_call_text_comes_back_as_content(tokenizer):
     text = '<tool_call>\n{"name": "get_weather", "arguments": {"city": </tool_call>'
-    body = build_response(
+    body, num_malformed = build_response(
         prepared(request(), tokenizer, "hermes_json"), "m", output(text), tokenizer
     )
+    assert num_malformed == 1
     assert body.choices[0].message.content == text
     assert body.choices[0].message.tool_calls == []
     assert body.choices[0].finish_reason == "stop"
@@ -158,7 +161,7 @@ def test_forced_call_response_names_the_function(tokenizer, tool_format):
     prefix, generated = _forced_split(tool_format)
     chat = prepared(request(tool_choice=NAMED), tokenizer, tool_format)
     assert chat.prefix == prefix
-    body = build_response(chat, "m", output(generated), tokenizer)
+    body, _ = build_response(chat, "m", output(generated), tokenizer)
     choice = ChatCompletion.model_validate(body.model_dump(exclude_none=True)).choices[0]
     assert choice.finish_reason == "tool_calls"
     assert choice.message.content is None
@@ -194,7 +197,7 @@ def test_forced_call_streams_with_its_name(tokenizer, tool_format):
 def test_unfinished_forced_call_is_content_with_its_prefix(tokenizer):
     prefix = get_tool_parser("gemma4").forced_prefix("get_weather")
     chat = prepared(request(tool_choice=NAMED), tokenizer, "gemma4")
-    body = build_response(chat, "m", output("{zq", "length"), tokenizer)
+    body, _ = build_response(chat, "m", output("{zq", "length"), tokenizer)
     assert body.choices[0].message.content == prefix + "{zq"
     assert not body.choices[0].message.tool_calls
     assert body.choices[0].finish_reason == "length"
@@ -243,7 +246,7 @@ def test_response_splits_reasoning_from_content_and_calls(tokenizer, with_tools)
     chat = request() if with_tools else request(tools=None)
     reply = "Paris is asked.\n</think>\n\n" + ("Checking. " + CALL_TEXT["qwen3_xml"])
     chat = prepared(chat, tokenizer, prompt_text=THINKING_PROMPT)
-    body = build_response(chat, "m", output(reply), tokenizer)
+    body, _ = build_response(chat, "m", output(reply), tokenizer)
     choice = ChatCompletion.model_validate(body.model_dump(exclude_none=True)).choices[0]
     assert reasoning_of(choice.message) == "Paris is asked."
     assert "think>" not in choice.message.content
@@ -257,7 +260,7 @@ def test_response_splits_reasoning_from_content_and_calls(tokenizer, with_tools)
 
 def test_a_reasoning_block_never_closed_is_all_reasoning(tokenizer):
     chat = prepared(request(), tokenizer, prompt_text=THINKING_PROMPT)
-    body = build_response(
+    body, _ = build_response(
         chat, "m", output("Still weighing <tool_call> or not", "length"), tokenizer
     )
     choice = ChatCompletion.model_validate(body.model_dump(exclude_none=True)).choices[0]
@@ -269,7 +272,7 @@ def test_a_reasoning_block_never_closed_is_all_reasoning(tokenizer):
 def test_without_reasoning_in_play_nothing_is_reasoning(tokenizer):
     """enable_thinking=false, or a template without blocks: the text is all content."""
     text = "Plain </think> answer"
-    body = build_response(prepared(request(tools=None), tokenizer), "m", output(text), tokenizer)
+    body, _ = build_response(prepared(request(tools=None), tokenizer), "m", output(text), tokenizer)
     dumped = body.model_dump(exclude_none=True)
     assert "reasoning_content" not in dumped["choices"][0]["message"]
     assert dumped["choices"][0]["message"]["content"] == text
@@ -304,6 +307,33 @@ def test_stream_sends_reasoning_deltas_until_the_end_tag_then_content_and_calls(
     first_content = next(i for i, d in enumerate(deltas) if d.content)
     assert all(reasoning_of(d) is None for d in deltas[first_content:])
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+@pytest.mark.parametrize("reply", ["Paris is asked.\n</think>\n\nChecking. ", "Still weighing"])
+def test_a_stream_summary_holds_what_the_whole_reply_holds(tokenizer, reply):
+    """The metrics and the completion log of a streamed reply read what the writer wrote
+    (never a second parse of the merged text), and that is the non-streaming reply's message:
+    reasoning, content, calls and finish reason."""
+    reply += CALL_TEXT["qwen3_xml"] + " and <tool_call>{broken</tool_call>"
+    whole, num_malformed = build_response(
+        prepared(request(), tokenizer, prompt_text=THINKING_PROMPT), "m", output(reply), tokenizer
+    )
+    chat = prepared(request(stream=True), tokenizer, prompt_text=THINKING_PROMPT)
+    writer = ChunkWriter(chat, "m", tokenizer)
+    stream_reply(writer, list(reply))
+    summary = writer.summary()
+    assert summary.id == writer.id
+    assert summary.usage.completion_tokens == len(reply)
+    [streamed], [expected] = summary.choices, whole.choices
+    assert streamed.finish_reason == expected.finish_reason
+    message, expected_message = streamed.message, expected.message
+    assert (message.content, message.reasoning_content) == (
+        expected_message.content,
+        expected_message.reasoning_content,
+    )
+    calls = [(c.function.name, c.function.arguments) for c in message.tool_calls]
+    assert calls == [(c.function.name, c.function.arguments) for c in expected_message.tool_calls]
+    assert writer.num_malformed_tool_calls == num_malformed
 
 
 def test_stream_of_a_block_never_closed_has_no_content(tokenizer):

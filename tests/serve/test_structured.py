@@ -86,7 +86,7 @@ class Family:
         prepared = prepare(request, sampling_params(request), encoded, self.parser, self.tokenizer)
         self.last_params = prepared.params
         output = asyncio.run(self.generator.generate_all(prepared.inputs, prepared.params))
-        return build_response(prepared, "tiny", output, self.tokenizer)
+        return build_response(prepared, "tiny", output, self.tokenizer)[0]
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
