@@ -180,6 +180,33 @@ def test_text_prompts_of_unequal_lengths_arriving_together_equal_generate(
     assert runner.prefill_compiled == (prefill_compile != "off")  # no fallback
 
 
+@pytest.mark.parametrize("prefill_compile", ["off", "eager"])
+def test_a_lone_text_prompt_runs_the_compiled_batched_prefill_where_there_is_one(
+    setups, prefill_compile
+):
+    """A prompt alone in its step takes the compiled text stack where prefills are compiled
+    (eager, its launches cost the host more than the GPU's work); uncompiled, the model's own
+    forward. Either way it gives what transformers' generate gives."""
+    setup = setups("qwen3_5")
+    x = setup.encode(text("Name a color you like a lot."))
+    gen = setup.generator(prefill_compile=prefill_compile)
+    runner = gen.core.executor.runner
+    batched: list[int] = []
+    prefill_batch = runner.prefill_batch
+
+    def recording(prompts, slots, tables):
+        batched.append(len(prompts))
+        return prefill_batch(prompts, slots, tables)
+
+    runner.prefill_batch = recording
+    try:
+        (output,) = run(arrive_together(gen, [x], GREEDY))
+    finally:
+        gen.shutdown()
+    assert batched == ([1] if prefill_compile != "off" else [])
+    assert output.samples[0].token_ids == setup.reference(x, GREEDY.max_tokens)
+
+
 def test_more_requests_than_slots_queue_and_all_finish(setups, overlap):
     setup = setups("qwen3_5")
     inputs = [setup.encode(text(f"Request number {i}.")) for i in range(6)]

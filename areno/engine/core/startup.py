@@ -30,7 +30,8 @@ def run_steps(core: Any, times: dict[str, float]) -> None:
     prompts of unequal lengths into slots 0 and 1, then a decode step of the smallest row bucket
     and one of the next. The compiles are generic in the row count and lengths (see
     areno/engine/runner/compiled.py); should a model's code still pin a size it first saw, the second
-    decode step makes that recompile happen here. Outputs are dropped; the slots are free again
+    decode step makes that recompile happen here, and a batched prefill of one prompt the
+    compile of that batch size. Outputs are dropped; the slots are free again
     after, and their next prefills overwrite what these wrote. Records "cache" and "compile"
     seconds in `times`."""
     paths = core.executor.compiled_paths()
@@ -50,14 +51,17 @@ def run_steps(core: Any, times: dict[str, float]) -> None:
 
 
 def _batched_prefill(core: Any, num_blocks: int) -> None:
-    prompts = [PromptInputs([0] * n, {}) for n in (2, 3)]
-    # Blocks 1 and 2, or the sink for a pool of one block: nobody reads them after.
-    tables = [[min(slot + 1, num_blocks)] for slot in range(len(prompts))]
-    step = StepInput(
-        prefill=[PrefillItem(p, [slot], [tables[slot]]) for slot, p in enumerate(prompts)],
-        rows=[_DROPPED_ROW] * len(prompts),
-    )
-    core.executor.execute(step)
+    """Two prompts of unequal lengths, then one alone: the compiled text stack specializes a
+    batch of one (as torch.compile does every size-1 dimension), the prefill of a lone prompt."""
+    for lengths in ((2, 3), (2,)):
+        prompts = [PromptInputs([0] * n, {}) for n in lengths]
+        # Blocks 1 and 2, or the sink for a pool of one block: nobody reads them after.
+        tables = [[min(slot + 1, num_blocks)] for slot in range(len(prompts))]
+        step = StepInput(
+            prefill=[PrefillItem(p, [slot], [tables[slot]]) for slot, p in enumerate(prompts)],
+            rows=[_DROPPED_ROW] * len(prompts),
+        )
+        core.executor.execute(step)
 
 
 def _decode_steps(core: Any, buckets: list[int]) -> None:

@@ -2,8 +2,8 @@
 
 A step's `PrefillItem`s are whole prompts, chunks of long prompts and resumptions from the prefix
 cache. Whole prompts without media share right-padded forwards (`ModelRunner.prefill_batch`)
-in groups whose padding stays within MAX_PREFILL_PADDING (`prefill_groups`); a prompt with media
-runs alone (`ModelRunner.prefill`). Chunks and resumptions run over the keys their blocks hold,
+in groups whose padding stays within MAX_PREFILL_PADDING (`prefill_groups`), a lone one too where
+that forward is compiled; a prompt with media runs alone (`ModelRunner.prefill`). Chunks and resumptions run over the keys their blocks hold,
 several in one forward (`ModelRunner.prefill_parts`), or one at a time under tensor parallelism
 (`ModelRunner.prefill_chunk`); a state save midway splits an item into two rounds. An item of
 several samples is forked into their slots once its prompt is done.
@@ -70,7 +70,11 @@ def run_prefills(
     lengths = [items[i].inputs.num_prompt_tokens for i in batchable]
     for group in prefill_groups(lengths, pad=runner.can_pad_prefill):
         indices = [batchable[g] for g in group]
-        if len(indices) == 1:
+        # A lone prompt runs the batched forward too where its text stack is compiled: eager,
+        # one 256-token prompt of the 1.7B shape took 57 ms of host time for 6 ms of GPU
+        # kernels (docs/performance.md, "Where a step's time goes"). Not a one-token prompt
+        # (start-up's cache allocation): its size-1 length would compile a graph of its own.
+        if len(indices) == 1 and not (runner.prefill_compiled and lengths[group[0]] > 1):
             item = items[indices[0]]
             last[indices[0]] = runner.prefill(item.inputs, item.slots, item.block_tables)
             continue
