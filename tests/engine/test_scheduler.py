@@ -448,3 +448,20 @@ def test_a_sequence_running_across_new_weights_never_caches_its_blocks():
     sched.schedule()
     assert new_seq.num_registered_blocks == 2
     assert sched.kv.blocks.num_cached == 2
+
+
+def test_a_sample_waiting_for_its_groups_prefill_lets_later_requests_pass() -> None:
+    """With prefix caching, a GRPO group's later samples (requests of their own) wait a step for
+    the first one's prompt blocks; a different request behind them is admitted meanwhile."""
+    sched = Scheduler(SchedulerConfig(4, 128, 1000, None, 16, enable_prefix_caching=True))
+    prompt = list(range(10, 50))  # two full blocks and 8 tokens
+    first, second = (
+        SequenceGroup.create(rid, prompt, SamplingParams(), can_chunk=True)
+        for rid in ("g-0", "g-1")
+    )
+    other = SequenceGroup.create("other", list(range(60, 70)), SamplingParams(), can_chunk=True)
+    for g in (first, second, other):
+        sched.add(g)
+    assert ids(decode_step(sched).prefill) == ["g-0", "other"]
+    out = decode_step(sched)  # g-0's blocks are cached now: g-1 starts from them
+    assert ids(out.prefill) == ["g-1"] and out.prefill[0].start == 32

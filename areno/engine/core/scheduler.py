@@ -372,12 +372,13 @@ class Scheduler:
         """Admit waiting sequences, oldest first, into free slots and blocks, within `budget`
         prompt tokens. `first`: nothing else prefills this step, so a prompt over the budget
         that may not be chunked runs alone rather than never."""
-        # NOTE: strict FCFS: the head of the queue blocks later sequences, even smaller ones, so
-        # that a long prompt cannot starve.
+        # NOTE: FCFS: the head of the queue blocks later sequences, even smaller ones, so that a
+        # long prompt cannot starve; only a sequence waiting for its group's prefill is passed.
         admitted: list[ScheduledPrefill] = []
         block_size = self.config.block_size
-        while self._waiting and self.kv.can_allocate_slot():
-            seq = self._waiting[0]
+        index = 0  # the first waiting sequence not passed over this step
+        while index < len(self._waiting) and self.kv.can_allocate_slot():
+            seq = self._waiting[index]
             group = self._groups[seq.request_id]
             last = admitted[-1] if admitted else None
             joins = _joins(last, seq, group)
@@ -387,7 +388,10 @@ class Scheduler:
                 shared = seq.num_prompt_tokens // block_size
                 need = len(last.seqs[0].block_ids) - shared
             elif self.kv.awaits(seq, group, self._running):
-                break
+                # It waits a step or so for what a running sequence is computing (its group's
+                # prompt); the sequences behind it go past meanwhile.
+                index += 1
+                continue
             else:
                 prefix = self.kv.lookup(seq, group)
                 cached = prefix.num_tokens
@@ -399,7 +403,7 @@ class Scheduler:
                         break
             if not self.kv.can_admit(need, prefix, self._watermark if self._running else 0):
                 break
-            self._waiting.pop(0)
+            self._waiting.pop(index)
             seq.status = SequenceStatus.RUNNING
             seq.prefill_end, seq.num_computed_tokens = seq.num_tokens, end
             seq.num_fed_tokens = end
