@@ -547,3 +547,27 @@ def test_turns_that_resume_together_share_forwards_and_keep_the_cold_tokens(
     assert cold_cached == 0 and cold_shared == []
     assert warm_cached > 0
     assert max(warm_shared) == len(questions)  # a later turn's four resumptions, one forward
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_text_prompt_sent_again_resumes_from_the_cache_on_every_family(setups, family):
+    """A text prompt's prefill saves the layer states (linear attention, sliding windows) at
+    its last full block, so the same prompt again finds all of it but its last partial block
+    cached, and answers as the cold engine does."""
+    setup = setups(family)
+    x = setup.encode(text("Tell me a story about a river that ran to the sea, " * 6))
+    params = SamplingParams(temperature=0, max_tokens=6, logprobs=True, ignore_eos=True)
+    cold = setup.generator(block_size=4, enable_prefix_caching=False)
+    try:
+        (expected,) = run(arrive_together(cold, [x], params))
+    finally:
+        cold.shutdown()
+    gen = setup.generator(block_size=4, enable_prefix_caching=True)
+    try:
+        first, _ = _cached_tokens(gen, x, params)
+        again, cached = _cached_tokens(gen, x, params)
+    finally:
+        gen.shutdown()
+    n = x.num_prompt_tokens
+    assert cached >= 0.9 * n and cached == (n - 1) // 4 * 4, (cached, n)
+    assert first == again == expected.samples[0].token_ids

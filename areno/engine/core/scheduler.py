@@ -76,6 +76,8 @@ class SchedulerConfig:
     num_state_rows: rows of saved slot state (the runner's) for a model whose layers keep
         state besides keys (linear attention, sliding windows): its prompts resume only where
         a state was saved (areno/engine/kv/state_cache.py). 0: every layer keeps keys only.
+    saves_text_prompts: a text prompt's prefill saves those states at its last full block
+        too, as a prompt with media's does (`PrefixCache.plan_prompt_save`).
     """
 
     max_running_prompts: int
@@ -85,6 +87,7 @@ class SchedulerConfig:
     block_size: int = 16
     enable_prefix_caching: bool = False
     num_state_rows: int = 0
+    saves_text_prompts: bool = False
 
     def __post_init__(self) -> None:
         limits = {
@@ -207,6 +210,7 @@ class Scheduler:
             enable_prefix_caching=config.enable_prefix_caching,
             num_state_rows=config.num_state_rows,
             groups=self._groups,
+            saves_text_prompts=config.saves_text_prompts,
         )
         self._watermark = int(self.WATERMARK * config.num_blocks)
 

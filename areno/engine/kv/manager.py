@@ -96,12 +96,15 @@ class KVCacheManager:
         enable_prefix_caching: bool,
         num_state_rows: int,
         groups: dict[str, SequenceGroup],
+        saves_text_prompts: bool = False,
     ) -> None:
         self.block_size = block_size
         self.caching = enable_prefix_caching
         self.slots = SlotAllocator(num_slots)
         self.blocks = BlockManager(num_blocks, block_size)
-        self.prefix = PrefixCache(enable_prefix_caching, self.blocks, num_state_rows, groups)
+        self.prefix = PrefixCache(
+            enable_prefix_caching, self.blocks, num_state_rows, groups, saves_text_prompts
+        )
 
     @property
     def states(self) -> StateCache:

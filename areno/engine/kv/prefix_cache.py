@@ -22,8 +22,10 @@ class PrefixCache:
         blocks: BlockManager,
         num_state_rows: int,
         groups: dict[str, SequenceGroup],
+        saves_text_prompts: bool = False,
     ) -> None:
         self.enabled = enabled
+        self.saves_text_prompts = saves_text_prompts
         self.blocks, self.block_size = blocks, blocks.block_size
         self.states = StateCache(num_state_rows if enabled else 0)
         self.groups = groups  # the scheduler's unfinished requests, by id
@@ -122,7 +124,7 @@ class PrefixCache:
         of their own, share one prefill so)."""
         if not self.enabled or not group.can_chunk:
             return False
-        if self.states.num_rows and not group.media_keys():
+        if self.states.num_rows and not (group.media_keys() or self.saves_text_prompts):
             return False  # no state is saved at its prompt's end (`plan_prompt_save`)
         num_blocks = (seq.num_tokens - 1) // self.block_size
         if not num_blocks:
@@ -138,11 +140,15 @@ class PrefixCache:
 
     def plan_prompt_save(self, seq: Sequence, group: SequenceGroup, cached: int) -> None:
         """Where the model keeps states, have `seq`'s prefill save it at the end of its prompt's
-        last full block (before its last token), so that the same prompt again resumes there:
-        prompts with media only (the others share batched prefills, which run whole)."""
+        last full block (before its last token), so that the same prompt again resumes there
+        (a retried request, a GRPO group's samples); its prefill then runs in two parts around
+        the save (`runner/prefills.py`). Prompts with media always; text prompts where
+        `saves_text_prompts` (whole prompts prefill uncompiled there, so the two parts cost
+        what one forward does; a compiled batched prefill runs whole)."""
         size = self.block_size
         end = (seq.num_tokens - 1) // size * size
-        if not (self.states.num_rows and group.media_keys()) or end <= cached:
+        saves = group.media_keys() or self.saves_text_prompts
+        if not (self.states.num_rows and saves) or end <= cached:
             return
         if inside_run(group, end):
             return
