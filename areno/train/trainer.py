@@ -119,7 +119,8 @@ def run_steps(
     launch_id: str | None = None,
 ) -> checkpoint.TrainState:
     """The steps from `state.step` to `run.max_steps`: batch (rank 0) -> scatter -> train ->
-    sync -> checkpoint. Returns the state after the last."""
+    sync -> metrics -> checkpoint (`step_s` leaves the checkpoint's save out). Returns the
+    state after the last."""
     while state.step < config.run.max_steps:
         step_start = time.perf_counter()
         batch = controller.batch(state.step) if controller is not None else None
@@ -136,11 +137,8 @@ def run_steps(
             # the samples of rollouts still running are drawn again by a run resumed from here
             state.data_position = batch.data_position
         state = _broadcast(state, rank)
-        saved = config.run.save_every and state.step % config.run.save_every == 0
-        if saved or state.step == config.run.max_steps:
-            checkpoint.save(
-                learner.deepspeed, config.run.run_dir, state, rank=rank, launch_id=launch_id
-            )
+        # The step's metrics are written before its checkpoint: a run killed in between redoes
+        # the step when resumed, and no checkpointed step lacks them.
         if controller is not None:
             metrics = {**batch.metrics, **train_metrics}
             metrics.update(
@@ -152,4 +150,9 @@ def run_steps(
                 trainable_params=learner.num_trainable,
             )
             controller.record(state.step, metrics)
+        saved = config.run.save_every and state.step % config.run.save_every == 0
+        if saved or state.step == config.run.max_steps:
+            checkpoint.save(
+                learner.deepspeed, config.run.run_dir, state, rank=rank, launch_id=launch_id
+            )
     return state
