@@ -16,7 +16,7 @@ from typing import Any, ClassVar
 from areno.engine.config import EngineConfig
 from areno.errors import ConfigError
 from areno.resources import check_custom_resources
-from areno.settings import reference, setting
+from areno.settings import build, reference, setting
 from areno.train.grpo import GRPOLossConfig
 from areno.train.lora import LoraConfig
 
@@ -72,19 +72,22 @@ class RolloutConfig:
     """The rollout workers: serving's decoder / processor / generator, its engine settings
     under `engine`."""
 
-    # The engine settings that moved under `engine` (each refused with its new name).
-    MOVED: ClassVar[tuple[str, ...]] = (
-        "tp_size",
-        "max_running_prompts",
-        "max_context_len",
-        "block_size",
-        "enable_prefix_caching",
-        "prefix_state_rows",
-        "kv_cache_gib",
-        "kv_cache_memory_fraction",
-        "dtype",
-        "device",
-    )
+    # The engine settings that moved under `engine`, each refused with its new name.
+    RENAMED: ClassVar[dict[str, str]] = {
+        name: f"engine.{name}"
+        for name in (
+            "tp_size",
+            "max_running_prompts",
+            "max_context_len",
+            "block_size",
+            "enable_prefix_caching",
+            "prefix_state_rows",
+            "kv_cache_gib",
+            "kv_cache_memory_fraction",
+            "dtype",
+            "device",
+        )
+    }
 
     engine: EngineConfig = setting(
         default_factory=lambda: _ROLLOUT_ENGINE,
@@ -374,34 +377,18 @@ def merge_overrides(raw: dict, overrides: dict[str, Any]) -> dict:
 
 
 def _build(cls: type, raw: Any, where: str) -> Any:
-    if isinstance(raw, cls):
-        return raw
-    if not isinstance(raw, dict):
-        raise ConfigError(f"{where} must be a mapping; got {type(raw).__name__}")
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    for name in getattr(cls, "MOVED", ()):
-        if name in raw:
-            raise ConfigError(f"{where}.{name} is now {where}.engine.{name}", param=name)
-    unknown = sorted(set(raw) - set(fields))
-    if unknown:
-        raise ConfigError(
-            f"{where}: unknown key(s) {unknown}; valid keys: {', '.join(sorted(fields))}"
-        )
-    kwargs = {}
-    for name, value in raw.items():
-        sub = _SECTIONS.get((cls, name))
-        inner = f"{where}.{name}" if where != "config" else name
-        if sub is EngineConfig:  # over the section's own defaults
-            value = EngineConfig.from_dict(value, inner, _ROLLOUT_ENGINE)
-        elif sub is not None:
-            value = _build(sub, value, inner)
-        elif name == "betas" and isinstance(value, list):
-            value = tuple(value)
-        kwargs[name] = value
-    try:
-        return cls(**kwargs)
-    except TypeError as error:
-        raise ConfigError(f"{where}: {error}") from None
+    """A config section from a mapping: its sections built in turn (a rollout's `engine` by
+    RolloutConfig itself, over the rollout's own defaults), unknown and renamed keys refused by
+    name (`settings.build`)."""
+    if isinstance(raw, dict):
+        raw = dict(raw)
+        for name, value in raw.items():
+            sub = _SECTIONS.get((cls, name))
+            if sub is not None:
+                raw[name] = _build(sub, value, f"{where}.{name}" if where != "config" else name)
+            elif name == "betas" and isinstance(value, list):
+                raw[name] = tuple(value)
+    return build(cls, raw, where, getattr(cls, "RENAMED", None))
 
 
 _SECTIONS: dict[tuple[type, str], type] = {
@@ -413,7 +400,6 @@ _SECTIONS: dict[tuple[type, str], type] = {
     (GRPOConfig, "lora"): LoraConfig,
     (GRPOConfig, "run"): RunConfig,
     (AlgoConfig, "loss"): GRPOLossConfig,
-    (RolloutConfig, "engine"): EngineConfig,
 }
 
 
