@@ -129,6 +129,13 @@ class EngineConfig:
         "number of --lora adapters); 0: no low-rank path runs; needs tp_size 1",
     )
     max_lora_rank: int = setting(16, help="the largest LoRA rank the engine takes")
+    stream_interval_ms: float = setting(
+        5.0,
+        help="a streamed request's new tokens are handed to its caller at most this often "
+        "(its first token and its end at once): each hand-off is a message through the "
+        "server's hops, which cost host time beside the engine's (docs/performance.md); 0: "
+        "every step's",
+    )
     linear_state_dtype: str = setting(
         "float32",
         choices=LINEAR_STATE_DTYPES,
@@ -182,6 +189,12 @@ class EngineConfig:
             raise ConfigError(
                 f"max_context_len must be an integer >= 2; got {self.max_context_len!r}",
                 param="max_context_len",
+            )
+        interval = self.stream_interval_ms
+        if isinstance(interval, bool) or not isinstance(interval, int | float) or interval < 0:
+            raise ConfigError(
+                f"stream_interval_ms must be a number >= 0; got {interval!r}",
+                param="stream_interval_ms",
             )
         gib = self.kv_cache_gib
         if gib is not None and (

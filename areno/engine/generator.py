@@ -106,8 +106,12 @@ class Generator:
         )
         # request id -> (its caller's loop, its queue, whether it wants only the final output)
         self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue, bool]] = {}
-        # The outputs so far of final-only requests (the engine thread's; shutdown clears it after).
+        # The outputs not yet handed over of final-only requests, and of streamed ones within
+        # their stream interval, and when each streamed one's were last handed over (the engine
+        # thread's; shutdown clears them after).
         self._collected: dict[str, list[RequestOutput]] = {}
+        self._held: dict[str, list[RequestOutput]] = {}
+        self._handed_at: dict[str, float] = {}
         self._commands: list[tuple[Callable[[], Any], concurrent.futures.Future | None]] = []
         self._wake = threading.Condition()
         self._paused = False
@@ -224,7 +228,10 @@ class Generator:
     ) -> AsyncIterator[RequestOutput]:
         """`generate`'s stream. `final_only`: the engine thread keeps the deltas and hands them
         over together when the request finishes, so the caller's thread is not woken (and does
-        not contend for the GIL with the engine thread) at every step."""
+        not contend for the GIL with the engine thread) at every step. Otherwise the deltas that
+        arrived while the caller was busy (forwarding the last one: a Serve replica's handle
+        stream, an HTTP write) come as one: a caller slower than the engine's steps gets fewer,
+        larger deltas, never a growing backlog of one message per step."""
         request_id = request_id or uuid.uuid4().hex
         self.core.check_request(inputs, params)
         if request_id in self._queues:
@@ -245,10 +252,7 @@ class Generator:
             # wake-up contends for the GIL with the engine thread, which runs the prefill next).
             self._post(add)
             while not finished:
-                item = await queue.get()
-                if isinstance(item, BaseException):
-                    raise item
-                for output in item if isinstance(item, list) else [item]:
+                for output in _coalesced(await _ready(queue)):
                     finished = output.finished
                     yield output
         finally:
@@ -511,6 +515,8 @@ class Generator:
                 _run_command(fn, future)
             if self._can_step():
                 self._step()
+            elif self._held:  # nothing steps next (paused, or the held requests preempted)
+                self._deliver([], hold=False)
             if self.core.scheduler.num_running == 0 and self._idle_waiters:
                 for future in self._idle_waiters:
                     future.set_result(None)
@@ -529,27 +535,58 @@ class Generator:
             return
         self._deliver(outputs)
 
-    def _deliver(self, outputs: list[RequestOutput | None]) -> None:
+    def _deliver(self, outputs: list[RequestOutput | None], *, hold: bool = True) -> None:
+        """Hand requests' outputs to their callers: a final-only request's when it finishes, a
+        streamed one's at most every `stream_interval_ms` (its first output and its end at
+        once; `hold` False: all now). Held outputs reach the caller together, as one delta."""
         # One wake-up per event loop per step, not one per request: each wake-up makes the loop's
         # thread contend for the GIL with this one.
         batches: dict[asyncio.AbstractEventLoop, list] = {}
+        now = time.monotonic()
         for output in outputs:
             if output is None:
                 continue
-            entry = self._queues.get(output.request_id)
+            request_id = output.request_id
+            entry = self._queues.get(request_id)
             if entry is None:  # its caller is gone
-                self._collected.pop(output.request_id, None)
+                self._forget_outputs(request_id)
                 continue
             loop, queue, final_only = entry
-            if final_only:
-                collected = self._collected.setdefault(output.request_id, [])
-                collected.append(output)
-                if not output.finished:
-                    continue
-                output = self._collected.pop(output.request_id)
-            batches.setdefault(loop, []).append((queue, output))
+            kept = self._collected if final_only else self._held
+            kept.setdefault(request_id, []).append(output)
+            if not output.finished and (final_only or (hold and not self._due(request_id, now))):
+                continue
+            batches.setdefault(loop, []).append((queue, self._hand_over(request_id, kept, now)))
+        # Streamed requests that hold outputs of earlier steps (none this step: preempted).
+        for request_id in [r for r in self._held if not hold or self._due(r, now)]:
+            entry = self._queues.get(request_id)
+            if entry is None:
+                self._forget_outputs(request_id)
+                continue
+            batch = batches.setdefault(entry[0], [])
+            batch.append((entry[1], self._hand_over(request_id, self._held, now)))
         for loop, batch in batches.items():
             loop.call_soon_threadsafe(_put_all, batch)
+
+    def _due(self, request_id: str, now: float) -> bool:
+        """Whether a streamed request's held outputs go to its caller now."""
+        last = self._handed_at.get(request_id)
+        return last is None or now - last >= self.config.stream_interval_ms / 1e3
+
+    def _hand_over(
+        self, request_id: str, kept: dict[str, list[RequestOutput]], now: float
+    ) -> list[RequestOutput]:
+        outputs = kept.pop(request_id)
+        if outputs[-1].finished:
+            self._handed_at.pop(request_id, None)
+        else:
+            self._handed_at[request_id] = now
+        return outputs
+
+    def _forget_outputs(self, request_id: str) -> None:
+        self._collected.pop(request_id, None)
+        self._held.pop(request_id, None)
+        self._handed_at.pop(request_id, None)
 
     def _abort_all(self, cause: AbortCause) -> None:
         for request_id in self.core.scheduler.request_ids():
@@ -559,8 +596,30 @@ class Generator:
         if cause is not None:
             error.__cause__ = cause
         self._collected.clear()
+        self._held.clear()
+        self._handed_at.clear()
         for loop, queue, _ in list(self._queues.values()):
             loop.call_soon_threadsafe(queue.put_nowait, error)
+
+
+async def _ready(queue: asyncio.Queue) -> list[RequestOutput]:
+    """The outputs in `queue`: at least one (waited for), and every one already there. An
+    error the engine thread put there is raised."""
+    items = [await queue.get()]
+    while not queue.empty():
+        items.append(queue.get_nowait())
+    outputs = []
+    for item in items:
+        if isinstance(item, BaseException):
+            raise item
+        outputs += item if isinstance(item, list) else [item]
+    return outputs
+
+
+def _coalesced(outputs: list[RequestOutput]) -> list[RequestOutput]:
+    """One request's consecutive deltas as one (`merge_outputs`; each token keeps the policy
+    version that produced it), or the one delta as it is."""
+    return outputs if len(outputs) == 1 else [merge_outputs(outputs)]
 
 
 def _put_all(batch: list[tuple[asyncio.Queue, Any]]) -> None:

@@ -65,6 +65,8 @@ _ENGINE_FROM = {
     "max_lora_rank": "lora.rank",
     "num_cpus_per_rank": "rollout.num_cpus_per_worker",
 }
+# Engine settings of serving that a rollout worker has no use for, with the reason.
+_ENGINE_UNUSED = {"stream_interval_ms": "rollouts read whole replies, never a stream"}
 
 
 @dataclass
@@ -140,6 +142,12 @@ class RolloutConfig:
             if getattr(self.engine, name) != getattr(_ROLLOUT_ENGINE, name):
                 raise ConfigError(
                     f"rollout.engine.{name} is set from {source}; leave it out", param=name
+                )
+        for name, reason in _ENGINE_UNUSED.items():
+            if getattr(self.engine, name) != getattr(_ROLLOUT_ENGINE, name):
+                raise ConfigError(
+                    f"rollout.engine.{name} does nothing here ({reason}); leave it out",
+                    param=name,
                 )
         _positive("rollout", "max_restarts", self.max_restarts, allow_zero=True)
         _positive("rollout", "max_staleness", self.max_staleness, allow_zero=True)

@@ -198,6 +198,42 @@ def test_a_whole_request_is_handed_over_once_and_equals_its_stream(setups, overl
     assert stats["num_free_slots"] == 2 and not gen._collected
 
 
+def test_a_stream_hands_over_its_tokens_at_most_every_stream_interval(setups, overlap):
+    """A streamed request's first token comes alone and at once; later steps' tokens wait in
+    the engine thread for the stream interval and come as one delta (each token keeping its
+    policy version), its end at once. The stream holds every token either way, and interval 0
+    hands over every step's."""
+    setup = setups("qwen3_5")
+    x = setup.encode(text("Count slowly."))
+    params = SamplingParams(max_tokens=12, ignore_eos=True, n=2, seed=3, logprobs=True)
+    streams = {}
+    for interval in (0.0, 60_000.0):
+        gen = setup.generator(overlap_steps=overlap, stream_interval_ms=interval)
+        try:
+            streams[interval] = run(collect_outputs(gen.generate(x, params)))
+        finally:
+            gen.shutdown()
+    every_step, held = streams[0.0], streams[60_000.0]
+    assert len(every_step) >= 12
+    first, rest = held
+    assert [len(d.token_ids) for d in first.samples] == [1, 1] and not first.finished
+    assert [len(d.token_ids) for d in rest.samples] == [11, 11] and rest.finished
+    assert all(d.policy_versions == [0] * 11 for d in rest.samples)
+    merged = merge_outputs(held).samples
+    assert merged == merge_outputs(every_step).samples
+    assert all(len(d.logprobs) == 12 and d.finish_reason == "length" for d in merged)
+
+
+async def collect_outputs(stream) -> list:
+    return [output async for output in stream]
+
+
+def test_a_stream_interval_below_zero_is_refused() -> None:
+    with pytest.raises(ConfigError, match="stream_interval_ms") as raised:
+        EngineConfig(stream_interval_ms=-1)
+    assert raised.value.param == "stream_interval_ms"
+
+
 def test_overlapped_steps_are_on_for_one_cuda_process_and_refused_for_a_tp_group() -> None:
     with pytest.raises(ConfigError, match="overlap_steps needs tp_size 1"):
         EngineConfig(tp_size=2, overlap_steps="on")

@@ -75,7 +75,8 @@ class RequestOutput:
 
 
 def merge_outputs(outputs: list[RequestOutput]) -> RequestOutput:
-    """Fold a request's stream of deltas into one output with one delta per sample."""
+    """Fold a request's stream of deltas into one output with one delta per sample; each token
+    keeps the policy version that produced it (a delta's own, or its output's)."""
     if not outputs:
         raise ValueError("no outputs to merge")
     merged: dict[int, SampleDelta] = {}
@@ -83,7 +84,7 @@ def merge_outputs(outputs: list[RequestOutput]) -> RequestOutput:
         for delta in output.samples:
             total = merged.setdefault(delta.index, SampleDelta(delta.index, []))
             total.token_ids += delta.token_ids
-            versions = [output.policy_version] * len(delta.token_ids)
+            versions = delta.policy_versions or [output.policy_version] * len(delta.token_ids)
             total.policy_versions = (total.policy_versions or []) + versions
             total.text += delta.text
             if delta.logprobs is not None:
