@@ -1,6 +1,6 @@
-"""A streamed reply's time between tokens, served against the same engine in process (CPU).
+"""A streamed reply's time between tokens, served against the same engine in process.
 
-Workload (fixed seed): one tiny checkpoint (`--family`, default Qwen3.5), greedy, a short text
+Workload (fixed seed): one tiny checkpoint (`--family`, default Qwen3.5) or `--model-path`, greedy, a short text
 prompt, every reply exactly `--tokens` tokens long (`min_tokens` = `max_tokens`), one request at
 a time.
 - in-process: a `Generator` with the server's engine settings, streamed with `Generator.generate`
@@ -10,8 +10,9 @@ a time.
               streamed with the official `openai` client; one app per `--stream-interval-ms`
               (the engine's `stream_interval_ms`: 0 sends every step's tokens in a message of
               their own, the baseline; the default holds them up to that long).
-The ways take turns in each of `--rounds` rounds, so both run beside the same Ray processes and
-a drifting machine load shifts them alike. A reply's time between tokens is (last token's
+One app runs at a time (a GPU app takes the GPU whole); the in-process engine and the app take
+turns in each of `--rounds` rounds, so both run beside the same Ray processes and a drifting
+machine load shifts them alike. A reply's time between tokens is (last token's
 arrival - first token's arrival) / (tokens - 1): it counts tokens, not chunks, so a server that
 sends several tokens in one chunk is measured by the tokens it delivers. Time to first token is
 reported beside it. Prints a table and writes JSON (default
@@ -19,6 +20,7 @@ benchmarks/results/serve_stream.json).
 
     python benchmarks/serve_stream.py [--family qwen3_5] [--requests 20] [--rounds 4] [--tokens 64]
         [--stream-interval-ms 0 5]
+    python benchmarks/serve_stream.py --model-path CKPT --kv-cache-gib 4     # on a GPU
 """
 
 from __future__ import annotations
@@ -26,14 +28,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
-import functools
 import json
 import os
 import platform
 import socket
 import statistics
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 from areno.engine.config import EngineConfig
@@ -88,41 +88,41 @@ def timings(start: float, arrivals: list[tuple[float, int]]) -> tuple[float, flo
 
 
 class Served:
-    """`areno serve` apps in one Ray on loopback, one per stream interval, each streamed with
-    the openai client under its own route."""
+    """`areno serve` in one Ray on loopback, one app at a time (a GPU app takes the GPU
+    whole), streamed with the openai client."""
 
-    def __init__(self, path: str, engine: EngineConfig, intervals: list[float], tokens: int):
-        import openai
+    def __init__(self, path: str, engine: EngineConfig, tokens: int):
         import ray
         from ray import serve
 
-        from areno.serve.app import build_app
-        from areno.serve.config import ServeConfig
-
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+            self.port = s.getsockname()[1]
         os.environ.setdefault("RAY_AUTH_MODE", "disabled")
         ray.init(include_dashboard=False, log_to_driver=False)
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
-        self.clients = {}
-        for interval in intervals:
-            config = ServeConfig(
-                model_path=path,
-                port=port,
-                engine=dataclasses.replace(engine, stream_interval_ms=interval),
-            )
-            route = f"/interval{interval:g}"
-            serve.run(build_app(config), name=f"areno{interval:g}", route_prefix=route)
-            url = f"http://127.0.0.1:{port}{route}/v1"
-            self.clients[interval] = openai.OpenAI(base_url=url, api_key="none")
-        self.model = config.model_name
-        self.tokens = tokens
-        self.chunks: dict[float, list[int]] = {interval: [] for interval in intervals}
+        serve.start(http_options={"host": "127.0.0.1", "port": self.port})
+        self.path, self.engine, self.tokens = path, engine, tokens
+        self.chunks: list[int] = []
 
-    def ask(self, interval: float, i: int) -> tuple[float, float, int]:
+    def deploy(self, interval: float) -> None:
+        """Serve the checkpoint with `stream_interval_ms` = `interval` (in place of the last)."""
+        import openai
+        from ray import serve
+
+        from areno.serve.app import APP_NAME, build_app
+        from areno.serve.config import ServeConfig
+
+        engine = dataclasses.replace(self.engine, stream_interval_ms=interval)
+        config = ServeConfig(model_path=self.path, port=self.port, engine=engine)
+        serve.delete(APP_NAME)
+        serve.run(build_app(config), name=APP_NAME, route_prefix="/")
+        self.client = openai.OpenAI(base_url=f"http://127.0.0.1:{self.port}/v1", api_key="none")
+        self.model = config.model_name
+        self.chunks = []
+
+    def ask(self, i: int) -> tuple[float, float, int]:
         start = time.perf_counter()
-        stream = self.clients[interval].chat.completions.create(
+        stream = self.client.chat.completions.create(
             model=self.model,
             messages=question(i),
             max_tokens=self.tokens,
@@ -138,7 +138,7 @@ class Served:
             count = len(chunk.choices[0].logprobs.content or [])
             if count:
                 arrivals.append((time.perf_counter(), count))
-        self.chunks[interval].append(len(arrivals))
+        self.chunks.append(len(arrivals))
         return timings(start, arrivals)
 
     def close(self) -> None:
@@ -151,7 +151,13 @@ class Served:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--family", default="qwen3_5")
+    parser.add_argument("--family", default="qwen3_5", help="the tiny checkpoint's")
+    parser.add_argument("--model-path", help="a checkpoint instead of the tiny one")
+    parser.add_argument(
+        "--kv-cache-gib",
+        type=float,
+        help="each engine's KV pool (on a GPU the in-process engine and every app share it)",
+    )
     parser.add_argument("--requests", type=int, default=20, help="per way, over all rounds")
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--tokens", type=int, default=64)
@@ -164,25 +170,32 @@ def main() -> None:
     )
     parser.add_argument("--out", default="benchmarks/results/serve_stream.json")
     args = parser.parse_args()
-    path = str(tiny_checkpoint(args.family))
-    engine = EngineConfig(max_running_prompts=8)
+    path = args.model_path or str(tiny_checkpoint(args.family))
+    engine = EngineConfig(
+        max_running_prompts=8, max_context_len=2048, kv_cache_gib=args.kv_cache_gib
+    )
     local = InProcess(path, engine, args.tokens)
     served = None
-    ways: dict[str, Callable[[int], tuple[float, float, int]]] = {"in process": local.ask}
+    results: dict[str, list[tuple[float, float, int]]] = {"in process": []}
+    chunks = {}
+    per_round = max(args.requests // args.rounds, 1)
     try:
-        served = Served(path, engine, args.stream_interval_ms, args.tokens)
-        for interval in args.stream_interval_ms:
-            ways[f"served, {interval:g} ms"] = functools.partial(served.ask, interval)
-        for ask in ways.values():
+        served = Served(path, engine, args.tokens)
+        for i in range(3):
+            local.ask(10_000 + i)  # warm-up
+        for w, interval in enumerate(args.stream_interval_ms):
+            served.deploy(interval)
             for i in range(3):
-                ask(10_000 + i)  # warm-up
-        results: dict[str, list[tuple[float, float, int]]] = {name: [] for name in ways}
-        per_round = max(args.requests // args.rounds, 1)
-        for r in range(args.rounds):
-            for w, (name, ask) in enumerate(ways.items()):
+                served.ask(10_000 + i)  # warm-up
+            served.chunks = []
+            name = f"served, {interval:g} ms"
+            results[name] = []
+            for r in range(args.rounds):
                 # question numbers of its own: no request finds another's prompt cached
-                base = (w * args.rounds + r) * per_round
-                results[name] += [ask(base + i) for i in range(per_round)]
+                base = (w * args.rounds + r) * 2 * per_round
+                results["in process"] += [local.ask(base + i) for i in range(per_round)]
+                results[name] += [served.ask(base + per_round + i) for i in range(per_round)]
+            chunks[interval] = statistics.mean(served.chunks)
     finally:
         local.close()
         if served is not None:
@@ -199,9 +212,9 @@ def main() -> None:
     for interval in args.stream_interval_ms:
         row = table[f"served, {interval:g} ms"]
         row["over_in_process"] = row["tbt_mean_ms"] / floor
-        # the warm-up's replies left out
-        row["chunks_per_reply"] = statistics.mean(served.chunks[interval][3:])
-    print(f"tiny {args.family}, {args.tokens} tokens a reply, {args.requests} replies a way")
+        row["chunks_per_reply"] = chunks[interval]
+    model = args.model_path or f"tiny {args.family}"
+    print(f"{model}, {args.tokens} tokens a reply, {args.requests} replies a way")
     print(
         f"{'':18}{'TTFT p50 ms':>12}{'between tokens ms':>19}{'p50 reply':>11}"
         f"{'x in process':>14}{'chunks':>8}"
@@ -217,7 +230,7 @@ def main() -> None:
         "meta": {
             "machine": platform.platform(),
             "cpus": os.cpu_count(),
-            "family": args.family,
+            "model": args.model_path or f"tiny {args.family}",
             "tokens": args.tokens,
             "requests": args.requests,
             "rounds": args.rounds,
