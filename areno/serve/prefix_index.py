@@ -64,17 +64,24 @@ class PrefixIndex:
                 del self._blocks[replica]
 
 
-def choose(matches: dict, loads: dict, max_imbalance: int, rng: random.Random = _rng) -> Hashable:
-    """The replica for a request, from each replica's matched blocks and requests in flight:
-    the least busy of those holding its longest prefix, unless it has more than
-    `max_imbalance` requests more than the least busy replica (or nothing matched); then the
-    less busy of two random replicas (Serve's power of two choices), the longer match first
-    between equally busy ones."""
+def choose(
+    matches: dict, loads: dict, num_blocks: int, max_imbalance: int, rng: random.Random = _rng
+) -> Hashable:
+    """The replica for a request of `num_blocks` hashed blocks, from each replica's matched
+    blocks and requests in flight: the least busy of those holding its longest prefix, if it
+    is at most `max_imbalance` requests busier than the least busy replica, scaled by the share
+    of the prompt its match saves over that one's (a shared system prompt of a fifth of the
+    prompt buys a fifth of the imbalance; a chat's history, most of it). Otherwise, or when
+    nothing matched, the less busy of two random replicas (Serve's power of two choices), the
+    longer match first between equally busy ones."""
     longest = max(matches.values(), default=0)
     if longest > 0:
         holders = [r for r in loads if matches[r] == longest]
         pick = min(rng.sample(holders, len(holders)), key=loads.__getitem__)
-        if loads[pick] - min(loads.values()) <= max_imbalance:
+        least = min(loads.values())
+        idle_match = max(matches[r] for r in loads if loads[r] == least)
+        saved = (longest - idle_match) / max(num_blocks, longest)
+        if loads[pick] - least <= max_imbalance * saved:
             return pick
     two = rng.sample(list(loads), min(2, len(loads)))
     return min(two, key=lambda r: (loads[r], -matches[r]))

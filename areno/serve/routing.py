@@ -50,7 +50,7 @@ class PrefixRouter(RequestRouter):
         matches = self.index.matches(hashes, list(by_id))
         cache = self.replica_queue_len_cache
         loads = {rid: cache.get(rid) or 0 for rid in by_id}  # unknown: idle for a while
-        chosen = choose(matches, loads, self.max_imbalance)
+        chosen = choose(matches, loads, len(hashes), self.max_imbalance)
         if hashes:
             # Recorded now, not once sent: the requests right behind it with the same prefix
             # (a group's samples, a burst of one chat) follow it instead of splitting.

@@ -41,24 +41,30 @@ def test_the_index_forgets_the_least_recently_sent_blocks_first() -> None:
     assert index.matches([b"3"], ["a"]) == {"a": 1}
 
 
-def test_the_longest_prefix_wins_unless_its_replica_is_too_busy() -> None:
+def test_the_longest_prefix_wins_unless_its_replica_is_too_busy_for_what_it_saves() -> None:
     rng = random.Random(0)
-    matches = {"a": 5, "b": 2, "c": 0}
-    assert choose(matches, {"a": 3, "b": 0, "c": 0}, max_imbalance=4, rng=rng) == "a"
-    assert choose(matches, {"a": 4, "b": 0, "c": 0}, max_imbalance=4, rng=rng) == "a"
+    matches = {"a": 5, "b": 0, "c": 0}  # the whole prompt's 5 blocks on "a"
+    assert choose(matches, {"a": 4, "b": 0, "c": 0}, 5, max_imbalance=4, rng=rng) == "a"
     # Five requests more than the least busy: a less busy one of two random replicas instead.
-    picks = {choose(matches, {"a": 5, "b": 0, "c": 0}, 4, rng) for _ in range(50)}
+    picks = {choose(matches, {"a": 5, "b": 0, "c": 0}, 5, 4, rng) for _ in range(50)}
     assert picks == {"b", "c"}
+    # A match that saves a fifth of the prompt (a shared system prompt) buys a fifth of the
+    # imbalance: one request more is too many here, none is not.
+    assert choose({"a": 2, "b": 0}, {"a": 1, "b": 0}, 10, 4, rng) == "b"
+    assert choose({"a": 2, "b": 0}, {"a": 0, "b": 0}, 10, 4, rng) == "a"
+    # What the least busy replica holds too saves nothing over it.
+    assert choose({"a": 6, "b": 5}, {"a": 1, "b": 0}, 10, 4, rng) == "b"
     # Two holders of the longest prefix: the less busy one.
-    assert choose({"a": 5, "b": 5}, {"a": 2, "b": 1}, 4, rng) == "b"
+    assert choose({"a": 5, "b": 5}, {"a": 2, "b": 1}, 5, 4, rng) == "b"
 
 
 def test_a_prompt_that_matches_nothing_goes_to_the_less_busy_replica() -> None:
     rng = random.Random(0)
-    picks = [choose({"a": 0, "b": 0}, {"a": 3, "b": 1}, 4, rng) for _ in range(20)]
+    picks = [choose({"a": 0, "b": 0}, {"a": 3, "b": 1}, 5, 4, rng) for _ in range(20)]
     assert set(picks) == {"b"}
     # Equally busy and nothing matched: either.
-    assert {choose({"a": 0, "b": 0}, {"a": 0, "b": 0}, 4, rng) for _ in range(50)} == {"a", "b"}
+    picks = {choose({"a": 0, "b": 0}, {"a": 0, "b": 0}, 5, 4, rng) for _ in range(50)}
+    assert picks == {"a", "b"}
 
 
 def _inputs(token_ids: list[int], spans: list[MediaSpan] = ()) -> PromptInputs:
