@@ -73,6 +73,8 @@ def _serve(args: argparse.Namespace) -> None:
         max_queued_requests=args.max_queued_requests,
         deployment_resources=_json_flag("--deployment-resources", args.deployment_resources),
         lora_adapters=_pairs("--lora", args.lora),
+        routing=args.routing,
+        routing_max_imbalance=args.routing_max_imbalance,
     )
     run_server(config)
 
@@ -101,6 +103,7 @@ def _json_flag(flag: str, text: str | None):
 
 def _add_serve_parser(sub) -> None:
     from areno.engine.config import EngineConfig
+    from areno.serve.config import ROUTING_POLICIES
     from areno.settings import add_flags
 
     serve = sub.add_parser("serve", help="serve a checkpoint behind an OpenAI-compatible API")
@@ -113,6 +116,20 @@ def _add_serve_parser(sub) -> None:
     serve.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on every route")
     serve.add_argument(
         "--world-size", type=int, help="ranks over all Generator replicas (default: --tp-size)"
+    )
+    serve.add_argument(
+        "--routing",
+        choices=ROUTING_POLICIES,
+        default="prefix",
+        help="how a request picks one of several Generator replicas: prefix (where the longest "
+        "prefix of its prompt is cached, balanced against load), round_robin, or power_of_two "
+        "(Serve's default)",
+    )
+    serve.add_argument(
+        "--routing-max-imbalance",
+        type=int,
+        help="requests in flight the prefix router lets a replica have beyond the least busy "
+        "one's before it sends a prompt elsewhere (default: --max-running-prompts)",
     )
     serve.add_argument(
         "--max-queued-requests",

@@ -194,11 +194,7 @@ class SequenceGroup:
         NOTE: the key is the item's content hash (its source bytes and every decoding option
         that shaped it: the same clip at another fps is another item), modality and feature
         count."""
-        spans = self.inputs.mm_spans if self.inputs is not None else []
-        return [
-            (s.start, s.end, f"{s.modality}:{s.num_placeholder_tokens}:{s.content_hash}")
-            for s in spans
-        ]
+        return media_keys(self.inputs.mm_spans if self.inputs is not None else [])
 
     @property
     def params(self) -> SamplingParams:
@@ -227,3 +223,11 @@ class SequenceGroup:
 
     def unfinished_seqs(self) -> list[Sequence]:
         return [seq for seq in self.seqs if not seq.is_finished]
+
+
+def media_keys(spans: list[Any]) -> list[tuple[int, int, str]]:
+    """(start, end, key) of each media span (`MediaSpan`) of a prompt, as `block_hashes` takes
+    them: the serving router hashes a prompt's blocks as the engine does."""
+    return [
+        (s.start, s.end, f"{s.modality}:{s.num_placeholder_tokens}:{s.content_hash}") for s in spans
+    ]

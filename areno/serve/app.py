@@ -92,6 +92,7 @@ def build_app(config: ServeConfig):
         max_ongoing_requests=_generator_max_ongoing(config),
         health_check_period_s=HEALTH_CHECK_PERIOD_S,
         **_generator_resources(config),
+        **_generator_routing(config),
     ).bind(config)
     return Ingress.options(
         ray_actor_options=_cpu_actor_options(config, "ingress"),
@@ -132,6 +133,14 @@ def _generator_resources(config: ServeConfig) -> dict[str, Any]:
         options["placement_group_bundles"] = [rank0] + [per_rank] * (engine.tp_size - 1)
         options["placement_group_strategy"] = "STRICT_PACK"
     return options
+
+
+def _generator_routing(config: ServeConfig) -> dict[str, Any]:
+    """The Generator's request router (`--routing`); Serve's own for "power_of_two"."""
+    from areno.serve.routing import request_router_config
+
+    router = request_router_config(config.routing, config.engine.block_size, config.max_imbalance)
+    return {} if router is None else {"request_router_config": router}
 
 
 def _wants_gpu(device: str) -> bool:

@@ -12,6 +12,9 @@ from areno.resources import check_custom_resources
 
 QUEUE_FACTOR = 8  # default waiting requests per running slot of a Generator replica
 DEPLOYMENTS = ("decoder", "processor", "generator", "ingress")
+# How the Ingress picks a Generator replica (areno/serve/routing.py): the longest cached prefix
+# balanced against load, in turn, or Serve's own power of two choices.
+ROUTING_POLICIES = ("prefix", "round_robin", "power_of_two")
 
 
 @dataclass(frozen=True)
@@ -32,6 +35,11 @@ class ServeConfig:
     lora_adapters: LoRA adapters served beside the base model, name -> PEFT adapter directory
     (`--lora NAME=PATH`); a request picks one with `model: NAME`, and each Generator replica
     holds them all (its engine's max_loras is raised to their number where it is lower).
+    routing: how a request picks one of several Generator replicas (`--routing`, one of
+    ROUTING_POLICIES): "prefix" sends it where the longest prefix of its prompt was sent
+    before, unless that replica has more than routing_max_imbalance requests in flight beyond
+    the least busy one's (None: engine.max_running_prompts, a batch's worth of waiting);
+    "round_robin" takes the replicas in turn; "power_of_two" is Serve's default router.
     """
 
     model_path: str
@@ -51,10 +59,13 @@ class ServeConfig:
     max_queued_requests: int | None = None
     deployment_resources: dict[str, dict[str, float]] = field(default_factory=dict)
     lora_adapters: dict[str, str] = field(default_factory=dict)
+    routing: str = "prefix"
+    routing_max_imbalance: int | None = None
 
     def __post_init__(self) -> None:
         self._check_deployment_resources()
         self._check_lora_adapters()
+        self._check_routing()
         if self.world_size < self.engine.tp_size or self.world_size % self.engine.tp_size:
             raise ConfigError(
                 f"--world-size {self.world_size} must be a multiple of --tp-size "
@@ -106,6 +117,29 @@ class ServeConfig:
         if len(adapters) > self.engine.max_loras:
             engine = dataclasses.replace(self.engine, max_loras=len(adapters))
             object.__setattr__(self, "engine", engine)
+
+    def _check_routing(self) -> None:
+        if self.routing not in ROUTING_POLICIES:
+            raise ConfigError(
+                f"--routing must be one of {', '.join(ROUTING_POLICIES)}; got {self.routing!r}",
+                param="routing",
+            )
+        imbalance = self.routing_max_imbalance
+        if imbalance is not None and (
+            isinstance(imbalance, bool) or not isinstance(imbalance, int) or imbalance < 0
+        ):
+            raise ConfigError(
+                f"--routing-max-imbalance must be an integer >= 0; got {imbalance!r}",
+                param="routing_max_imbalance",
+            )
+
+    @property
+    def max_imbalance(self) -> int:
+        """Requests in flight the prefix router lets its choice have beyond the least busy
+        replica's: routing_max_imbalance or its default."""
+        if self.routing_max_imbalance is not None:
+            return self.routing_max_imbalance
+        return self.engine.max_running_prompts
 
     @property
     def model_names(self) -> list[str]:

@@ -290,6 +290,11 @@ class GeneratorServer:
     def stats(self) -> dict[str, int]:
         return self.generator.stats()
 
+    def replica_stats(self) -> tuple[str, dict[str, int]]:
+        """This replica's Serve id and its engine's stats: `handle.broadcast("replica_stats")`
+        tells every replica's prefix-cache counters apart (where routing sent the prompts)."""
+        return serve.get_replica_context().replica_id.unique_id, self.generator.stats()
+
     def check_health(self) -> None:
         """Serve's periodic replica check: an engine that cannot step (a lost tensor-parallel
         follower) fails it, and Serve replaces this replica, its placement group and followers."""

@@ -52,6 +52,12 @@ def block_hashes(
     return hashes
 
 
+def chain_root(adapter: str | None) -> bytes:
+    """The parent of a prompt's first block hash: the keys of a LoRA adapter's requests are not
+    the base model's (nor another adapter's), so each adapter has its own hash chains."""
+    return b"" if adapter is None else b"lora:" + adapter.encode()
+
+
 def partial_block_hash(
     token_ids: Sequence[int], media: Sequence[tuple[int, int, str]] = (), parent: bytes = b""
 ) -> bytes:

@@ -8,7 +8,12 @@ See docs/architecture.md ("Prefix caching") for what is saved where and in what 
 
 from __future__ import annotations
 
-from areno.engine.kv.block_manager import BlockManager, block_hashes, partial_block_hash
+from areno.engine.kv.block_manager import (
+    BlockManager,
+    block_hashes,
+    chain_root,
+    partial_block_hash,
+)
 from areno.engine.kv.state_cache import ResumePoint, StateCache
 from areno.engine.sequence import Sequence, SequenceGroup
 
@@ -205,10 +210,8 @@ class PrefixCache:
 
 
 def _root(seq: Sequence) -> bytes:
-    """The parent of a sequence's first block hash: the keys of a LoRA adapter's requests are
-    not the base model's (nor another adapter's), so each adapter has its own hash chains."""
-    adapter = seq.params.adapter
-    return b"" if adapter is None else b"lora:" + adapter.encode()
+    """The parent of a sequence's first block hash (its adapter's chains, `chain_root`)."""
+    return chain_root(seq.params.adapter)
 
 
 def _is_prefilling(seq: Sequence) -> bool:
