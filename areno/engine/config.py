@@ -76,6 +76,14 @@ class EngineConfig:
         "sliding-window layers, beside the running sequences' own; none: two per running "
         "sequence",
     )
+    prefix_checkpoint_blocks: int = setting(
+        16,
+        help="on models with linear-attention or sliding-window layers, a prompt's prefill also "
+        "saves their states every this many KV blocks (and where it parts from a cached "
+        "prompt), so a prompt sharing only its beginning with another resumes near where they "
+        "part; each save takes a saved-state row (prefix_state_rows); 0: only at the prompt's "
+        "last full block",
+    )
     encoder_cache_gib: float = setting(
         0.5,
         help="with prefix caching, GiB of media tower outputs kept by the content they "
@@ -156,6 +164,12 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         names = ("tp_size", "max_running_prompts", "max_num_batched_tokens", "block_size")
+        checkpoints = self.prefix_checkpoint_blocks
+        if isinstance(checkpoints, bool) or not isinstance(checkpoints, int) or checkpoints < 0:
+            raise ConfigError(
+                f"prefix_checkpoint_blocks must be an integer >= 0; got {checkpoints!r}",
+                param="prefix_checkpoint_blocks",
+            )
         for name in (*names, "max_lora_rank"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:

@@ -92,6 +92,7 @@ class Generator:
                 # 1.7B shape on an H100, docs/performance.md); there text prompts resume only
                 # from what their turns and groups saved.
                 saves_text_prompts=not executor.compiled_paths().batched_prefill,
+                checkpoint_blocks=config.prefix_checkpoint_blocks,
             )
         except BaseException:
             executor.shutdown()

@@ -80,10 +80,11 @@ class Sequence:
     # registered in the prefix cache (scheduler.py).
     block_hashes: list[bytes] = field(default_factory=list)
     num_registered_blocks: int = 0
-    # Positions whose keys (and state) the steps launched so far write, and the resume point its
-    # prefill saves the state at, once a chunk reaches it (areno/engine/kv/state_cache.py).
+    # Positions whose keys (and state) the steps launched so far write, and the resume points its
+    # prefill saves the state at, by position, as its chunks reach them
+    # (areno/engine/kv/state_cache.py).
     num_fed_tokens: int = 0
-    state_save: Any = None
+    state_saves: list[Any] = field(default_factory=list)
     end_saved: bool = False  # its state after its last fed token is saved already
     # The weights its keys were computed with (Scheduler.forget_cached counts them): keys and
     # states of older weights are never cached.

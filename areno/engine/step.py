@@ -35,9 +35,9 @@ class PrefillItem:
     cached: int = 0
     restore_row: int | None = None
     copy_block: tuple[int, int] | None = None
-    # (position, row): save slots[0]'s state in saved-state `row` when the prefill reaches
-    # `position` (areno/engine/kv/state_cache.py).
-    save: tuple[int, int] | None = None
+    # (position, row) pairs, by position: save slots[0]'s state in saved-state `row` when the
+    # prefill reaches `position` (areno/engine/kv/state_cache.py).
+    saves: list[tuple[int, int]] = field(default_factory=list)
     # The LoRA adapter its sequences run with (SamplingParams.adapter; None: the default).
     adapter: str | None = None
 

@@ -571,3 +571,40 @@ def test_a_text_prompt_sent_again_resumes_from_the_cache_on_every_family(setups,
     n = x.num_prompt_tokens
     assert cached >= 0.9 * n and cached == (n - 1) // 4 * 4, (cached, n)
     assert first == again == expected.samples[0].token_ids
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_questions_after_a_shared_system_prompt_resume_near_where_they_part(setups, family):
+    """Four questions after one long system prompt, one at a time: the second resumes at the
+    first's deepest checkpoint within the shared tokens (every `prefix_checkpoint_blocks`
+    blocks), and saves the state where it parts from the first; the third and fourth resume
+    exactly there (>= 90% of their prompts). Every reply is the cache-off engine's."""
+    setup = setups(family)
+    system = "You are a careful assistant who answers about rivers and seas. " * 10
+    questions = ["where does the river go?", "why is the sea salty?", "name a long river.",
+                 "how deep is the ocean?"]  # fmt: skip
+    prompts = [
+        setup.encode([{"role": "system", "content": system}, *text(f"Question {i}: {q}")])
+        for i, q in enumerate(questions, start=1)
+    ]
+    ids = [x.input_ids for x in prompts]
+    # Where each question parts from the ones before it: the same token for all (its number).
+    parts = {
+        max(next(k for k, (a, b) in enumerate(zip(x, y, strict=False)) if a != b) for y in ids[:i])
+        for i, x in enumerate(ids[1:], start=1)
+    }
+    (shared,) = parts
+    params = SamplingParams(temperature=0, max_tokens=6, logprobs=True, ignore_eos=True)
+    replies = {}
+    for cache in (False, True):
+        gen = setup.generator(block_size=4, enable_prefix_caching=cache, prefix_checkpoint_blocks=8)
+        try:
+            replies[cache] = [_cached_tokens(gen, x, params) for x in prompts]
+        finally:
+            gen.shutdown()
+    assert [tokens for tokens, _ in replies[True]] == [tokens for tokens, _ in replies[False]]
+    cached = [count for _, count in replies[True]]
+    assert cached[0] == 0 and shared >= 200, (cached, shared)
+    assert cached[1] >= shared // 32 * 32, (cached, shared)
+    for count, x in zip(cached[2:], prompts[2:], strict=True):
+        assert count == shared // 4 * 4 and count >= 0.9 * x.num_prompt_tokens, (cached, shared)

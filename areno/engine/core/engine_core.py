@@ -184,7 +184,7 @@ class EngineCore:
                     item.cached,
                     item.restore_row,
                     item.copy_block,
-                    item.save,
+                    item.saves,
                     item.seqs[0].params.adapter,
                 )
             )

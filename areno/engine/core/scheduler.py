@@ -77,7 +77,9 @@ class SchedulerConfig:
         state besides keys (linear attention, sliding windows): its prompts resume only where
         a state was saved (areno/engine/kv/state_cache.py). 0: every layer keeps keys only.
     saves_text_prompts: a text prompt's prefill saves those states at its last full block
-        too, as a prompt with media's does (`PrefixCache.plan_prompt_save`).
+        too, as a prompt with media's does (`PrefixCache.plan_prompt_saves`).
+    checkpoint_blocks: a prompt's prefill saves those states every this many blocks as well
+        (and where it parts from a cached prompt); 0: not.
     """
 
     max_running_prompts: int
@@ -88,6 +90,7 @@ class SchedulerConfig:
     enable_prefix_caching: bool = False
     num_state_rows: int = 0
     saves_text_prompts: bool = False
+    checkpoint_blocks: int = 0
 
     def __post_init__(self) -> None:
         limits = {
@@ -133,8 +136,9 @@ class ScheduledPrefill:
     # block to copy: the resume point's tail (state_cache.py).
     restore_row: int | None = None
     copy_block: tuple[int, int] | None = None
-    # (position, row): save the slot's state in `row` once the prefill reaches `position`.
-    save: tuple[int, int] | None = None
+    # (position, row) pairs, by position: save the slot's state in `row` once the prefill
+    # reaches `position`.
+    saves: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def token_ids(self) -> list[int]:
@@ -211,6 +215,7 @@ class Scheduler:
             num_state_rows=config.num_state_rows,
             groups=self._groups,
             saves_text_prompts=config.saves_text_prompts,
+            checkpoint_blocks=config.checkpoint_blocks,
         )
         self._watermark = int(self.WATERMARK * config.num_blocks)
 
@@ -275,6 +280,7 @@ class Scheduler:
         """Decide this step's work: decode every running sequence (preempting the newest where
         blocks run out), then admit waiting sequences (unless `hold_admission` is set, e.g.
         while the engine drains for a pause, or this step preempted)."""
+        self.kv.new_step()
         self.kv.register(self._running)
         decode, preempted = self._reserve_decode_blocks()
         self.kv.save_last_states(self._running, self._may_decode)
@@ -310,7 +316,7 @@ class Scheduler:
             end = _chunk_end(group, start, limit)
             seq.num_computed_tokens = seq.num_fed_tokens = end
             item = ScheduledPrefill(group, [seq], start, end)
-            item.save = self.kv.take_save(seq, start, end)
+            item.saves = self.kv.take_saves_of(seq, start, end)
             items.append(item)
             budget -= end - start
         return items
@@ -418,7 +424,7 @@ class Scheduler:
                 admission = self.kv.admit(seq, group, prefix, need)
                 item = ScheduledPrefill(group, [seq], cached, end, cached)
                 item.restore_row, item.copy_block = admission.restore_row, admission.copy_block
-                item.save = self.kv.take_save(seq, item.start, item.end)
+                item.saves = self.kv.take_saves_of(seq, item.start, item.end)
                 admitted.append(item)
                 budget -= end - cached
                 self.num_admitted_tokens += seq.num_tokens

@@ -4,7 +4,7 @@ over them, behind what the scheduler asks. Pure Python; the runner holds the ten
 The scheduler sees sequences and counts: the cached prefix a waiting sequence would start from
 (`lookup`), whether it fits (`can_admit`), its admission (`admit`, or `join` for a sample that
 shares its group's prefill), the blocks a decoding sequence grows by (`grow`), the state saves a
-prefill must make (`take_save`, `take_saves`), and `release`. The books behind it:
+prefill must make (`take_saves_of`, `take_saves`), and `release`. The books behind it:
 `SlotAllocator` (slots: a row of per-sequence state each), `BlockManager` (blocks, reference
 counts, prefix hashes), `StateCache` (saved linear-attention / sliding-ring states), and the
 `PrefixCache` policy of what is registered, found and saved.
@@ -65,6 +65,9 @@ class CachedPrefix:
     blocks: list[int] = field(default_factory=list)
     point: ResumePoint | None = None
     block_size: int = 1
+    # The full blocks of its prompt found cached in all, beyond the resume point too (a prefix
+    # shared with an earlier prompt whose state was not saved where they part).
+    num_matched_blocks: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -77,8 +80,8 @@ class CachedPrefix:
 @dataclass
 class Admission:
     """What a sequence's admitted prefill must do before its tokens: restore a saved state row
-    into its slot and copy a block (a resume point's tail). Its state save, if any, comes from
-    `take_save`."""
+    into its slot and copy a block (a resume point's tail). Its state saves, if any, come from
+    `take_saves_of`."""
 
     restore_row: int | None = None
     copy_block: tuple[int, int] | None = None
@@ -97,13 +100,19 @@ class KVCacheManager:
         num_state_rows: int,
         groups: dict[str, SequenceGroup],
         saves_text_prompts: bool = False,
+        checkpoint_blocks: int = 0,
     ) -> None:
         self.block_size = block_size
         self.caching = enable_prefix_caching
         self.slots = SlotAllocator(num_slots)
         self.blocks = BlockManager(num_blocks, block_size)
         self.prefix = PrefixCache(
-            enable_prefix_caching, self.blocks, num_state_rows, groups, saves_text_prompts
+            enable_prefix_caching,
+            self.blocks,
+            num_state_rows,
+            groups,
+            saves_text_prompts,
+            checkpoint_blocks,
         )
 
     @property
@@ -148,14 +157,18 @@ class KVCacheManager:
         if self.states.num_rows:
             self.prefix.save_last_states(running, may_decode)
 
+    def new_step(self) -> None:
+        """A step is being scheduled (the last one's state saves are launched)."""
+        self.prefix.new_step()
+
     def take_saves(self) -> list[tuple[int, int]]:
         """The (slot, row) end-state saves planned for the step about to run."""
         return self.prefix.take_saves()
 
-    def take_save(self, seq: Sequence, start: int, end: int) -> tuple[int, int] | None:
-        """`seq`'s planned state save, (position, row), if a prefill of its tokens `start` to
-        `end` reaches it."""
-        return self.prefix.take_save(seq, start, end)
+    def take_saves_of(self, seq: Sequence, start: int, end: int) -> list[tuple[int, int]]:
+        """`seq`'s planned state saves, (position, row), that a prefill of its tokens `start`
+        to `end` reaches."""
+        return self.prefix.take_saves_of(seq, start, end)
 
     # ---- admission -----------------------------------------------------------------------
 
@@ -164,8 +177,8 @@ class KVCacheManager:
         return self.prefix.awaits(seq, group, running)
 
     def lookup(self, seq: Sequence, group: SequenceGroup) -> CachedPrefix:
-        blocks, point = self.prefix.lookup(seq, group)
-        return CachedPrefix(blocks, point, self.block_size)
+        blocks, point, matched = self.prefix.lookup(seq, group)
+        return CachedPrefix(blocks, point, self.block_size, matched)
 
     def can_admit(self, num_blocks: int, cached: CachedPrefix | None, reserve: int) -> bool:
         """Whether `num_blocks` new blocks and the cached ones fit with `reserve` blocks left:
@@ -191,7 +204,7 @@ class KVCacheManager:
         if tail:
             admission.copy_block = (tail, seq.block_ids[len(cached.blocks)])
         seq.num_registered_blocks = len(cached.blocks)
-        self.prefix.plan_prompt_save(seq, group, cached.num_tokens)
+        self.prefix.plan_prompt_saves(seq, group, cached.num_tokens, cached.num_matched_blocks)
         return admission
 
     def join(self, seq: Sequence, leader: Sequence, num_shared: int, num_blocks: int) -> None:
@@ -210,9 +223,9 @@ class KVCacheManager:
     def release(self, seq: Sequence) -> None:
         """Free `seq`'s slot and blocks (a finished sequence's end state saved, its blocks left
         cached); a preempted sequence comes back through admission."""
-        if seq.state_save is not None:  # its prefill never reached the save
-            self.states.discard(seq.state_save)
-            seq.state_save = None
+        for point in seq.state_saves:  # its prefill never reached them
+            self.states.discard(point)
+        seq.state_saves = []
         if self.states.num_rows and seq.finish_reason in ("stop", "length") and not seq.end_saved:
             self.prefix.save_end_state(seq)
         if self.caching and seq.block_ids:

@@ -28,14 +28,25 @@ class PrefixCache:
         num_state_rows: int,
         groups: dict[str, SequenceGroup],
         saves_text_prompts: bool = False,
+        checkpoint_blocks: int = 0,
     ) -> None:
         self.enabled = enabled
         self.saves_text_prompts = saves_text_prompts
+        self.checkpoint_blocks = checkpoint_blocks
         self.blocks, self.block_size = blocks, blocks.block_size
         self.states = StateCache(num_state_rows if enabled else 0)
         self.groups = groups  # the scheduler's unfinished requests, by id
         self._epoch = 0  # weights forgotten so far (`forget`)
         self._saves: list[tuple[int, int]] = []
+        # Planned points the step being scheduled saves (pinned until the next step).
+        self._saving: list[ResumePoint] = []
+
+    def new_step(self) -> None:
+        """A step is being scheduled: the saves of the last one are launched, so their points
+        may be resumed from (a restore runs after them, in launch order)."""
+        for point in self._saving:
+            self.states.unpin(point)
+        self._saving = []
 
     def take_saves(self) -> list[tuple[int, int]]:
         """The (slot, row) end-state saves planned so far, for the step about to run."""
@@ -89,25 +100,28 @@ class PrefixCache:
             self.blocks.register(seq.block_ids[i], hashes[i])
         seq.num_registered_blocks = full
 
-    def lookup(self, seq: Sequence, group: SequenceGroup) -> tuple[list[int], ResumePoint | None]:
+    def lookup(
+        self, seq: Sequence, group: SequenceGroup
+    ) -> tuple[list[int], ResumePoint | None, int]:
         """The prefix cache's blocks for `seq`'s first tokens (not yet held), leaving at least
         its last token to prefill (its logits sample the first new token), never ending inside
         a run the group holds whole; where the model keeps states, only up to the longest
-        saved resume point (`StateCache`), which is returned too."""
+        saved resume point (`StateCache`), which is returned too; and how many of its full
+        blocks were found cached in all (past that point too)."""
         if not (self.enabled and group.can_chunk):
-            return [], None
+            return [], None, 0
         size, limit = self.block_size, seq.num_tokens - 1
         hashes = self.hashes(seq, limit // size)
         blocks = self.blocks.lookup(hashes)
         if not self.states.num_rows:
             while blocks and inside_run(group, len(blocks) * size):
                 blocks.pop()
-            return blocks, None
+            return blocks, None, len(blocks)
         for k in range(len(blocks), -1, -1):
             best = None
             for point in self.states.after(hashes[k - 1] if k else _root(seq)):
                 end = point.num_tokens
-                if end > limit or inside_run(group, end):
+                if end > limit or inside_run(group, end) or self.states.is_pinned(point):
                     continue
                 if best is not None and best.num_tokens >= end:
                     continue
@@ -119,8 +133,8 @@ class PrefixCache:
                 best = point
             if best is not None:
                 self.states.touch(best)
-                return blocks[:k], best
-        return [], None
+                return blocks[:k], best, len(blocks)
+        return [], None, len(blocks)
 
     def awaits(self, seq: Sequence, group: SequenceGroup, running: list[Sequence]) -> bool:
         """Whether a running sequence is computing `seq`'s prompt up to its last full block,
@@ -130,7 +144,7 @@ class PrefixCache:
         if not self.enabled or not group.can_chunk:
             return False
         if self.states.num_rows and not (group.media_keys() or self.saves_text_prompts):
-            return False  # no state is saved at its prompt's end (`plan_prompt_save`)
+            return False  # no state is saved at its prompt's end (`plan_prompt_saves`)
         num_blocks = (seq.num_tokens - 1) // self.block_size
         if not num_blocks:
             return False
@@ -143,30 +157,51 @@ class PrefixCache:
             for other in running
         )
 
-    def plan_prompt_save(self, seq: Sequence, group: SequenceGroup, cached: int) -> None:
-        """Where the model keeps states, have `seq`'s prefill save it at the end of its prompt's
-        last full block (before its last token), so that the same prompt again resumes there
-        (a retried request, a GRPO group's samples); its prefill then runs in two parts around
-        the save (`runner/prefills.py`). Prompts with media always; text prompts where
-        `saves_text_prompts` (whole prompts prefill uncompiled there, so the two parts cost
-        what one forward does; a compiled batched prefill runs whole)."""
+    def plan_prompt_saves(
+        self, seq: Sequence, group: SequenceGroup, cached: int, matched_blocks: int
+    ) -> None:
+        """Where the model keeps states, have `seq`'s prefill save them past `cached` (its
+        resume point): at the end of its prompt's last full block (before its last token), so
+        that the same prompt again resumes there (a retried request, a GRPO group's samples);
+        every `checkpoint_blocks` blocks, so that a prompt sharing only its beginning (a system
+        prompt, an agent's tools) resumes near where the two part; and at the end of the
+        `matched_blocks` it found cached past its resume point, where it parts from an earlier
+        prompt (a third one with that beginning resumes exactly there). Its prefill runs in
+        parts around the saves (`runner/prefills.py`). Prompts with media always; text prompts
+        where `saves_text_prompts` (whole prompts prefill uncompiled there, so the parts cost
+        about what one forward does; a compiled batched prefill runs whole). The deepest saves
+        are planned first, at most half the saved-state rows; one no row can be had for is
+        skipped."""
         size = self.block_size
-        end = (seq.num_tokens - 1) // size * size
+        last = (seq.num_tokens - 1) // size * size
         saves = group.media_keys() or self.saves_text_prompts
-        if not (self.states.num_rows and saves) or end <= cached:
+        if not (self.states.num_rows and saves) or last <= cached:
             return
-        if inside_run(group, end):
-            return
-        seq.state_save = self.states.add(self.hashes(seq, end // size)[-1], end, None)
+        ends = {last, min(matched_blocks * size, last)}
+        if self.checkpoint_blocks:
+            ends.update(range(self.checkpoint_blocks * size, last, self.checkpoint_blocks * size))
+        points = []
+        # Deepest first, at most half the rows: one long prompt leaves the other half of the
+        # saved states (other prompts' points, turns' ends) to the least recently used.
+        for end in sorted((e for e in ends if e > cached), reverse=True):
+            if len(points) == max(1, self.states.num_rows // 2):
+                break
+            if inside_run(group, end):
+                continue
+            point = self.states.add(self.hashes(seq, end // size)[-1], end, None, pinned=True)
+            if point is not None:
+                points.append(point)
+        seq.state_saves = points[::-1]
 
-    def take_save(self, seq: Sequence, start: int, end: int) -> tuple[int, int] | None:
-        """`seq`'s planned state save, (position, row), if a prefill of its tokens `start` to
-        `end` reaches it (it is then the prefill's to make); else None."""
-        point = seq.state_save
-        if point is None or not start < point.num_tokens <= end:
-            return None
-        seq.state_save = None
-        return point.num_tokens, point.row
+    def take_saves_of(self, seq: Sequence, start: int, end: int) -> list[tuple[int, int]]:
+        """`seq`'s planned state saves, (position, row) by position, that a prefill of its
+        tokens `start` to `end` reaches (they are then the prefill's to make)."""
+        taken = [p for p in seq.state_saves if start < p.num_tokens <= end]
+        if not taken:
+            return []
+        seq.state_saves = [p for p in seq.state_saves if not start < p.num_tokens <= end]
+        self._saving += taken
+        return [(point.num_tokens, point.row) for point in taken]
 
     def save_end_state(self, seq: Sequence) -> None:
         """Save the state of a sequence that ended, after every token it fed: where the next
@@ -204,9 +239,10 @@ class PrefixCache:
         self.blocks.forget_cached()
         self.states.clear()
         self._saves = []
+        self._saving = []
         self._epoch += 1  # running sequences keep their keys but never cache them
         for seq in running:
-            seq.state_save = None  # its row may go to a new point
+            seq.state_saves = []  # their rows may go to new points
 
 
 def _root(seq: Sequence) -> bytes:

@@ -12,10 +12,16 @@ its last full block (the tail, fewer than a block) are named by `partial_block_h
 keys live in a block registered under that hash. Points are saved
 - at the end of a prompt's last full block (after a prefill that stops there), so that another
   request with the same prompt (the samples of a GRPO group) resumes there;
+- every `checkpoint_blocks` blocks of a prompt's prefill (PrefixCache), so that a prompt sharing
+  only its beginning with an earlier one (a system prompt, a tool preamble) resumes near where
+  they part, and at the end of the blocks a prompt found cached beyond its resume point (where
+  it parts from an earlier prompt: a third prompt with that beginning resumes exactly there);
 - at the end of a finished sequence (every token it fed), so that the next turn of an episode
   or a chat, which sends those tokens and more, prefills only the new ones.
 A point is usable while its blocks are cached; its row is reused when it is the least recently
-used and a new point needs one.
+used and a new point needs one. A point a prefill has yet to save is pinned until the step that
+saves it is launched: no other point takes its row, and no prompt resumes from it (its
+restore would run before the save).
 """
 
 from __future__ import annotations
@@ -48,6 +54,7 @@ class StateCache:
         self._points: collections.OrderedDict[tuple, ResumePoint] = collections.OrderedDict()
         self._by_parent: dict[bytes, list[ResumePoint]] = {}
         self._free_rows = list(range(num_rows - 1, -1, -1))
+        self._pinned: set[tuple] = set()
 
     def __len__(self) -> int:
         return len(self._points)
@@ -60,21 +67,34 @@ class StateCache:
         """Mark `point` used now (evicted last)."""
         self._points.move_to_end(point.key)
 
-    def add(self, parent: bytes, num_tokens: int, tail_hash: bytes | None) -> ResumePoint | None:
-        """A row for a new point, evicting the least recently used where none is free; None when
-        the point is known already (it is touched instead) or there are no rows."""
+    def add(
+        self, parent: bytes, num_tokens: int, tail_hash: bytes | None, *, pinned: bool = False
+    ) -> ResumePoint | None:
+        """A row for a new point, evicting the least recently used unpinned one where none is
+        free; None when the point is known already (it is touched instead) or no row can be
+        had. `pinned`: kept until `unpin` (a save still to be launched)."""
         key = (parent, num_tokens, tail_hash)
         if key in self._points:
             self._points.move_to_end(key)
             return None
-        if not self.num_rows:
-            return None
         if not self._free_rows:
-            self._drop(next(iter(self._points.values())))
+            oldest = next((p for k, p in self._points.items() if k not in self._pinned), None)
+            if oldest is None:
+                return None
+            self._drop(oldest)
         point = ResumePoint(parent, num_tokens, tail_hash, self._free_rows.pop())
         self._points[key] = point
         self._by_parent.setdefault(parent, []).append(point)
+        if pinned:
+            self._pinned.add(key)
         return point
+
+    def unpin(self, point: ResumePoint) -> None:
+        """Its save is launched: it may be resumed from, its row go to a later point."""
+        self._pinned.discard(point.key)
+
+    def is_pinned(self, point: ResumePoint) -> bool:
+        return point.key in self._pinned
 
     def discard(self, point: ResumePoint) -> None:
         """Forget `point` (its state was never saved)."""
@@ -83,6 +103,7 @@ class StateCache:
 
     def _drop(self, point: ResumePoint) -> None:
         del self._points[point.key]
+        self._pinned.discard(point.key)
         siblings = self._by_parent[point.parent]
         siblings.remove(point)
         if not siblings:

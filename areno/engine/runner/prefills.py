@@ -5,7 +5,7 @@ cache. Whole prompts without media share right-padded forwards (`ModelRunner.pre
 in groups whose padding stays within MAX_PREFILL_PADDING (`prefill_groups`), a lone one too where
 that forward is compiled; a prompt with media runs alone (`ModelRunner.prefill`). Chunks and resumptions run over the keys their blocks hold,
 several in one forward (`ModelRunner.prefill_parts`), or one at a time under tensor parallelism
-(`ModelRunner.prefill_chunk`); a state save midway splits an item into two rounds. An item of
+(`ModelRunner.prefill_chunk`); state saves midway split an item into rounds. An item of
 several samples is forked into their slots once its prompt is done.
 """
 
@@ -58,7 +58,7 @@ def run_prefills(
     last: list[torch.Tensor | None] = [None] * len(items)
     batchable, parts = [], []
     for i, item in enumerate(items):
-        if item.is_chunk or item.save is not None:
+        if item.is_chunk or item.saves:
             if share_parts:
                 parts.append(i)
             else:
@@ -96,31 +96,29 @@ def run_prefills(
 def _prefill_parts(runner: ModelRunner, items: list[PrefillItem]) -> list[torch.Tensor]:
     """Each item's last logits (V,), its tokens start..end-1 prefilled over the keys its
     blocks hold, in forwards shared by items of lengths within MAX_PREFILL_PADDING of each
-    other (`ModelRunner.prefill_parts`). An item with a state save runs up to it first,
-    saves, and runs the rest in a second round (as `_prefill_chunks` does); an item that ends
-    its prompt is then forked into its other slots."""
-    rounds: list[list[tuple[int, PromptPart]]] = [[], []]
-    saves = []
+    other (`ModelRunner.prefill_parts`). An item with state saves runs in rounds: up to its
+    first save, which is made, on to the next, and so on (as `_prefill_chunks` does); an item
+    that ends its prompt is then forked into its other slots."""
+    rounds: list[list[tuple[int, PromptPart]]] = []
+    saves_after: list[list[tuple[int, int]]] = []
     for i, item in enumerate(items):
         table = item.block_tables[0] if item.block_tables else None
-        end = item.end if item.end is not None else item.inputs.num_prompt_tokens
-        stop = end
-        if item.save is not None:
-            stop = item.save[0] if runner.has_linear_state else end
-            saves.append((item.slots[0], item.save[1]))
-        first = item.start == item.cached
-        rounds[0].append(
-            (i, PromptPart(item.inputs, item.slots[0], table, item.start, stop, first))
-        )
-        if stop < end:
-            rounds[1].append((i, PromptPart(item.inputs, item.slots[0], table, stop, end, False)))
+        bounds, saves = _rounds(runner, item)
+        for number, (start, stop) in enumerate(zip(bounds, bounds[1:], strict=False)):
+            if number == len(rounds):
+                rounds.append([])
+                saves_after.append([])
+            first = number == 0 and item.start == item.cached
+            part = PromptPart(item.inputs, item.slots[0], table, start, stop, first)
+            rounds[number].append((i, part))
+            saves_after[number] += [(item.slots[0], row) for row in saves.get(stop, [])]
     last: list[torch.Tensor | None] = [None] * len(items)
-    for number, parts in enumerate(rounds):
+    for parts, saves in zip(rounds, saves_after, strict=True):
         for group in prefill_groups([p.end - p.start for _, p in parts], pad=True):
             logits_BV = runner.prefill_parts([parts[g][1] for g in group])
             for row, g in enumerate(group):
                 last[parts[g][0]] = logits_BV[row]
-        if number == 0 and saves:
+        if saves:
             runner.save_states(saves)
     for item in items:
         if len(item.slots) > 1 and item.is_final:
@@ -129,21 +127,28 @@ def _prefill_parts(runner: ModelRunner, items: list[PrefillItem]) -> list[torch.
 
 
 def _prefill_chunks(runner: ModelRunner, item: PrefillItem) -> torch.Tensor:
-    """An item's tokens start..end as one chunk, or as two around its state save. A
-    sliding ring saved up to a block past its position holds all a resumption there reads
-    (the window before it), so only linear-attention state needs the prefill to stop there."""
+    """An item's tokens start..end as one chunk, or as several around its state saves."""
     table = item.block_tables[0] if item.block_tables else None
-    end = item.end if item.end is not None else item.inputs.num_prompt_tokens
-    bounds = [item.start, end]
-    save_at = None
-    if item.save is not None:
-        save_at = item.save[0] if runner.has_linear_state else end
-        if save_at < end:
-            bounds.insert(1, save_at)
+    bounds, saves = _rounds(runner, item)
     for start, stop in zip(bounds, bounds[1:], strict=False):
         last = runner.prefill_chunk(item.inputs, item.slots[0], table, start, stop, item.cached)
-        if stop == save_at:
-            runner.save_states([(item.slots[0], item.save[1])])
+        if stop in saves:
+            runner.save_states([(item.slots[0], row) for row in saves[stop]])
     if len(item.slots) > 1:
-        runner.fork_prompt(item.slots, item.block_tables, end)
+        runner.fork_prompt(item.slots, item.block_tables, bounds[-1])
     return last
+
+
+def _rounds(runner: ModelRunner, item: PrefillItem) -> tuple[list[int], dict[int, list[int]]]:
+    """Where an item's prefill stops: its bounds [start, ..., end], and the saved-state rows
+    each stop saves. A linear-attention state must be saved where the prefill stands, so the
+    prefill stops at each save. A sliding ring holds a window and a block, so a save within a
+    block of the end is made at the end (a resumption there reads only the window before it);
+    an earlier one stops the prefill too."""
+    end = item.end if item.end is not None else item.inputs.num_prompt_tokens
+    saves: dict[int, list[int]] = {}
+    for position, row in item.saves:
+        late = not runner.has_linear_state and end - position <= runner.block_size
+        saves.setdefault(end if late else position, []).append(row)
+    bounds = [item.start, *sorted(p for p in saves if item.start < p < end), end]
+    return bounds, saves
