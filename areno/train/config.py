@@ -162,8 +162,8 @@ class AlgoConfig:
         choices=("rollout", "recompute"),
         help="what the ratio is taken against: rollout, the generator's logprobs (the "
         "sampler's); recompute, the trainer's own before the update (the proximal policy), "
-        "with loss.tis_cap weighting each token by proximal / sampler (decoupled PPO); the "
-        'accepted combinations are in docs/architecture.md, "Off-policy correction"',
+        "loss.rollout_correction correcting proximal against sampler (token_tis: decoupled "
+        'PPO); the accepted combinations are in docs/architecture.md, "Off-policy correction"',
     )
     loss: GRPOLossConfig = setting(default_factory=GRPOLossConfig, help="the policy loss")
     mini_batches: int = setting(
@@ -280,22 +280,22 @@ class RunConfig:
 def _check_correction(grpo: AlgoConfig, max_staleness: int) -> None:
     """Refuse the combinations whose correction would silently do nothing (the table in
     docs/architecture.md, "Off-policy correction")."""
-    tis_cap = grpo.loss.tis_cap
-    if grpo.behaviour_logprobs == "rollout" and tis_cap is not None:
+    correction = grpo.loss.rollout_correction
+    if grpo.behaviour_logprobs == "rollout" and correction != "off":
         raise ConfigError(
-            "grpo.loss.tis_cap needs grpo.behaviour_logprobs: recompute. With 'rollout' the "
-            "ratio is already taken against the rollout's logprobs, so the TIS weight "
-            "exp(proximal - rollout) is 1 on every token and the cap does nothing",
-            param="tis_cap",
+            f"grpo.loss.rollout_correction: {correction} needs grpo.behaviour_logprobs: "
+            "recompute. With 'rollout' the ratio is already taken against the rollout's "
+            "logprobs, and there are no proximal logprobs to correct against them",
+            param="rollout_correction",
         )
-    if grpo.behaviour_logprobs == "recompute" and tis_cap is None and max_staleness > 0:
+    if grpo.behaviour_logprobs == "recompute" and correction == "off" and max_staleness > 0:
         raise ConfigError(
             f"grpo.behaviour_logprobs: recompute with rollout.max_staleness = {max_staleness} "
-            "needs grpo.loss.tis_cap: the ratio is taken against the trainer's own logprobs "
-            "before the update, so without the truncated importance weight tokens sampled by "
-            "an older policy are trained as if on-policy. Set grpo.loss.tis_cap (e.g. 2.0: "
-            "decoupled PPO) or use behaviour_logprobs: rollout",
-            param="tis_cap",
+            "needs grpo.loss.rollout_correction: the ratio is taken against the trainer's own "
+            "logprobs before the update, so without a correction tokens sampled by an older "
+            "policy are trained as if on-policy. Set grpo.loss.rollout_correction (token_tis: "
+            "decoupled PPO; sequence_tis; mask) or use behaviour_logprobs: rollout",
+            param="rollout_correction",
         )
 
 
