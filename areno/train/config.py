@@ -19,6 +19,7 @@ from areno.resources import check_custom_resources
 from areno.settings import build, reference, setting
 from areno.train.grpo import GRPOLossConfig
 from areno.train.lora import LoraConfig
+from areno.train.metrics import TRACKER_MODULES
 
 
 def _positive(section: str, name: str, value: Any, *, allow_zero: bool = False) -> None:
@@ -172,12 +173,38 @@ class AlgoConfig:
         "one step; the ratio is clipped against the behaviour logprobs",
     )
     epochs: int = setting(1, help="passes over the rollout batch (mini_batches steps each)")
+    dynamic_sampling: bool = setting(
+        False,
+        help="DAPO's dynamic sampling: a group whose rewards are all equal (no advantage) is "
+        "dropped and more prompts are drawn, their rollouts beside the others in flight, until "
+        "the step has prompts_per_step groups or max_extra_prompts more were drawn",
+    )
+    max_extra_prompts: int | None = setting(
+        None,
+        help="with dynamic_sampling, the most prompts one step draws beyond prompts_per_step; "
+        "a step that reaches it trains the groups it kept (dynamic_sampling_unfilled in the "
+        "metrics); none: 3 x prompts_per_step",
+    )
 
     def __post_init__(self) -> None:
         _positive("grpo", "group_size", self.group_size)
         _positive("grpo", "prompts_per_step", self.prompts_per_step)
         _positive("grpo", "mini_batches", self.mini_batches)
         _positive("grpo", "epochs", self.epochs)
+        if self.max_extra_prompts is not None:
+            _positive("grpo", "max_extra_prompts", self.max_extra_prompts, allow_zero=True)
+            if not self.dynamic_sampling:
+                raise ConfigError(
+                    "grpo.max_extra_prompts bounds grpo.dynamic_sampling, which is off; set "
+                    "grpo.dynamic_sampling: true or leave max_extra_prompts out",
+                    param="max_extra_prompts",
+                )
+        if self.dynamic_sampling and self.group_size < 2:
+            raise ConfigError(
+                "grpo.dynamic_sampling drops groups whose rewards are all equal: with "
+                "grpo.group_size = 1 every group would be dropped; use group_size >= 2",
+                param="dynamic_sampling",
+            )
         if self.behaviour_logprobs not in ("rollout", "recompute"):
             raise ConfigError(
                 f"grpo.behaviour_logprobs must be 'rollout' or 'recompute'; "
@@ -185,6 +212,13 @@ class AlgoConfig:
             )
         if isinstance(self.loss, dict):
             self.loss = _build(GRPOLossConfig, self.loss, "grpo.loss")
+
+    @property
+    def extra_prompts_bound(self) -> int:
+        """The most prompts a step draws beyond prompts_per_step (dynamic sampling)."""
+        if self.max_extra_prompts is None:
+            return 3 * self.prompts_per_step
+        return self.max_extra_prompts
 
 
 @dataclass
@@ -269,8 +303,30 @@ class RunConfig:
         True, help="write hf/ at the end (a LoRA run writes its small adapter/ always)"
     )
     progress: bool = setting(True, help="a progress bar on the console")
+    trackers: list = setting(
+        default_factory=lambda: ["tensorboard"],
+        help="where each step's metrics go besides metrics.jsonl: any of tensorboard (the run "
+        "directory's tensorboard/), wandb (Weights & Biases; extra areno[wandb]; WANDB_MODE "
+        "and the like from the environment), mlflow (extra areno[mlflow]; the server of "
+        "MLFLOW_TRACKING_URI)",
+    )
+    project: str = setting(
+        "areno", help="the W&B project and MLflow experiment a run is logged in, by its name"
+    )
 
     def __post_init__(self) -> None:
+        trackers = self.trackers
+        if (
+            not isinstance(trackers, list | tuple)
+            or not all(isinstance(t, str) and t in TRACKER_MODULES for t in trackers)
+            or len(set(trackers)) != len(trackers)
+        ):
+            raise ConfigError(
+                f"run.trackers must be a list of distinct trackers among "
+                f"{', '.join(TRACKER_MODULES)}; got {trackers!r}",
+                param="trackers",
+            )
+        self.trackers = list(trackers)
         _positive("run", "max_steps", self.max_steps)
         _positive("run", "save_every", self.save_every, allow_zero=True)
         _positive("run", "eval_every", self.eval_every, allow_zero=True)
