@@ -65,5 +65,5 @@ def test_the_configuration_reference_is_generated_from_the_declarations() -> Non
     page = (REPO / "docs" / "configuration.md").read_text()
     assert page.endswith(config_reference()), "regenerate: areno train --settings"
     for line in ("`rollout.engine.max_num_batched_tokens` | int | `8192`",
-                 "`rollout.max_staleness` | int | `0`", "`grpo.loss.tis_cap` | float or none"):  # fmt: skip
+                 "`rollout.max_staleness` | int | `0`", "`grpo.loss.rollout_correction` | str | `off`"):  # fmt: skip
         assert line in page

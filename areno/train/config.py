@@ -19,6 +19,7 @@ from areno.resources import check_custom_resources
 from areno.settings import build, reference, setting
 from areno.train.grpo import GRPOLossConfig
 from areno.train.lora import LoraConfig
+from areno.train.metrics import TRACKER_MODULES
 
 
 def _positive(section: str, name: str, value: Any, *, allow_zero: bool = False) -> None:
@@ -170,8 +171,8 @@ class AlgoConfig:
         choices=("rollout", "recompute"),
         help="what the ratio is taken against: rollout, the generator's logprobs (the "
         "sampler's); recompute, the trainer's own before the update (the proximal policy), "
-        "with loss.tis_cap weighting each token by proximal / sampler (decoupled PPO); the "
-        'accepted combinations are in docs/architecture.md, "Off-policy correction"',
+        "loss.rollout_correction correcting proximal against sampler (token_tis: decoupled "
+        'PPO); the accepted combinations are in docs/architecture.md, "Off-policy correction"',
     )
     loss: GRPOLossConfig = setting(default_factory=GRPOLossConfig, help="the policy loss")
     mini_batches: int = setting(
@@ -180,12 +181,38 @@ class AlgoConfig:
         "one step; the ratio is clipped against the behaviour logprobs",
     )
     epochs: int = setting(1, help="passes over the rollout batch (mini_batches steps each)")
+    dynamic_sampling: bool = setting(
+        False,
+        help="DAPO's dynamic sampling: a group whose rewards are all equal (no advantage) is "
+        "dropped and more prompts are drawn, their rollouts beside the others in flight, until "
+        "the step has prompts_per_step groups or max_extra_prompts more were drawn",
+    )
+    max_extra_prompts: int | None = setting(
+        None,
+        help="with dynamic_sampling, the most prompts one step draws beyond prompts_per_step; "
+        "a step that reaches it trains the groups it kept (dynamic_sampling_unfilled in the "
+        "metrics); none: 3 x prompts_per_step",
+    )
 
     def __post_init__(self) -> None:
         _positive("grpo", "group_size", self.group_size)
         _positive("grpo", "prompts_per_step", self.prompts_per_step)
         _positive("grpo", "mini_batches", self.mini_batches)
         _positive("grpo", "epochs", self.epochs)
+        if self.max_extra_prompts is not None:
+            _positive("grpo", "max_extra_prompts", self.max_extra_prompts, allow_zero=True)
+            if not self.dynamic_sampling:
+                raise ConfigError(
+                    "grpo.max_extra_prompts bounds grpo.dynamic_sampling, which is off; set "
+                    "grpo.dynamic_sampling: true or leave max_extra_prompts out",
+                    param="max_extra_prompts",
+                )
+        if self.dynamic_sampling and self.group_size < 2:
+            raise ConfigError(
+                "grpo.dynamic_sampling drops groups whose rewards are all equal: with "
+                "grpo.group_size = 1 every group would be dropped; use group_size >= 2",
+                param="dynamic_sampling",
+            )
         if self.behaviour_logprobs not in ("rollout", "recompute"):
             raise ConfigError(
                 f"grpo.behaviour_logprobs must be 'rollout' or 'recompute'; "
@@ -193,6 +220,13 @@ class AlgoConfig:
             )
         if isinstance(self.loss, dict):
             self.loss = _build(GRPOLossConfig, self.loss, "grpo.loss")
+
+    @property
+    def extra_prompts_bound(self) -> int:
+        """The most prompts a step draws beyond prompts_per_step (dynamic sampling)."""
+        if self.max_extra_prompts is None:
+            return 3 * self.prompts_per_step
+        return self.max_extra_prompts
 
 
 @dataclass
@@ -277,8 +311,30 @@ class RunConfig:
         True, help="write hf/ at the end (a LoRA run writes its small adapter/ always)"
     )
     progress: bool = setting(True, help="a progress bar on the console")
+    trackers: list = setting(
+        default_factory=lambda: ["tensorboard"],
+        help="where each step's metrics go besides metrics.jsonl: any of tensorboard (the run "
+        "directory's tensorboard/), wandb (Weights & Biases; extra areno[wandb]; WANDB_MODE "
+        "and the like from the environment), mlflow (extra areno[mlflow]; the server of "
+        "MLFLOW_TRACKING_URI)",
+    )
+    project: str = setting(
+        "areno", help="the W&B project and MLflow experiment a run is logged in, by its name"
+    )
 
     def __post_init__(self) -> None:
+        trackers = self.trackers
+        if (
+            not isinstance(trackers, list | tuple)
+            or not all(isinstance(t, str) and t in TRACKER_MODULES for t in trackers)
+            or len(set(trackers)) != len(trackers)
+        ):
+            raise ConfigError(
+                f"run.trackers must be a list of distinct trackers among "
+                f"{', '.join(TRACKER_MODULES)}; got {trackers!r}",
+                param="trackers",
+            )
+        self.trackers = list(trackers)
         _positive("run", "max_steps", self.max_steps)
         _positive("run", "save_every", self.save_every, allow_zero=True)
         _positive("run", "eval_every", self.eval_every, allow_zero=True)
@@ -288,22 +344,22 @@ class RunConfig:
 def _check_correction(grpo: AlgoConfig, max_staleness: int) -> None:
     """Refuse the combinations whose correction would silently do nothing (the table in
     docs/architecture.md, "Off-policy correction")."""
-    tis_cap = grpo.loss.tis_cap
-    if grpo.behaviour_logprobs == "rollout" and tis_cap is not None:
+    correction = grpo.loss.rollout_correction
+    if grpo.behaviour_logprobs == "rollout" and correction != "off":
         raise ConfigError(
-            "grpo.loss.tis_cap needs grpo.behaviour_logprobs: recompute. With 'rollout' the "
-            "ratio is already taken against the rollout's logprobs, so the TIS weight "
-            "exp(proximal - rollout) is 1 on every token and the cap does nothing",
-            param="tis_cap",
+            f"grpo.loss.rollout_correction: {correction} needs grpo.behaviour_logprobs: "
+            "recompute. With 'rollout' the ratio is already taken against the rollout's "
+            "logprobs, and there are no proximal logprobs to correct against them",
+            param="rollout_correction",
         )
-    if grpo.behaviour_logprobs == "recompute" and tis_cap is None and max_staleness > 0:
+    if grpo.behaviour_logprobs == "recompute" and correction == "off" and max_staleness > 0:
         raise ConfigError(
             f"grpo.behaviour_logprobs: recompute with rollout.max_staleness = {max_staleness} "
-            "needs grpo.loss.tis_cap: the ratio is taken against the trainer's own logprobs "
-            "before the update, so without the truncated importance weight tokens sampled by "
-            "an older policy are trained as if on-policy. Set grpo.loss.tis_cap (e.g. 2.0: "
-            "decoupled PPO) or use behaviour_logprobs: rollout",
-            param="tis_cap",
+            "needs grpo.loss.rollout_correction: the ratio is taken against the trainer's own "
+            "logprobs before the update, so without a correction tokens sampled by an older "
+            "policy are trained as if on-policy. Set grpo.loss.rollout_correction (token_tis: "
+            "decoupled PPO; sequence_tis; mask) or use behaviour_logprobs: rollout",
+            param="rollout_correction",
         )
 
 

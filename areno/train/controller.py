@@ -96,7 +96,12 @@ class Controller:
         self.reward_fn = import_callable(config.reward, "reward")
         r = config.rollout
         self.sampling = SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k)
-        self.writer = MetricsWriter(config.run.run_dir)
+        self.writer = MetricsWriter(
+            config.run.run_dir,
+            config.run.trackers,
+            project=config.run.project,
+            config=config.to_dict(),
+        )
         # The rollouts in flight, oldest first, and the next step whose rollout is to start.
         self._in_flight: collections.deque[_InFlight] = collections.deque()
         self._next_launch = start_step
@@ -176,32 +181,96 @@ class Controller:
         return _InFlight(step, samples, seed, dispatched, self.stream.position)
 
     def _finish(self, this: _InFlight) -> tuple[list[Trajectory], torch.Tensor, dict[str, Any]]:
-        """Gather a launched rollout and score it: its trajectories, advantages, metrics."""
+        """Gather a launched rollout and score it (with `grpo.dynamic_sampling`, its groups
+        without signal replaced): the trajectories to train, their advantages, the metrics."""
         cfg = self.config
         what = f"step {this.step + 1}'s rollout"
         wait_start = time.perf_counter()
         gathered, retries = self._gather(
             what, this.samples, cfg.grpo.group_size, self.sampling, this.seed, this.dispatched
         )
-        idle_s = time.perf_counter() - wait_start
         groups, samples = _kept(what, gathered, this.samples)
         reward_s = score(self.reward_fn, groups, samples, cfg.reward_kwargs)
-        adv = advantages(groups, cfg.grpo.normalize_std)
-        trajectories = [t for group in groups for t in group]
-        metrics: dict[str, Any] = rollout_metrics(trajectories)
-        metrics.update(prefill_metrics(trajectories))
-        generated = sum(t.num_generated_tokens for t in trajectories)
-        metrics.update(
-            rollout_s=gathered.seconds,
-            idle_s=idle_s,  # the trainer waiting for the rollout
-            reward_s=reward_s,
-            rollout_tokens_per_s=generated / max(gathered.seconds, 1e-9),
-            policy_version=min(t.policy_version for t in trajectories),
-            rollout_retries=retries,
-            skipped_samples=float(len(gathered.skipped)),
-            sample_ids=[sample.id for sample in this.samples],  # the data the step consumed
+        drawn = Drawn(
+            list(groups), gathered.seconds, retries, len(gathered.skipped), this.samples[:]
         )
+        kept = self._fill(this, groups, samples, drawn) if cfg.grpo.dynamic_sampling else groups
+        # NOTE: a step that kept no group trains the groups it drew first (advantages all 0:
+        # no update without a KL term), so that its metrics and versions move as any step's
+        trained = kept or groups
+        idle_s = time.perf_counter() - wait_start
+        adv = advantages(trained, cfg.grpo.normalize_std)
+        trajectories = [t for group in trained for t in group]
+        everything = [t for group in drawn.groups for t in group]
+        # NOTE: the reward and length metrics are the sampling policy's, over every group
+        # drawn: the trained ones alone (dynamic sampling) leave out the all-equal groups.
+        metrics: dict[str, Any] = rollout_metrics(everything)
+        metrics.update(prefill_metrics(everything))
+        generated = sum(t.num_generated_tokens for t in everything)
+        metrics.update(
+            rollout_s=drawn.seconds,
+            idle_s=idle_s,  # the trainer waiting for the rollout
+            reward_s=reward_s + drawn.reward_s,
+            rollout_tokens_per_s=generated / max(drawn.seconds, 1e-9),
+            policy_version=min(t.policy_version for t in trajectories),
+            rollout_retries=drawn.retries,
+            skipped_samples=float(drawn.skipped),
+            sample_ids=[sample.id for sample in drawn.samples],  # the data the step consumed
+        )
+        if cfg.grpo.dynamic_sampling:
+            metrics.update(drawn.metrics(len(kept), cfg.grpo.prompts_per_step))
         return trajectories, adv, metrics
+
+    def _fill(
+        self, this: _InFlight, groups: list[list[Trajectory]], samples: list[Sample], drawn: Drawn
+    ) -> list[list[Trajectory]]:
+        """DAPO's dynamic sampling: the step's groups whose rewards differ, a group whose
+        rewards are all equal replaced by a group of a newly drawn prompt until there are
+        `prompts_per_step` or `grpo.max_extra_prompts` were drawn. The replacements run beside
+        the later steps' rollouts in flight, on the current policy."""
+        cfg = self.config
+        kept = [group for group in groups if has_signal(group)]
+        drawn.dropped = [s.id for g, s in zip(groups, samples, strict=True) if not has_signal(g)]
+        bound = cfg.grpo.extra_prompts_bound
+        extra = 0
+        while len(kept) < cfg.grpo.prompts_per_step and extra < bound:
+            new = self.stream.next_batch(min(cfg.grpo.prompts_per_step - len(kept), bound - extra))
+            extra += len(new)
+            drawn.rounds += 1
+            what = f"step {this.step + 1}'s replacement rollout {drawn.rounds}"
+            seed = this.seed + 7_919 * drawn.rounds
+            gathered, retries = self._gather(what, new, cfg.grpo.group_size, self.sampling, seed)
+            drawn.add(gathered, retries, new)
+            for index, why in gathered.skipped.items():
+                logger.warning("areno train: sample %r skipped in %s: %s", new[index].id, what, why)
+            ran = [i for i in range(len(new)) if i not in gathered.skipped]
+            new_groups = [gathered.groups[i] for i in ran]
+            drawn.reward_s += score(
+                self.reward_fn, new_groups, [new[i] for i in ran], cfg.reward_kwargs
+            )
+            for i, group in zip(ran, new_groups, strict=True):
+                if has_signal(group):
+                    kept.append(group)
+                else:
+                    drawn.dropped.append(new[i].id)
+        if not self._in_flight:
+            # no later step has drawn yet: a run resumed after this step draws on from here
+            # (with rollouts in flight it redraws theirs, and these replacements, again)
+            this.data_position = self.stream.position
+        if len(kept) < cfg.grpo.prompts_per_step:
+            logger.warning(
+                "areno train: step %d kept %d of %d groups (grpo.dynamic_sampling: %d drawn, "
+                "%d with all rewards equal; grpo.max_extra_prompts = %d reached); it trains "
+                "%s",
+                this.step + 1,
+                len(kept),
+                cfg.grpo.prompts_per_step,
+                len(drawn.samples),
+                len(drawn.dropped),
+                bound,
+                "those" if kept else "its first draw's groups, whose advantages are all 0",
+            )
+        return kept
 
     def _gather(
         self,
@@ -239,6 +308,46 @@ class Controller:
                     self.sync.version,
                 )
                 self.sync.restore()
+
+
+@dataclass
+class Drawn:
+    """Everything one step's rollout drew: its groups (the first draw's, then every
+    replacement round's: `Controller._fill`), samples, seconds, retries and skipped samples,
+    and the ids of the samples whose groups dynamic sampling dropped."""
+
+    groups: list[list[Trajectory]]
+    seconds: float
+    retries: int
+    skipped: int
+    samples: list[Sample] = dataclasses.field(default_factory=list)
+    dropped: list[str | None] = dataclasses.field(default_factory=list)
+    rounds: int = 0
+    reward_s: float = 0.0
+
+    def add(self, gathered: rollouts.Gathered, retries: int, samples: list[Sample]) -> None:
+        self.groups += [g for i, g in enumerate(gathered.groups) if i not in gathered.skipped]
+        self.seconds += gathered.seconds
+        self.retries += retries
+        self.skipped += len(gathered.skipped)
+        self.samples += samples
+
+    def metrics(self, num_kept: int, prompts_per_step: int) -> dict[str, Any]:
+        return {
+            "groups_drawn": float(len(self.samples)),
+            "groups_dropped": float(len(self.dropped)),
+            "groups_kept": float(num_kept),
+            "replacement_rounds": float(self.rounds),
+            # 1: the step reached grpo.max_extra_prompts and trains fewer groups
+            "dynamic_sampling_unfilled": float(num_kept < prompts_per_step),
+            "dropped_sample_ids": list(self.dropped),
+        }
+
+
+def has_signal(group: Sequence[Trajectory]) -> bool:
+    """Whether a group's rewards differ (dynamic sampling keeps it): equal rewards give every
+    episode advantage 0."""
+    return len({t.reward for t in group}) > 1
 
 
 def _kept(what: str, gathered: rollouts.Gathered, samples: list[Sample]) -> tuple[list, list]:

@@ -18,46 +18,111 @@ from areno.errors import ConfigError
 from areno.settings import setting
 
 LOSS_AGGS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
+RATIO_LEVELS = ("token", "sequence")
+ROLLOUT_CORRECTIONS = ("off", "token_tis", "sequence_tis", "mask")
+# The clip range where clip_low / clip_high are not set, by ratio level: PPO's, and GSPO's
+# (a sequence's ratio is a mean of log-ratios, far closer to 1 than a token's).
+DEFAULT_CLIP = {"token": (0.2, 0.2), "sequence": (3e-4, 4e-4)}
+DEFAULT_TIS_CAP = 2.0
+DEFAULT_MASK_BAND = (0.5, 5.0)  # IcePop's
 
 
 @dataclass(frozen=True)
 class GRPOLossConfig:
     """How `policy_loss` weighs and aggregates per-token losses."""
 
-    clip_low: float = setting(0.2, help="the PPO ratio is clipped below at 1 - clip_low")
-    clip_high: float = setting(
-        0.2, help="the PPO ratio is clipped above at 1 + clip_high (larger: DAPO's clip-higher)"
+    ratio_level: str = setting(
+        "token",
+        choices=RATIO_LEVELS,
+        help="token: each token's ratio pi / pi_old is clipped (PPO); sequence: GSPO, every "
+        "token of a sequence takes the sequence's ratio exp(mean of its tokens' log-ratios), "
+        "clipped as one, the gradient flowing through each token's own logprob",
+    )
+    clip_low: float | None = setting(
+        None,
+        help="the ratio is clipped below at 1 - clip_low; none: 0.2 at the token level, 3e-4 "
+        "at the sequence level (GSPO's)",
+    )
+    clip_high: float | None = setting(
+        None,
+        help="the ratio is clipped above at 1 + clip_high (above clip_low: DAPO's "
+        "clip-higher); none: 0.2 at the token level, 4e-4 at the sequence level (GSPO's)",
     )
     kl_coef: float = setting(
         0.0, help="weight of the k3 KL estimate to a frozen reference policy; 0: off"
     )
+    rollout_correction: str = setting(
+        "off",
+        choices=ROLLOUT_CORRECTIONS,
+        help="how each token's loss is corrected for the sampler / proximal policy mismatch "
+        "(needs grpo.behaviour_logprobs: recompute): token_tis weighs it by min(proximal / "
+        "sampler, tis_cap) (decoupled PPO); sequence_tis by min(the product of those ratios "
+        "over its sequence, tis_cap); mask weighs it 0 where proximal / sampler leaves "
+        "[mask_low, mask_high] (IcePop); the accepted combinations are in "
+        'docs/architecture.md, "Off-policy correction"',
+    )
     tis_cap: float | None = setting(
         None,
-        help="truncated importance sampling of the train / rollout mismatch: each token's loss "
-        "times min(exp(old_logprobs - rollout_logprobs), tis_cap), where old_logprobs are the "
-        "proximal policy's (grpo.behaviour_logprobs: recompute); none: off",
+        help="the cap of the truncated importance weight (rollout_correction: token_tis or "
+        "sequence_tis); none: 2.0",
+    )
+    mask_low: float | None = setting(
+        None,
+        help="rollout_correction: mask keeps tokens whose proximal / sampler ratio is at "
+        "least this; none: 0.5",
+    )
+    mask_high: float | None = setting(
+        None,
+        help="rollout_correction: mask keeps tokens whose proximal / sampler ratio is at "
+        "most this; none: 5.0",
     )
     loss_agg: str = setting(
         "token_mean",
         choices=LOSS_AGGS,
         help="token_mean: the batch's valid tokens' mean (DAPO); seq_mean_token_mean: each "
-        "sequence's token mean, then the mean over sequences; seq_mean_token_sum_norm: each "
-        "sequence's token sum / max_response_len, then the mean (Dr.GRPO)",
+        "sequence's token mean, then the mean over sequences (GSPO's); "
+        "seq_mean_token_sum_norm: each sequence's token sum / max_response_len, then the mean "
+        "(Dr.GRPO)",
     )
     max_response_len: int | None = setting(
         None, help="the constant normaliser of seq_mean_token_sum_norm"
     )
 
     def __post_init__(self) -> None:
-        _check_number("clip_low", self.clip_low, low=0.0, high=1.0, high_open=True)
-        _check_number("clip_high", self.clip_high, low=0.0)
+        _check_choice("ratio_level", self.ratio_level, RATIO_LEVELS)
+        _check_choice("rollout_correction", self.rollout_correction, ROLLOUT_CORRECTIONS)
+        if self.clip_low is not None:
+            _check_number("clip_low", self.clip_low, low=0.0, high=1.0, high_open=True)
+        if self.clip_high is not None:
+            _check_number("clip_high", self.clip_high, low=0.0)
         _check_number("kl_coef", self.kl_coef, low=0.0)
         if self.tis_cap is not None:
             _check_number("tis_cap", self.tis_cap, low=0.0, low_open=True)
-        if self.loss_agg not in LOSS_AGGS:
+            if self.rollout_correction not in ("token_tis", "sequence_tis"):
+                raise ConfigError(
+                    f"tis_cap caps the weight of rollout_correction token_tis or sequence_tis; "
+                    f"rollout_correction is {self.rollout_correction!r}. Set "
+                    "rollout_correction: token_tis (what tis_cap alone meant before) or leave "
+                    "tis_cap out",
+                    param="tis_cap",
+                )
+        for name in ("mask_low", "mask_high"):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            _check_number(name, value, low=0.0)
+            if self.rollout_correction != "mask":
+                raise ConfigError(
+                    f"{name} bounds rollout_correction: mask; rollout_correction is "
+                    f"{self.rollout_correction!r}",
+                    param=name,
+                )
+        low, high = self.mask_band
+        if low >= high:
             raise ConfigError(
-                f"loss_agg must be one of {LOSS_AGGS}; got {self.loss_agg!r}", param="loss_agg"
+                f"mask_low ({low}) must be below mask_high ({high})", param="mask_low"
             )
+        _check_choice("loss_agg", self.loss_agg, LOSS_AGGS)
         value = self.max_response_len
         if value is not None and (
             isinstance(value, bool) or not isinstance(value, int) or value < 1
@@ -72,6 +137,34 @@ class GRPOLossConfig:
                 "rollout's maximum number of response tokens",
                 param="max_response_len",
             )
+
+    @property
+    def clip_range(self) -> tuple[float, float]:
+        """(clip_low, clip_high), each the ratio level's default where not set."""
+        low, high = DEFAULT_CLIP[self.ratio_level]
+        return (
+            low if self.clip_low is None else self.clip_low,
+            high if self.clip_high is None else self.clip_high,
+        )
+
+    @property
+    def cap(self) -> float:
+        """The truncated importance weight's cap (token_tis, sequence_tis)."""
+        return DEFAULT_TIS_CAP if self.tis_cap is None else self.tis_cap
+
+    @property
+    def mask_band(self) -> tuple[float, float]:
+        """The proximal / sampler ratios `rollout_correction: mask` keeps, inclusive."""
+        low, high = DEFAULT_MASK_BAND
+        return (
+            low if self.mask_low is None else self.mask_low,
+            high if self.mask_high is None else self.mask_high,
+        )
+
+
+def _check_choice(name: str, value: object, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ConfigError(f"{name} must be one of {choices}; got {value!r}", param=name)
 
 
 def _check_number(
@@ -164,14 +257,17 @@ def policy_loss(
     logprobs: [B, T] under the policy being trained; old_logprobs: [B, T] under the policy that
     the training step started from; advantages: [B], one per sequence; loss_mask: [B, T];
     ref_logprobs: [B, T] under the frozen reference (needed when config.kl_coef > 0);
-    rollout_logprobs: [B, T] as the inference engine reported them (needed when config.tis_cap
-    is set). Everything but `logprobs` is treated as a constant.
+    rollout_logprobs: [B, T] as the inference engine reported them (needed with a
+    config.rollout_correction). Everything but `logprobs` is treated as a constant.
 
-    Per token: -min(r * A, clip(r, 1 - clip_low, 1 + clip_high) * A) with r = exp(logprobs -
-    old_logprobs), times the TIS weight, plus kl_coef * k3, aggregated by config.loss_agg.
+    Per token: -w * min(r * A, clip(r, 1 - clip_low, 1 + clip_high) * A), plus kl_coef * k3,
+    aggregated by config.loss_agg. r is exp(logprobs - old_logprobs) (ratio_level "token"), or
+    the sequence's exp(mean of those log-ratios) with each token's own gradient (GSPO's
+    sg[s] * pi / sg[pi], "sequence"); w is the rollout correction's weight (1 when off).
     Metrics: "clip_fraction" (valid tokens whose clipped branch was the one taken),
-    "ratio_mean", "ratio_max", "kl" (mean k3, when ref_logprobs is given), "tis_weight_mean"
-    (when tis_cap is set). Means over no valid tokens are 0.
+    "ratio_mean", "ratio_max", "kl" (mean k3, when ref_logprobs is given); with a rollout
+    correction "tis_weight_mean", "tis_capped_fraction" (tokens whose weight hit tis_cap) and
+    "masked_fraction" (tokens weighted 0 by the mask). Means over no valid tokens are 0.
     """
     _check_bt(logprobs, old_logprobs=old_logprobs, loss_mask=loss_mask)
     if advantages.shape != logprobs.shape[:1]:
@@ -184,24 +280,39 @@ def policy_loss(
     # NOTE: masked positions may hold anything (padding, -inf); `where` keeps them, and their
     # gradients, out of every sum below.
     log_ratio = torch.where(mask, logprobs - old_logprobs.detach().float(), 0.0)
+    if config.ratio_level == "sequence":
+        # GSPO: log s_i = the mean of the sequence's token log-ratios; each token carries
+        # sg[log s_i] + log pi(y_t) - sg[log pi(y_t)]: the value s_i, the gradient
+        # s_i * grad log pi(y_t), which the sequence's token mean turns into grad s_i.
+        counts = weights.sum(dim=-1, keepdim=True).clamp(min=1.0)
+        seq_log_ratio = (log_ratio.detach().sum(dim=-1, keepdim=True) / counts).expand_as(mask)
+        own = torch.where(mask, logprobs, 0.0)
+        log_ratio = torch.where(mask, seq_log_ratio + own - own.detach(), 0.0)
     ratio = log_ratio.exp()
     adv = advantages.detach().float().unsqueeze(-1)
+    low, high = config.clip_range
     unclipped = -adv * ratio
-    clipped = -adv * ratio.clamp(1.0 - config.clip_low, 1.0 + config.clip_high)
+    clipped = -adv * ratio.clamp(1.0 - low, 1.0 + high)
     token_loss = torch.maximum(unclipped, clipped)
     metrics = {
         "clip_fraction": _masked_mean((clipped > unclipped).float(), weights),
         "ratio_mean": _masked_mean(ratio.detach(), weights),
         "ratio_max": float(ratio.detach()[mask].max()) if mask.any() else 0.0,
     }
-    if config.tis_cap is not None:
+    if config.rollout_correction != "off":
         if rollout_logprobs is None:
-            raise ValueError("config.tis_cap is set: pass rollout_logprobs to policy_loss")
+            raise ValueError(
+                f"config.rollout_correction is {config.rollout_correction!r}: pass "
+                "rollout_logprobs to policy_loss"
+            )
         _check_bt(logprobs, rollout_logprobs=rollout_logprobs)
-        tis_log = torch.where(mask, old_logprobs.float() - rollout_logprobs.float(), 0.0)
-        tis_weight = tis_log.exp().clamp(max=config.tis_cap).detach()
-        token_loss = token_loss * tis_weight
-        metrics["tis_weight_mean"] = _masked_mean(tis_weight, weights)
+        weight, capped, masked = correction_weight(
+            old_logprobs.detach().float(), rollout_logprobs.detach().float(), mask, config
+        )
+        token_loss = token_loss * weight
+        metrics["tis_weight_mean"] = _masked_mean(weight, weights)
+        metrics["tis_capped_fraction"] = _masked_mean(capped.float(), weights)
+        metrics["masked_fraction"] = _masked_mean(masked.float(), weights)
     if config.kl_coef > 0 and ref_logprobs is None:
         raise ValueError("config.kl_coef > 0: pass ref_logprobs to policy_loss")
     if ref_logprobs is not None:
@@ -213,6 +324,35 @@ def policy_loss(
             token_loss = token_loss + config.kl_coef * k3
     token_loss = torch.where(mask, token_loss, 0.0)
     return _aggregate(token_loss, weights, config), metrics
+
+
+def correction_weight(
+    old_logprobs: Tensor, rollout_logprobs: Tensor, mask: Tensor, config: GRPOLossConfig
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Each token's rollout-correction weight [B, T] from the proximal (`old_logprobs`) and
+    sampler (`rollout_logprobs`) logprobs, and where it was capped / masked (bool [B, T]).
+
+    token_tis: min(proximal / sampler, cap); sequence_tis: min(prod over the sequence's valid
+    tokens of proximal / sampler, cap) on each of them; mask: 1 where proximal / sampler is
+    within [mask_low, mask_high], else 0 (the token stays in the aggregate's normaliser, as in
+    IcePop's objective). A constant: no gradient flows through it."""
+    log_w = torch.where(mask, old_logprobs - rollout_logprobs, 0.0)
+    none = torch.zeros_like(mask)
+    kind = config.rollout_correction
+    if kind == "token_tis":
+        capped = mask & (log_w > math.log(config.cap))
+        return log_w.exp().clamp(max=config.cap), capped, none
+    if kind == "sequence_tis":
+        # summed in log space: a long sequence's product over- or underflows float32
+        log_seq = log_w.sum(dim=-1, keepdim=True).expand_as(log_w)
+        capped = mask & (log_seq > math.log(config.cap))
+        return log_seq.clamp(max=math.log(config.cap)).exp(), capped, none
+    if kind == "mask":
+        low, high = config.mask_band
+        ratio = log_w.exp()
+        masked = mask & ((ratio < low) | (ratio > high))
+        return (~masked).float(), none, masked
+    raise ValueError(f"no correction weight for rollout_correction {kind!r}")
 
 
 def logprob_mismatch(

@@ -54,6 +54,7 @@ def deepspeed_config(config: GRPOConfig, world_size: int, dtype: torch.dtype) ->
 # What a rank adds up over a step's passes (`Learner.train_step`, combined by `reduce_sums`).
 SUM_KEYS = ("tokens", "abs_diff", "max_abs", "clip", "kl", "loss", "ratio_max", "steps")
 SUM_KEYS += ("passes", "rows", "padded", "packed", "real", "fresh", "ratio", "tis")
+SUM_KEYS += ("capped", "masked")
 
 # Media features a trainer rank keeps within one step (frozen towers: `Learner.features`).
 TRAINER_FEATURE_BYTES = 1 << 30
@@ -293,6 +294,8 @@ class Learner:
             sums["ratio_max"] = max(sums["ratio_max"], info["ratio_max"])
             sums["ratio"] += info["ratio_mean"] * n
             sums["tis"] += info.get("tis_weight_mean", 1.0) * n
+            sums["capped"] += info.get("tis_capped_fraction", 0.0) * n
+            sums["masked"] += info.get("masked_fraction", 0.0) * n
             sums["loss"] += float(loss.item()) * weight
         lengths = [row_length([t.inputs for t in row]) for row in _split(trajs, sizes)]
         sums["passes"] += 1
@@ -364,6 +367,9 @@ def reduce_sums(sums: dict[str, float]) -> dict[str, float]:
         "kl": sum(s["kl"] for s in gathered) / tokens,
         "ratio_max": max(s["ratio_max"] for s in gathered),
         "ratio_mean": sum(s["ratio"] for s in gathered) / tokens,
-        # the truncated importance weight (proximal / sampler, capped): 1 without tis_cap
+        # the rollout correction's weight (grpo.loss.rollout_correction): 1 when off
         "tis_weight_mean": sum(s["tis"] for s in gathered) / tokens,
+        # the trained tokens whose TIS weight hit tis_cap, and those the mask weighted 0
+        "tis_capped_fraction": sum(s["capped"] for s in gathered) / tokens,
+        "masked_fraction": sum(s["masked"] for s in gathered) / tokens,
     }

@@ -14,6 +14,7 @@ from areno.models.registry import adapter_for_checkpoint
 from areno.rollout.worker import RolloutSpec, RolloutWorker
 from areno.train.config import GRPOConfig, cpu_threads
 from areno.train.controller import rollouts_overlap_training
+from areno.train.metrics import TRACKER_ENV, check_trackers
 
 logger = logging.getLogger("areno.train")
 
@@ -75,6 +76,7 @@ def run(config: GRPOConfig) -> Path:
     from ray.train import FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
+    check_trackers(config.run.trackers)  # a missing package or server, before anything starts
     model_path = config.model_path or _embedded_default()
     if Path(model_path).is_dir():  # a relative path means this process's, not a worker's, cwd
         model_path = str(Path(model_path).resolve())
@@ -100,6 +102,8 @@ def run(config: GRPOConfig) -> Path:
             "model_path": model_path,
             # tells a restarted worker group its own checkpoints from older launches' ones
             "launch_id": uuid.uuid4().hex,
+            # what rank 0's trackers read from the environment, as this process has it
+            "tracker_env": {k: os.environ[k] for k in TRACKER_ENV if k in os.environ},
         },
         scaling_config=ScalingConfig(
             num_workers=t.num_workers, use_gpu=t.use_gpu, resources_per_worker=resources

@@ -6,6 +6,7 @@ share -> trains it (DeepSpeed: areno/train/learner.py) -> the weights go to the 
 from __future__ import annotations
 
 import logging
+import os
 import time
 from typing import Any
 
@@ -54,6 +55,7 @@ def train_loop(loop_config: dict) -> None:
         state = checkpoint.load(learner.deepspeed, config.run.run_dir)
     sync = controller = None
     if rank == 0:
+        os.environ.update(loop_config.get("tracker_env", {}))
         sync = WeightSync(
             workers,
             learner.module,

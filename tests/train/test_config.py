@@ -96,3 +96,19 @@ def test_a_model_path_that_is_no_checkpoint_fails_before_ray_starts(tmp_path, ca
     assert error.startswith("areno: error: ") and str(tmp_path / "nothing") in error
     assert "not a Hugging Face checkpoint directory" in error
     assert not run_dir.exists() and not ray.is_initialized()
+
+
+def test_recipe_settings_that_would_do_nothing_are_refused_by_name() -> None:
+    with pytest.raises(ConfigError, match="max_extra_prompts bounds grpo.dynamic_sampling") as info:
+        GRPOConfig.from_dict({"grpo": {"max_extra_prompts": 4}})
+    assert info.value.param == "max_extra_prompts"
+    with pytest.raises(ConfigError, match="group_size = 1 every group would be dropped"):
+        GRPOConfig.from_dict({"grpo": {"dynamic_sampling": True, "group_size": 1}})
+    config = GRPOConfig.from_dict({"grpo": {"dynamic_sampling": True, "prompts_per_step": 4}})
+    assert config.grpo.extra_prompts_bound == 12  # 3 x prompts_per_step where not set
+    assert GRPOConfig.from_dict(config.to_dict()) == config
+    with pytest.raises(ConfigError, match="run.trackers must be a list of distinct trackers"):
+        GRPOConfig.from_dict({"run": {"trackers": ["tensorboard", "comet"]}})
+    with pytest.raises(ConfigError, match="run.trackers must be a list"):
+        GRPOConfig.from_dict({"run": {"trackers": "wandb"}})
+    assert GRPOConfig().run.trackers == ["tensorboard"]

@@ -226,11 +226,12 @@ def test_tis_weight_and_cap() -> None:
         old,
         torch.tensor([1.0]),
         torch.ones(1, 3),
-        config=GRPOLossConfig(tis_cap=2.0),
+        config=GRPOLossConfig(rollout_correction="token_tis", tis_cap=2.0),
         rollout_logprobs=rollout,
     )
     assert loss.item() == approx(-3.5 / 3)
     assert metrics["tis_weight_mean"] == approx(3.5 / 3)
+    assert metrics["tis_capped_fraction"] == approx(1 / 3) and metrics["masked_fraction"] == 0
     loss.backward()
     assert logprobs.grad.tolist() == [approx([-1 / 3, -0.5 / 3, -2 / 3])]
     assert rollout.grad is None  # the weight is a constant
@@ -240,13 +241,93 @@ def test_missing_inputs_are_errors() -> None:
     logprobs, old = ratios_to_logprobs(RATIOS)
     mask = torch.ones(2, 3)
     with pytest.raises(ValueError, match="rollout_logprobs"):
-        policy_loss(logprobs, old, ADVANTAGES, mask, config=GRPOLossConfig(tis_cap=2.0))
+        config = GRPOLossConfig(rollout_correction="mask")
+        policy_loss(logprobs, old, ADVANTAGES, mask, config=config)
     with pytest.raises(ValueError, match="ref_logprobs"):
         policy_loss(logprobs, old, ADVANTAGES, mask, config=GRPOLossConfig(kl_coef=0.1))
     with pytest.raises(ValueError, match="advantages"):
         policy_loss(logprobs, old, torch.ones(2, 3), mask, config=GRPOLossConfig())
     with pytest.raises(ValueError, match="loss_mask"):
         policy_loss(logprobs, old, ADVANTAGES, torch.ones(2, 4), config=GRPOLossConfig())
+
+
+def test_old_tis_cap_alone_names_the_setting_to_add() -> None:
+    with pytest.raises(ConfigError, match="rollout_correction: token_tis"):
+        GRPOLossConfig(tis_cap=2.0)
+
+
+def test_sequence_tis_weighs_every_token_by_its_sequences_capped_product() -> None:
+    # r = 1, A = +1: each token's loss is -w. Row 0's proximal / sampler ratios 2, 0.5, 1.5
+    # -> product 1.5 (under the cap 2); row 1's 2, 2 -> product 4, capped at 2.
+    # losses: row 0: -1.5 x 3; row 1: -2 x 2 -> token mean -(4.5 + 4) / 5
+    old = torch.full((2, 3), -1.0)
+    log_w = torch.tensor([[LN2, -LN2, math.log(1.5)], [LN2, LN2, 0.0]])
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0]])
+    logprobs = old.clone().requires_grad_(True)
+    config = GRPOLossConfig(rollout_correction="sequence_tis", tis_cap=2.0)
+    loss, metrics = policy_loss(
+        logprobs, old, torch.ones(2), mask, config=config, rollout_logprobs=old - log_w
+    )
+    assert loss.item() == approx(-8.5 / 5)
+    assert metrics["tis_weight_mean"] == approx(8.5 / 5)
+    assert metrics["tis_capped_fraction"] == approx(2 / 5)  # row 1's two tokens
+    loss.backward()
+    assert logprobs.grad.tolist() == [approx([-0.3] * 3), approx([-0.4, -0.4, 0.0])]
+
+
+def test_mask_weighs_tokens_outside_the_band_zero_and_keeps_them_in_the_normaliser() -> None:
+    # proximal / sampler: 1, 4 (above 2), 0.25 (below 0.5), 2 (the band's edge: kept)
+    old = torch.full((1, 4), -1.0)
+    log_w = torch.tensor([[0.0, 2 * LN2, -2 * LN2, LN2]])
+    logprobs = old.clone().requires_grad_(True)
+    config = GRPOLossConfig(rollout_correction="mask", mask_low=0.5, mask_high=2.0)
+    loss, metrics = policy_loss(
+        logprobs, old, torch.ones(1), torch.ones(1, 4), config=config, rollout_logprobs=old - log_w
+    )
+    assert loss.item() == approx(-2 / 4)  # two tokens of -1, over all four
+    assert metrics["masked_fraction"] == approx(0.5)
+    assert metrics["tis_weight_mean"] == approx(0.5) and metrics["tis_capped_fraction"] == 0
+    loss.backward()
+    assert logprobs.grad.tolist() == [approx([-0.25, 0.0, 0.0, -0.25])]
+
+
+def test_gspo_takes_one_ratio_per_sequence_and_each_tokens_gradient() -> None:
+    # Row 0 (A = +1): token ratios 2, 0.5, 1 -> log s = (ln2 - ln2 + 0) / 3 = 0 -> s = 1;
+    # row 1 (A = -1): token ratios 1.2, 1.2 -> s = 1.2, above 1 + 4e-4: clipped for A < 0.
+    # Loss per token: row 0 -1 (x3); row 1 min(-1.2, -1.0004) -> +1.2 (the unclipped side is
+    # the pessimistic one for A < 0: clipping takes effect only on r < 1 - 3e-4).
+    ratios = [[2.0, 0.5, 1.0], [1.2, 1.2, 1.0]]
+    logprobs, old = ratios_to_logprobs(ratios)
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0]])
+    config = GRPOLossConfig(ratio_level="sequence", loss_agg="seq_mean_token_mean")
+    assert config.clip_range == (3e-4, 4e-4)
+    loss, metrics = policy_loss(logprobs, old, torch.tensor([1.0, -1.0]), mask, config=config)
+    assert loss.item() == approx((-1.0 + 1.2) / 2)
+    # every token carries its sequence's ratio: (1 + 1 + 1 + 1.2 + 1.2) / 5
+    assert metrics["ratio_mean"] == approx(5.4 / 5) and metrics["ratio_max"] == approx(1.2)
+    assert metrics["clip_fraction"] == 0.0
+    loss.backward()
+    # d/d logp_t of -A s over the sequence's mean: -A s / |y| per token (not -A r_t / |y|)
+    assert logprobs.grad.tolist() == [
+        approx([-1 / 3 / 2] * 3),
+        approx([1.2 / 2 / 2, 1.2 / 2 / 2, 0.0]),
+    ]
+
+
+def test_gspo_clips_a_whole_sequence_with_its_own_range() -> None:
+    # A = +1 and s = 1.2 > 1 + 4e-4: every token of the sequence is clipped, no gradient; a
+    # token-level ratio of the same tokens would sit inside PPO's [0.8, 1.2] band.
+    logprobs, old = ratios_to_logprobs([[1.1, 1.3]])
+    config = GRPOLossConfig(ratio_level="sequence")
+    loss, metrics = policy_loss(logprobs, old, torch.ones(1), torch.ones(1, 2), config=config)
+    s = math.sqrt(1.1 * 1.3)
+    assert loss.item() == approx(-(1 + 4e-4)) and s > 1 + 4e-4
+    assert metrics["clip_fraction"] == 1.0 and metrics["ratio_mean"] == approx(s)
+    loss.backward()
+    assert logprobs.grad.tolist() == [[0.0, 0.0]]
+    # set ranges win over the level's defaults
+    wide = GRPOLossConfig(ratio_level="sequence", clip_low=0.2, clip_high=0.28)
+    assert wide.clip_range == (0.2, 0.28) and GRPOLossConfig().clip_range == (0.2, 0.2)
 
 
 @pytest.mark.parametrize(("advantage", "direction"), [(1.0, 1.0), (-1.0, -1.0)])
@@ -292,7 +373,13 @@ def test_logprob_mismatch() -> None:
         ({"clip_low": 1.0}, "clip_low"),
         ({"clip_high": float("nan")}, "clip_high"),
         ({"kl_coef": -1.0}, "kl_coef"),
-        ({"tis_cap": 0.0}, "tis_cap"),
+        ({"tis_cap": 0.0, "rollout_correction": "token_tis"}, "tis_cap"),
+        ({"tis_cap": 2.0}, "tis_cap"),  # a cap of no correction: rollout_correction is off
+        ({"tis_cap": 2.0, "rollout_correction": "mask"}, "tis_cap"),
+        ({"mask_high": 2.0, "rollout_correction": "token_tis"}, "mask_high"),
+        ({"mask_low": 2.0, "mask_high": 1.5, "rollout_correction": "mask"}, "mask_low"),
+        ({"rollout_correction": "tis"}, "rollout_correction"),
+        ({"ratio_level": "episode"}, "ratio_level"),
         ({"loss_agg": "seq_sum"}, "loss_agg"),
         ({"loss_agg": "seq_mean_token_sum_norm"}, "max_response_len"),
         ({"max_response_len": 0}, "max_response_len"),

@@ -261,7 +261,8 @@ def test_ray_job_submit_runs_training_and_private_data_stays_private(
         # recomputed behaviour logprobs with truncated importance sampling
         *("--num-trainer-workers", "2", "--zero-stage", "3"),
         *("--set", "trainer.num_cpus_per_worker=0.25", "--set", "grpo.loss.kl_coef=0.01"),
-        *("--set", "grpo.behaviour_logprobs=recompute", "--set", "grpo.loss.tis_cap=2.0"),
+        *("--set", "grpo.behaviour_logprobs=recompute"),
+        *("--set", "grpo.loss.rollout_correction=token_tis", "--set", "grpo.loss.tis_cap=2.0"),
         *("--set", "run.export_hf=true"),
         # serial steps: step 2's rollout starts on step 1's weights
         *("--set", "rollout.max_staleness=0"),

@@ -9,7 +9,7 @@ from areno.train.metrics import MetricsWriter
 
 
 def test_plot_draws_the_chosen_keys(tmp_path, capsys):
-    writer = MetricsWriter(tmp_path, tensorboard=False)
+    writer = MetricsWriter(tmp_path, trackers=())
     for step in range(1, 5):
         writer.write(step, {"reward_mean": 0.1 * step, "tool_calls_per_episode": 0.5})
     writer.write(4, {"eval/reward_mean": 0.3})
