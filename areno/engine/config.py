@@ -138,7 +138,7 @@ class EngineConfig:
     )
     max_lora_rank: int = setting(16, help="the largest LoRA rank the engine takes")
     stream_interval_ms: float = setting(
-        5.0,
+        10.0,
         help="a streamed request's new tokens are handed to its caller at most this often "
         "(its first token and its end at once): each hand-off is a message through the "
         "server's hops, which cost host time beside the engine's (docs/performance.md); 0: "
