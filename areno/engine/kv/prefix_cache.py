@@ -177,9 +177,11 @@ class PrefixCache:
         saves = group.media_keys() or self.saves_text_prompts
         if not (self.states.num_rows and saves) or last <= cached:
             return
-        ends = {last, min(matched_blocks * size, last)}
+        ends = {e for e in (last, min(matched_blocks * size, last)) if e > cached}
         if self.checkpoint_blocks:
-            ends.update(range(self.checkpoint_blocks * size, last, self.checkpoint_blocks * size))
+            # Every checkpoint_blocks blocks below the saves above, each a round of the prefill.
+            step = self.checkpoint_blocks * size
+            ends.update(range(step, min(ends) - step + 1, step))
         points = []
         # Deepest first, at most half the rows: one long prompt leaves the other half of the
         # saved states (other prompts' points, turns' ends) to the least recently used.
