@@ -429,8 +429,9 @@ class Generator:
 
     def stats(self) -> dict[str, int]:
         """Queue depth, occupancy of slots and KV blocks, preemptions so far, and the prefix
-        cache's blocks, saved states, the prompt tokens it held of those admitted and the
-        media tower calls it answered (read without locking: a snapshot for metrics)."""
+        cache's blocks, saved states (held now; resumed from, saved and evicted so far), the
+        prompt tokens it held of those admitted and the media tower calls it answered (read
+        without locking: a snapshot for metrics)."""
         scheduler = self.core.scheduler
         media_encodes, media_encodes_cached = self.core.executor.media_cache_stats()
         return {
@@ -444,6 +445,9 @@ class Generator:
             "num_prompt_tokens_admitted": scheduler.num_admitted_tokens,
             "num_prompt_tokens_cached": scheduler.num_cached_tokens,
             "num_saved_states": len(scheduler.kv.states),
+            "num_state_hits": scheduler.kv.states.num_hits,
+            "num_state_saves": scheduler.kv.states.num_saves,
+            "num_state_evictions": scheduler.kv.states.num_evictions,
             "num_media_encodes": media_encodes,
             "num_media_encodes_cached": media_encodes_cached,
             "policy_version": self.core.policy_version,

@@ -174,6 +174,18 @@ class GeneratorServer:
                 "areno_engine_prompt_tokens_cached",
                 "Of those, the tokens the prefix cache held (not prefilled again).",
             ),
+            "num_state_hits": metrics.Counter(
+                "areno_engine_prefix_state_hits",
+                "Prompts resumed from a saved linear-attention or sliding-window state.",
+            ),
+            "num_state_saves": metrics.Counter(
+                "areno_engine_prefix_state_saves",
+                "Linear-attention or sliding-window states saved for prompts to resume from.",
+            ),
+            "num_state_evictions": metrics.Counter(
+                "areno_engine_prefix_state_evictions",
+                "Saved states evicted, least recently used, for a new one.",
+            ),
         }
         self._counted = dict.fromkeys(self.counters, 0)
         self._reporter: asyncio.Task | None = None

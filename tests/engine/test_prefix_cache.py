@@ -610,3 +610,28 @@ def test_questions_after_a_shared_system_prompt_resume_near_where_they_part(setu
     assert cached[1] >= min(shared, last - 32) // 32 * 32, (cached, shared)
     for count, x in zip(cached[2:], prompts[2:], strict=True):
         assert count == shared // 4 * 4 and count >= 0.9 * x.num_prompt_tokens, (cached, shared)
+
+
+def test_saved_states_count_their_hits_saves_and_evictions(setups):
+    """Generator.stats() counts the saved states prompts resumed from, the saves and the least
+    recently used ones evicted: a prompt twice is one hit (and no new save: its points are
+    known); with two rows, more prompts' saves evict."""
+    setup = setups("qwen3_5")
+    prompts = [
+        setup.encode(text(f"Tell me story number {i} about a long river. " * 4)) for i in range(3)
+    ]
+    gen = setup.generator(block_size=4, enable_prefix_caching=True, prefix_state_rows=2)
+    try:
+        counts = []
+        for x in [prompts[0], prompts[0], prompts[1], prompts[2]]:
+            _cached_tokens(gen, x)
+            stats = gen.stats()
+            counts.append(
+                (stats["num_state_hits"], stats["num_state_saves"], stats["num_state_evictions"])
+            )
+    finally:
+        gen.shutdown()
+    (hits0, saves0, evicted0), (hits1, saves1, _), *_, (_, saves3, evicted3) = counts
+    assert (hits0, evicted0) == (0, 0) and saves0 >= 1
+    assert hits1 == 1 and saves1 == saves0  # its points are known already
+    assert saves3 > saves1 and evicted3 > 0

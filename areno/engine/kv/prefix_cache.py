@@ -132,7 +132,7 @@ class PrefixCache:
                     continue
                 best = point
             if best is not None:
-                self.states.touch(best)
+                self.states.resume(best)
                 return blocks[:k], best, len(blocks)
         return [], None, len(blocks)
 
@@ -203,6 +203,7 @@ class PrefixCache:
             return []
         seq.state_saves = [p for p in seq.state_saves if not start < p.num_tokens <= end]
         self._saving += taken
+        self.states.num_saves += len(taken)
         return [(point.num_tokens, point.row) for point in taken]
 
     def save_end_state(self, seq: Sequence) -> None:
@@ -225,6 +226,7 @@ class PrefixCache:
         point = self.states.add(parent, end, tail)
         if point is not None:
             self._saves.append((seq.slot, point.row))
+            self.states.num_saves += 1
 
     def save_last_states(self, running: list[Sequence], may_decode) -> None:
         """Save now the end state of each running sequence whose in-flight token is its last

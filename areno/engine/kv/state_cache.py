@@ -55,6 +55,10 @@ class StateCache:
         self._by_parent: dict[bytes, list[ResumePoint]] = {}
         self._free_rows = list(range(num_rows - 1, -1, -1))
         self._pinned: set[tuple] = set()
+        # Prompts resumed from a point, states saved, points evicted for a new one (so far).
+        self.num_hits = 0
+        self.num_saves = 0
+        self.num_evictions = 0
 
     def __len__(self) -> int:
         return len(self._points)
@@ -66,6 +70,11 @@ class StateCache:
     def touch(self, point: ResumePoint) -> None:
         """Mark `point` used now (evicted last)."""
         self._points.move_to_end(point.key)
+
+    def resume(self, point: ResumePoint) -> None:
+        """A prompt resumes from `point`: a hit, and used now."""
+        self.num_hits += 1
+        self.touch(point)
 
     def add(
         self, parent: bytes, num_tokens: int, tail_hash: bytes | None, *, pinned: bool = False
@@ -82,6 +91,7 @@ class StateCache:
             if oldest is None:
                 return None
             self._drop(oldest)
+            self.num_evictions += 1
         point = ResumePoint(parent, num_tokens, tail_hash, self._free_rows.pop())
         self._points[key] = point
         self._by_parent.setdefault(parent, []).append(point)
