@@ -2,7 +2,9 @@
 logprobs, and the model list.
 
 Every type validates with the official `openai` client's types when dumped with `model_dump()`
-(or `model_dump(exclude_none=True)` for compact SSE chunks). The one exception is the extension
+(or `model_dump(exclude_none=True)` for compact replies and SSE chunks, which still carry every
+field OpenAI's schema requires, null where it has no value: a message's `content`, a choice's
+`logprobs` and `finish_reason`). The one exception is the extension
 finish reason "abort" (a request cancelled by the server), which the client's lenient parser passes
 through but its strict `model_validate` refuses.
 """
@@ -11,9 +13,9 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Literal
+from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, SerializerFunctionWrapHandler, model_serializer
 
 FinishReason = Literal["stop", "length", "tool_calls", "abort"]
 
@@ -35,6 +37,21 @@ def new_tool_call_id() -> str:
 
 def _now() -> int:
     return int(time.time())
+
+
+class _Required(BaseModel):
+    """A model whose `REQUIRED` fields are dumped even when None (`exclude_none` drops the
+    rest): OpenAI's schema has them present and null, and clients index them."""
+
+    REQUIRED: ClassVar[tuple[str, ...]] = ()
+
+    @model_serializer(mode="wrap")
+    def _with_required(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        data = handler(self)
+        if all(name in data for name in self.REQUIRED):
+            return data
+        order = [name for name in type(self).model_fields if name in data or name in self.REQUIRED]
+        return {name: data.get(name) for name in order}
 
 
 class TopLogprob(BaseModel):
@@ -72,8 +89,11 @@ class ToolCall(BaseModel):
     function: FunctionCall
 
 
-class ResponseMessage(BaseModel):
-    """The assistant message of a non-streaming choice."""
+class ResponseMessage(_Required):
+    """The assistant message of a non-streaming choice; `content` null when there is none (all
+    reasoning, or only tool calls)."""
+
+    REQUIRED = ("content",)
 
     role: Literal["assistant"] = "assistant"
     content: str | None = None
@@ -81,8 +101,10 @@ class ResponseMessage(BaseModel):
     tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
-class Choice(BaseModel):
+class Choice(_Required):
     """One of the `n` completions of a request."""
+
+    REQUIRED = ("logprobs",)
 
     index: int
     message: ResponseMessage
@@ -159,8 +181,11 @@ class DeltaMessage(BaseModel):
     tool_calls: list[ToolCallDelta] | None = None
 
 
-class ChunkChoice(BaseModel):
-    """One choice's part of a stream chunk; `finish_reason` is set on its last chunk."""
+class ChunkChoice(_Required):
+    """One choice's part of a stream chunk; `finish_reason` is set on its last chunk (null
+    before)."""
+
+    REQUIRED = ("finish_reason",)
 
     index: int
     delta: DeltaMessage = Field(default_factory=DeltaMessage)
@@ -190,9 +215,11 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int] = Field(default_factory=list)
 
 
-class CompletionChoice(BaseModel):
+class CompletionChoice(_Required):
     """One choice of a text completion, or its part of a stream chunk (`finish_reason` None
     until its last chunk)."""
+
+    REQUIRED = ("logprobs", "finish_reason")
 
     index: int
     text: str

@@ -17,6 +17,7 @@ from areno.protocol import (
     Choice,
     ChoiceLogprobs,
     ChunkChoice,
+    CompletionChoice,
     DeltaMessage,
     ErrorResponse,
     FunctionCall,
@@ -130,6 +131,32 @@ def test_chunks_parse_with_openai_types(exclude_none):
     assert parsed[6].choices[0].finish_reason == "tool_calls"
     assert parsed[7].choices == [] and parsed[7].usage.total_tokens == 15
     assert len({c.id for c in parsed}) == 1
+
+
+def test_fields_the_schema_requires_are_present_and_null_in_compact_dumps():
+    """A reply that is all reasoning (or only tool calls) has `content` null, not missing; a
+    choice without logprobs has `logprobs` null; a chunk before a choice's end has
+    `finish_reason` null; a text completion's choice both. Clients index them."""
+    reasoning = ChatCompletionResponse(
+        model="m",
+        choices=[
+            Choice(
+                index=0, message=ResponseMessage(reasoning_content="hmm"), finish_reason="length"
+            )
+        ],
+    ).model_dump(exclude_none=True)
+    choice = reasoning["choices"][0]
+    assert choice["message"]["content"] is None and choice["logprobs"] is None
+    assert list(choice["message"])[:2] == ["role", "content"]
+    assert "reasoning_content" in choice["message"]
+    assert ChatCompletion.model_validate(reasoning).choices[0].message.content is None
+    chunk = ChatCompletionChunk(
+        id="c", model="m", choices=[ChunkChoice(index=0, delta=DeltaMessage(content="a"))]
+    )
+    sent = json.loads(chunk.model_dump_json(exclude_none=True))
+    assert sent["choices"][0]["finish_reason"] is None and "logprobs" not in sent["choices"][0]
+    text = CompletionChoice(index=0, text="a").model_dump(exclude_none=True)
+    assert text == {"index": 0, "text": "a", "logprobs": None, "finish_reason": None}
 
 
 def test_model_list_parses_with_openai_types():
