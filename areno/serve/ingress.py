@@ -51,6 +51,7 @@ from areno.serve.completions import (
     encode_prompts,
 )
 from areno.serve.config import ServeConfig
+from areno.serve.disconnects import QuietDisconnects
 from areno.serve.errors import AuthenticationError, ModelNotFoundError, unwrap, user_error
 from areno.serve.fanout import PromptBatch
 from areno.serve.metrics import IngressMetrics
@@ -86,6 +87,7 @@ async def read_body(request: Request) -> bytes:
 
 # No /docs, /redoc or /openapi.json: they would answer without the API key.
 api = FastAPI(title="AReno", docs_url=None, redoc_url=None, openapi_url=None)
+api.add_middleware(QuietDisconnects)
 
 
 @api.exception_handler(HTTPException)

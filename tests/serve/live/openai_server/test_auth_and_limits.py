@@ -15,7 +15,7 @@ from ray import serve
 
 from areno.engine.config import EngineConfig
 from areno.media.samples import write_image
-from areno.serve.app import build_app
+from areno.serve.app import APP_NAME, build_app
 from areno.serve.config import ServeConfig
 from tests.serve.live.openai_server.client import API_KEY, ask, complete, guarded_client
 
@@ -199,3 +199,37 @@ def test_a_streamed_batch_stops_when_its_client_leaves(server):
     stream.close()
     stats = _wait_until_idle("guarded", 3 * time_per_100)
     assert stats["num_running"] == stats["num_waiting"] == 0
+
+
+def test_clients_that_leave_are_quiet_and_the_server_keeps_serving(server):
+    """Streams closed after their first chunk and clients giving up after 0.2 s: their engine
+    work stops and no replica logs a traceback for them (asyncio's "Future exception was
+    never retrieved" of the cancelled request, one per departed stream before); the next
+    request is answered."""
+    import ray
+
+    client = server.with_options(max_retries=0)
+    time_per_100 = _time_per_100_tokens(client)
+    impatient = client.with_options(timeout=0.2)
+
+    def leave(i: int) -> None:
+        if i % 2:
+            stream = complete(client, f"Stream {i}", stream=True, **LONG)
+            next(iter(stream))
+            stream.close()
+            return
+        with pytest.raises(openai.APITimeoutError):
+            complete(impatient, f"Slow {i}", **LONG)
+
+    with concurrent.futures.ThreadPoolExecutor(6) as pool:
+        list(pool.map(leave, range(6)))
+    stats = _wait_until_idle(APP_NAME, 6 * time_per_100)
+    assert stats["num_running"] == stats["num_waiting"] == 0
+    assert ask(client, "Still here?").choices[0].finish_reason
+    session = Path(ray._private.worker._global_node.get_session_dir_path())
+    logs = "\n".join(
+        path.read_text(errors="replace")
+        for path in (session / "logs").rglob("*")
+        if path.is_file() and path.suffix in (".err", ".out", ".log")
+    )
+    assert "never retrieved" not in logs and "TaskCancelledError" not in logs
