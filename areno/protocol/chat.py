@@ -454,7 +454,9 @@ class ChatCompletionRequest(GenerationRequest):
     """`POST /v1/chat/completions` body.
 
     Extensions beyond OpenAI (as vLLM names them): `top_k`, `min_p`, `repetition_penalty`,
-    `stop_token_ids`, `ignore_eos`, `chat_template_kwargs` (e.g. `{"enable_thinking": false}`).
+    `stop_token_ids`, `ignore_eos`, `chat_template_kwargs` (e.g. `{"enable_thinking": false}`),
+    `return_token_ids` (the prompt's ids as the engine ran them, media expanded, and each
+    choice's sampled ids: a trainer never re-tokenizes the text).
     `model` is optional: the server answers with the model it serves.
     """
 
@@ -491,6 +493,7 @@ class ChatCompletionRequest(GenerationRequest):
     response_format: ResponseFormat | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
+    return_token_ids: bool = False
 
     user: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
@@ -519,7 +522,7 @@ class ChatCompletionRequest(GenerationRequest):
             raise ValueError(f"{value!r} is not supported: {why}")
         return None
 
-    @field_validator("n", "logprobs", "stream", "ignore_eos", mode="before")
+    @field_validator("n", "logprobs", "stream", "ignore_eos", "return_token_ids", mode="before")
     @classmethod
     def _null_is_default(cls, value: Any, info: ValidationInfo) -> Any:
         # Client wrappers often send `null` for "not set".

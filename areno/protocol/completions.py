@@ -103,7 +103,8 @@ class CompletionRequest(GenerationRequest):
     OpenAI's; 0 only with `echo` (score the prompt, generate nothing). `logprobs` is the number
     of alternatives per token (OpenAI allows up to 5, vLLM and AReno 20). Extensions beyond
     OpenAI, as vLLM names them: `top_k`, `min_p`, `repetition_penalty`, `min_tokens`,
-    `stop_token_ids`, `ignore_eos`, `response_format` (the text follows the JSON). `model` is
+    `stop_token_ids`, `ignore_eos`, `response_format` (the text follows the JSON),
+    `return_token_ids` (each choice's prompt ids and sampled ids). `model` is
     optional: the server answers with the model it serves. `best_of` is accepted only equal to
     `n` (every sample drawn is returned).
     """
@@ -138,9 +139,12 @@ class CompletionRequest(GenerationRequest):
     response_format: ResponseFormat | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
+    return_token_ids: bool = False
     user: str | None = None
 
-    @field_validator("echo", "max_tokens", "n", "stream", "ignore_eos", mode="before")
+    @field_validator(
+        "echo", "max_tokens", "n", "stream", "ignore_eos", "return_token_ids", mode="before"
+    )
     @classmethod
     def _null_is_default(cls, value: Any, info: ValidationInfo) -> Any:
         # Client wrappers often send `null` for "not set".

@@ -41,13 +41,18 @@ def _now() -> int:
 
 class _Required(BaseModel):
     """A model whose `REQUIRED` fields are dumped even when None (`exclude_none` drops the
-    rest): OpenAI's schema has them present and null, and clients index them."""
+    rest): OpenAI's schema has them present and null, and clients index them. Its `EXTRAS`
+    (AReno's extensions, asked for by a request field) are left out when None in any dump."""
 
     REQUIRED: ClassVar[tuple[str, ...]] = ()
+    EXTRAS: ClassVar[tuple[str, ...]] = ()
 
     @model_serializer(mode="wrap")
     def _with_required(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
         data = handler(self)
+        for name in self.EXTRAS:
+            if data.get(name, 0) is None:
+                del data[name]
         if all(name in data for name in self.REQUIRED):
             return data
         order = [name for name in type(self).model_fields if name in data or name in self.REQUIRED]
@@ -102,14 +107,17 @@ class ResponseMessage(_Required):
 
 
 class Choice(_Required):
-    """One of the `n` completions of a request."""
+    """One of the `n` completions of a request; `token_ids` its sampled ids (with
+    `return_token_ids`)."""
 
     REQUIRED = ("logprobs",)
+    EXTRAS = ("token_ids",)
 
     index: int
     message: ResponseMessage
     finish_reason: FinishReason
     logprobs: ChoiceLogprobs | None = None
+    token_ids: list[int] | None = None
 
 
 class PromptTokensDetails(BaseModel):
@@ -145,8 +153,10 @@ class Usage(BaseModel):
         )
 
 
-class ChatCompletionResponse(BaseModel):
+class ChatCompletionResponse(_Required):
     """The body of a non-streaming `POST /v1/chat/completions` answer."""
+
+    EXTRAS = ("prompt_token_ids",)
 
     id: str = Field(default_factory=new_completion_id)
     object: Literal["chat.completion"] = "chat.completion"
@@ -154,6 +164,8 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[Choice]
     usage: Usage | None = None
+    # With `return_token_ids`: the prompt as the engine ran it (media placeholders expanded).
+    prompt_token_ids: list[int] | None = None
 
 
 class FunctionCallDelta(BaseModel):
@@ -186,15 +198,19 @@ class ChunkChoice(_Required):
     before)."""
 
     REQUIRED = ("finish_reason",)
+    EXTRAS = ("token_ids",)
 
     index: int
     delta: DeltaMessage = Field(default_factory=DeltaMessage)
     finish_reason: FinishReason | None = None
     logprobs: ChoiceLogprobs | None = None
+    token_ids: list[int] | None = None  # the delta's sampled ids (`return_token_ids`)
 
 
-class ChatCompletionChunk(BaseModel):
+class ChatCompletionChunk(_Required):
     """One `data:` event of a streamed answer; the usage-only last chunk has no choices."""
+
+    EXTRAS = ("prompt_token_ids",)
 
     id: str
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
@@ -202,6 +218,7 @@ class ChatCompletionChunk(BaseModel):
     model: str
     choices: list[ChunkChoice] = Field(default_factory=list)
     usage: Usage | None = None
+    prompt_token_ids: list[int] | None = None  # on the first chunk (`return_token_ids`)
 
 
 class CompletionLogprobs(BaseModel):
@@ -220,11 +237,16 @@ class CompletionChoice(_Required):
     until its last chunk)."""
 
     REQUIRED = ("logprobs", "finish_reason")
+    EXTRAS = ("prompt_token_ids", "token_ids")
 
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: FinishReason | None = None
+    # With `return_token_ids`: its prompt's ids (a stream's first chunk of the choice) and its
+    # sampled ids (a stream's: the chunk's).
+    prompt_token_ids: list[int] | None = None
+    token_ids: list[int] | None = None
 
 
 class CompletionResponse(BaseModel):

@@ -194,11 +194,20 @@ def build_response(
                 message=_message(prepared, reasoning, parsed),
                 finish_reason=finish_reason,
                 logprobs=logprobs_for(tokenizer, delta),
+                token_ids=list(delta.token_ids) if prepared.request.return_token_ids else None,
             )
         )
     num_completion = sum(len(delta.token_ids) for delta in output.samples)
     usage = usage_for(prepared.inputs, num_completion)
-    return ChatCompletionResponse(model=model, choices=choices, usage=usage), num_malformed
+    response = ChatCompletionResponse(
+        model=model, choices=choices, usage=usage, prompt_token_ids=_prompt_ids(prepared)
+    )
+    return response, num_malformed
+
+
+def _prompt_ids(prepared: PreparedChat) -> list[int] | None:
+    """The prompt's ids as the engine ran them, where the request asks (`return_token_ids`)."""
+    return list(prepared.inputs.input_ids) if prepared.request.return_token_ids else None
 
 
 def _message(prepared: PreparedChat, reasoning: str, parsed: ParsedToolCalls) -> ResponseMessage:
@@ -228,6 +237,7 @@ class ChunkWriter:
         # choice index -> its reasoning pieces and its content and call events, as written
         self._written: dict[int, tuple[list[str], list[StreamEvent]]] = {}
         self._finish_reasons: dict[int, str] = {}
+        self._sent_prompt_ids = False
 
     def chunks(self, output: RequestOutput) -> Iterator[str]:
         """SSE lines for one step's deltas."""
@@ -242,7 +252,8 @@ class ChunkWriter:
             if finish == "stop" and self._streams.get(delta.index) is not None:
                 finish = "tool_calls" if self._streams[delta.index].num_calls else finish
             self._keep(delta.index, reasoning, content, calls, finish)
-            if not (role or reasoning or content or calls or finish or delta.logprobs):
+            ids = list(delta.token_ids) if self.prepared.request.return_token_ids else None
+            if not (role or reasoning or content or calls or finish or delta.logprobs or ids):
                 continue
             choice = ChunkChoice(
                 index=delta.index,
@@ -254,8 +265,13 @@ class ChunkWriter:
                 ),
                 finish_reason=finish,
                 logprobs=logprobs_for(self.tokenizer, delta),
+                token_ids=ids,
             )
-            yield self._line(ChatCompletionChunk(id=self.id, model=self.model, choices=[choice]))
+            chunk = ChatCompletionChunk(id=self.id, model=self.model, choices=[choice])
+            if not self._sent_prompt_ids:
+                chunk.prompt_token_ids = _prompt_ids(self.prepared)
+                self._sent_prompt_ids = True
+            yield self._line(chunk)
 
     @property
     def num_malformed_tool_calls(self) -> int:

@@ -154,6 +154,7 @@ def build_completion_response(
     choices, num_completion = [], 0
     for i, (prompt, output) in enumerate(zip(prepared.prompts, outputs, strict=True)):
         echo_text, echo_logprobs = _echo(prepared, prompt, scores[i], reader)
+        ids = _prompt_ids(prepared, prompt)
         if output is None:  # max_tokens 0: the limit is reached at once
             choices += [
                 CompletionChoice(
@@ -161,6 +162,8 @@ def build_completion_response(
                     text=echo_text,
                     logprobs=echo_logprobs,
                     finish_reason="length",
+                    prompt_token_ids=ids,
+                    token_ids=[] if ids is not None else None,
                 )
                 for j in range(prepared.request.n)
             ]
@@ -176,10 +179,17 @@ def build_completion_response(
                     text=echo_text + delta.text,
                     logprobs=logprobs,
                     finish_reason=delta.finish_reason or "stop",
+                    prompt_token_ids=ids,
+                    token_ids=list(delta.token_ids) if ids is not None else None,
                 )
             )
     usage = usage_for(prepared, num_completion)
     return CompletionResponse(model=model, choices=choices, usage=usage)
+
+
+def _prompt_ids(prepared: PreparedCompletion, prompt: CompletionPrompt) -> list[int] | None:
+    """A prompt's ids as the engine ran them, where the request asks (`return_token_ids`)."""
+    return list(prompt.inputs.input_ids) if prepared.request.return_token_ids else None
 
 
 def _echo(
@@ -221,6 +231,7 @@ class CompletionChunkWriter:
         self.num_completion_tokens = 0
         self._texts: dict[int, str] = {}  # choice index -> its text so far
         self._finish_reasons: dict[int, str] = {}
+        self._sent_prompt_ids: set[int] = set()  # choices whose prompt ids were sent
 
     def start(self) -> Iterator[str]:
         """Each choice's echoed prompt (finished at once when nothing is generated)."""
@@ -237,7 +248,11 @@ class CompletionChunkWriter:
                     self._finish_reasons[index] = finish
                 choices.append(
                     CompletionChoice(
-                        index=index, text=text, logprobs=logprobs, finish_reason=finish
+                        index=index,
+                        text=text,
+                        logprobs=logprobs,
+                        finish_reason=finish,
+                        **self._first_ids(index, prompt),
                     )
                 )
             yield self._line(choices)
@@ -251,6 +266,9 @@ class CompletionChunkWriter:
             if not (delta.text or delta.token_ids or finish):
                 continue
             index = self.prepared.choice_index(prompt_index, delta.index)
+            ids = self._first_ids(index, self.prepared.prompts[prompt_index])
+            if self.prepared.request.return_token_ids:
+                ids["token_ids"] = list(delta.token_ids)
             offset = len(self._texts.get(index, ""))
             self._texts[index] = self._texts.get(index, "") + delta.text
             if finish is not None:
@@ -260,11 +278,19 @@ class CompletionChunkWriter:
                 logprobs = self.reader.sample(delta, offset)
             choices.append(
                 CompletionChoice(
-                    index=index, text=delta.text, logprobs=logprobs, finish_reason=finish
+                    index=index, text=delta.text, logprobs=logprobs, finish_reason=finish, **ids
                 )
             )
         if choices:
             yield self._line(choices)
+
+    def _first_ids(self, index: int, prompt: CompletionPrompt) -> dict[str, list[int]]:
+        """`prompt_token_ids` for choice `index`'s first chunk (`return_token_ids`)."""
+        ids = _prompt_ids(self.prepared, prompt)
+        if ids is None or index in self._sent_prompt_ids:
+            return {}
+        self._sent_prompt_ids.add(index)
+        return {"prompt_token_ids": ids}
 
     def end(self) -> Iterator[str]:
         """The usage chunk (when asked for) and `[DONE]`."""

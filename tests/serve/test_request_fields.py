@@ -99,6 +99,10 @@ LIVE = {
         "tests.serve.live.openai_server.test_tools_and_logging",
         "test_completions_are_logged_with_areno_log_completions",
     ),
+    "return_token_ids": (
+        "tests.serve.live.openai_server.test_sampling_and_formats",
+        "test_return_token_ids_gives_the_engines_ids_whole_and_streamed",
+    ),
 }
 
 

@@ -64,3 +64,39 @@ def test_fields_that_would_be_ignored_are_refused_by_name(server, field, value):
         ask(server, "Hi.", extra_body={field: value})
     assert caught.value.body["param"] == field and field in caught.value.message
     assert ask(server, "Hi.").choices[0].finish_reason in {"stop", "length"}
+
+
+def test_return_token_ids_gives_the_engines_ids_whole_and_streamed(server, media, tokenizer):
+    """`return_token_ids` (vLLM's field): the prompt as the engine ran it, the image's
+    placeholders expanded (as many ids as usage counts), and each choice's sampled ids, equal
+    whole and streamed (the first chunk carries the prompt's, every chunk its tokens'); the
+    completions route gives each choice its prompt's ids, a token-id prompt's as sent. Without
+    the field none of them is there."""
+    messages = [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": media["image"]}},
+        {"type": "text", "text": "What is this?"}]}]  # fmt: skip
+    common = {"model": "tiny-gemma4", "messages": messages, "max_tokens": 6, "temperature": 0}
+    ids = {"return_token_ids": True}
+    whole = server.chat.completions.create(**common, extra_body=ids).model_dump()
+    prompt, sampled = whole["prompt_token_ids"], whole["choices"][0]["token_ids"]
+    assert len(prompt) == whole["usage"]["prompt_tokens"] > 40  # the image's tokens included
+    assert len(sampled) == whole["usage"]["completion_tokens"] > 0
+    assert tokenizer.decode(sampled, skip_special_tokens=True).startswith(
+        whole["choices"][0]["message"]["content"] or ""
+    )
+    chunks = [c.model_dump() for c in server.chat.completions.create(
+        **common, stream=True, extra_body=ids)]  # fmt: skip
+    assert chunks[0]["prompt_token_ids"] == prompt
+    assert all("prompt_token_ids" not in c or c["prompt_token_ids"] is None for c in chunks[1:])
+    streamed = [t for c in chunks for choice in c["choices"] for t in choice.get("token_ids") or []]
+    assert streamed == sampled
+    plain = server.chat.completions.create(**common).model_dump()
+    assert plain.get("prompt_token_ids") is None and plain["choices"][0].get("token_ids") is None
+    text = server.completions.create(
+        model="tiny-gemma4", prompt=[prompt[:12], "Once upon"], max_tokens=3, temperature=0,
+        extra_body=ids,
+    ).model_dump()  # fmt: skip
+    first, second = sorted(text["choices"], key=lambda c: c["index"])
+    assert first["prompt_token_ids"] == prompt[:12] and len(first["token_ids"]) == 3
+    upon = tokenizer.encode("Once upon", add_special_tokens=False)
+    assert second["prompt_token_ids"][-len(upon) :] == upon and len(second["token_ids"]) == 3
