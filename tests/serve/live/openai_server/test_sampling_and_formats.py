@@ -94,7 +94,7 @@ def test_return_token_ids_gives_the_engines_ids_whole_and_streamed(server, media
     assert plain.get("prompt_token_ids") is None and plain["choices"][0].get("token_ids") is None
     text = server.completions.create(
         model="tiny-gemma4", prompt=[prompt[:12], "Once upon"], max_tokens=3, temperature=0,
-        extra_body=ids,
+        extra_body={**ids, "ignore_eos": True},
     ).model_dump()  # fmt: skip
     first, second = sorted(text["choices"], key=lambda c: c["index"])
     assert first["prompt_token_ids"] == prompt[:12] and len(first["token_ids"]) == 3
