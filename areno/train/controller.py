@@ -101,6 +101,7 @@ class Controller:
             config.run.trackers,
             project=config.run.project,
             config=config.to_dict(),
+            start_step=start_step,
         )
         # The rollouts in flight, oldest first, and the next step whose rollout is to start.
         self._in_flight: collections.deque[_InFlight] = collections.deque()

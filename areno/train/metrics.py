@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import logging
 import math
 import os
 import time
@@ -17,6 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from areno.errors import ConfigError
+
+log = logging.getLogger("areno.train")
 
 # tracker -> the module it imports, and the extra that installs it (none: a core dependency)
 TRACKER_MODULES = {
@@ -65,7 +68,12 @@ def check_trackers(trackers: list[str]) -> None:
 
 class MetricsWriter:
     """metrics.jsonl and the trackers of `trackers`, each run named after the run directory
-    (W&B's project and MLflow's experiment: `project`; `config`: the run's settings)."""
+    (W&B's project and MLflow's experiment: `project`; `config`: the run's settings).
+
+    A run that starts after `start_step` steps (resumed from its checkpoint) first drops the
+    records it will write again: every step's after `start_step`, and the evaluation at
+    `start_step` (written when the next step begins). So a resumed run's metrics.jsonl holds
+    each step once; a new run in the directory (`start_step` 0) starts it afresh."""
 
     def __init__(
         self,
@@ -74,10 +82,26 @@ class MetricsWriter:
         *,
         project: str = "areno",
         config: dict | None = None,
+        start_step: int = 0,
     ):
         self.path = Path(run_dir) / "metrics.jsonl"
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._drop_after(start_step)
         self._trackers = [TRACKERS[name](Path(run_dir), project, config or {}) for name in trackers]
+
+    def _drop_after(self, start_step: int) -> None:
+        if not self.path.is_file():
+            return
+        lines = [line for line in self.path.read_text().splitlines() if line.strip()]
+        kept = [line for line in lines if not _redone(json.loads(line), start_step)]
+        if len(kept) < len(lines):
+            self.path.write_text("".join(line + "\n" for line in kept))
+            log.warning(
+                "metrics.jsonl: dropped %d records of steps this run does again (it starts "
+                "after step %d)",
+                len(lines) - len(kept),
+                start_step,
+            )
 
     def write(self, step: int, metrics: dict[str, Any]) -> None:
         record = {"step": step, **{k: _plain(v) for k, v in metrics.items()}}
@@ -196,6 +220,13 @@ def _flatten(config: dict, prefix: str = "") -> dict[str, Any]:
         else:
             out[name] = value
     return out
+
+
+def _redone(record: dict[str, Any], start_step: int) -> bool:
+    """Whether a run starting after `start_step` steps writes `record` again: a later step's,
+    or the evaluation at its first step (a step's own record has its `step_s`)."""
+    step = record.get("step", 0)
+    return step > start_step or (step == start_step and "step_s" not in record)
 
 
 def read_metrics(run_dir: str | os.PathLike) -> list[dict[str, Any]]:

@@ -227,6 +227,8 @@ def test_resume_after_kill_continues_the_step_count_and_data(ray_head, warm_star
     }
     resumed = [r["step"] for r in records if "data_position" in r][-2:]
     assert resumed == [saved["step"] + 1, last]
+    # each step's record once: the resumed run dropped those it did again
+    assert [r["step"] for r in records if "step_s" in r] == list(range(1, last + 1))
     assert json.loads(state_file.read_text())["step"] == last
     factors = load_file(run_dir / "adapter" / "adapter_model.safetensors")
     assert factors and all(".lora_A." in n or ".lora_B." in n for n in factors)
