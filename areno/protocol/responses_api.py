@@ -719,7 +719,10 @@ OutputItem = Union[OutputMessage, FunctionCall, Reasoning]  # noqa: UP007
 
 
 class InputTokensDetails(BaseModel):
+    """Zeros: the prompt cache's hits are not reported per request."""
+
     cached_tokens: int = 0
+    cache_write_tokens: int = 0
 
 
 class OutputTokensDetails(BaseModel):
