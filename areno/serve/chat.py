@@ -242,16 +242,8 @@ class ChunkWriter:
     def chunks(self, output: RequestOutput) -> Iterator[str]:
         """SSE lines for one step's deltas."""
         for delta in output.samples:
-            self.num_completion_tokens += len(delta.token_ids)
-            role = None
-            if delta.index not in self._written:
-                self._written[delta.index] = ([], [])
-                role = "assistant"
-            reasoning, content, calls = self._split(delta)
-            finish = delta.finish_reason
-            if finish == "stop" and self._streams.get(delta.index) is not None:
-                finish = "tool_calls" if self._streams[delta.index].num_calls else finish
-            self._keep(delta.index, reasoning, content, calls, finish)
+            role = None if delta.index in self._written else "assistant"
+            reasoning, content, calls, finish = self.read(delta)
             ids = list(delta.token_ids) if self.prepared.request.return_token_ids else None
             if not (role or reasoning or content or calls or finish or delta.logprobs or ids):
                 continue
@@ -272,6 +264,18 @@ class ChunkWriter:
                 chunk.prompt_token_ids = _prompt_ids(self.prepared)
                 self._sent_prompt_ids = True
             yield self._line(chunk)
+
+    def read(self, delta: SampleDelta) -> tuple[str, str, list[ToolCallDelta], str | None]:
+        """What one choice's delta adds: (reasoning, content, tool-call deltas, finish reason
+        or None), kept for `summary`. The Responses API's writer reads deltas through it too."""
+        self.num_completion_tokens += len(delta.token_ids)
+        self._written.setdefault(delta.index, ([], []))
+        reasoning, content, calls = self._split(delta)
+        finish = delta.finish_reason
+        if finish == "stop" and self._streams.get(delta.index) is not None:
+            finish = "tool_calls" if self._streams[delta.index].num_calls else finish
+        self._keep(delta.index, reasoning, content, calls, finish)
+        return reasoning, content, calls, finish
 
     @property
     def num_malformed_tool_calls(self) -> int:
@@ -337,6 +341,12 @@ class ChunkWriter:
         ]
         usage = usage_for(self.prepared.inputs, self.num_completion_tokens)
         return ChatCompletionResponse(id=self.id, model=self.model, choices=choices, usage=usage)
+
+    @staticmethod
+    def failure(error: dict) -> Iterator[str]:
+        """The stream's end after a failure once streaming began: an error event, no [DONE]
+        (the openai client raises APIError on it)."""
+        yield error_line(error)
 
     @staticmethod
     def _line(chunk: ChatCompletionChunk) -> str:

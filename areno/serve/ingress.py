@@ -1,11 +1,13 @@
 """The Ingress: the OpenAI HTTP surface of an AReno app (`/v1/chat/completions`,
-`/v1/completions`, `/v1/models`, `/health`) on FastAPI inside Ray Serve.
+`/v1/responses`, `/v1/completions`, `/v1/models`, `/health`) on FastAPI inside Ray Serve.
 
 A chat request's path: read and parse the body, check the model and key, encode the prompt (a
 text-only request here, one with media through the MediaDecoder and Processor deployments as a
 chain: the Ingress gets back only the token ids, spans and text, and passes the reference to the
 media tensors on to the Generator), `prepare` it (areno.serve.chat), call the Generator
-deployment, and write the reply as JSON or SSE from that one `PreparedChat`. A completions request
+deployment, and write the reply as JSON or SSE from that one `PreparedChat`. A Responses request
+is served as the chat request it translates into, its reply and events written in its own shape
+(areno.serve.responses_api). A completions request
 (areno.serve.completions) is a batch of raw prompts, tokenized here, each run as its own Generator
 request side by side (areno.serve.fanout), its prompts scored first when `echo` asks for their
 logprobs.
@@ -35,6 +37,7 @@ from areno.processing.encode import PromptLimits
 from areno.protocol import parse_chat_request, parse_completion_request
 from areno.protocol.errors import ErrorInfo, ErrorResponse, check_body_size
 from areno.protocol.responses import ModelCard, ModelList
+from areno.protocol.responses_api import parse_responses_request, to_chat_request
 from areno.serve.admission import RETRY_AFTER_S
 from areno.serve.chat import (
     ChunkWriter,
@@ -55,6 +58,7 @@ from areno.serve.disconnects import QuietDisconnects
 from areno.serve.errors import AuthenticationError, ModelNotFoundError, unwrap, user_error
 from areno.serve.fanout import PromptBatch
 from areno.serve.metrics import IngressMetrics
+from areno.serve.responses_api import ResponseEventWriter, build_reply
 from areno.serve.sampling import completion_sampling_params, sampling_params
 from areno.tools import get_tool_parser
 
@@ -110,7 +114,8 @@ async def _http_error(request: Request, exc: HTTPException) -> JSONResponse:
 )
 @serve.ingress(api)
 class Ingress:
-    """`POST /v1/chat/completions`, `POST /v1/completions`, `GET /v1/models`, `GET /health`."""
+    """`POST /v1/chat/completions`, `POST /v1/responses`, `POST /v1/completions`,
+    `GET /v1/models`, `GET /health`."""
 
     def __init__(self, decoder, processor, generator, config: ServeConfig):
         from transformers import AutoTokenizer
@@ -188,13 +193,7 @@ class Ingress:
         try:
             body = await read_body(request)
             chat = parse_chat_request(body)
-            model = self._model(chat.model)
-            params = sampling_params(chat)  # refused before the prompt is encoded
-            if model in self.config.lora_adapters:
-                params = dataclasses.replace(params, adapter=model)
-            encoded, stored = await self._encode(chat, len(body))
-            prepared = prepare(chat, params, encoded, self.tool_parser, self.tokenizer)
-            args = (prepared.inputs, prepared.params, uuid.uuid4().hex, stored)
+            prepared, model, args = await self._prepare_chat(chat, len(body))
             if not chat.stream:
                 merged = await self.generator_unary.generate_all.remote(*args)
                 return self._respond(prepared, model, unwrap(merged), arrival)
@@ -208,6 +207,48 @@ class Ingress:
         return StreamingResponse(
             self._sse(writer, first, stream, first_token_at), media_type="text/event-stream"
         )
+
+    @api.post("/v1/responses")
+    async def responses(self, request: Request):
+        """The Responses API, served as the chat request it translates into
+        (areno.protocol.responses_api) and answered in its own shape (areno.serve.responses_api)."""
+        if (denied := self._check_key(request)) is not None:
+            return denied
+        arrival = time.perf_counter()
+        try:
+            body = await read_body(request)
+            responses_request = parse_responses_request(body)
+            chat = to_chat_request(responses_request)
+            prepared, model, args = await self._prepare_chat(chat, len(body))
+            if not chat.stream:
+                merged = unwrap(await self.generator_unary.generate_all.remote(*args))
+                reply, malformed = build_response(prepared, model, merged, self.tokenizer)
+                self.metrics.record(
+                    prepared, reply.model_dump(exclude_none=True), arrival, malformed
+                )
+                answer = build_reply(responses_request, reply, model, self.tokenizer)
+                return JSONResponse(answer.model_dump(mode="json", by_alias=True))
+            stream = self.generator.generate.remote(*args)
+            first = unwrap(await stream.__anext__())  # request-level errors: before any byte
+        except Exception as e:  # noqa: BLE001 - every failure becomes an OpenAI error response
+            return self._error(e)
+        first_token_at = time.perf_counter()
+        self.metrics.time_to_first_token.observe(first_token_at - arrival)
+        writer = ResponseEventWriter(responses_request, prepared, model, self.tokenizer)
+        return StreamingResponse(
+            self._sse(writer, first, stream, first_token_at), media_type="text/event-stream"
+        )
+
+    async def _prepare_chat(self, chat, body_size: int):
+        """A chat request's model checked, its prompt encoded and `prepare`d: the PreparedChat,
+        the model, and the Generator call's arguments."""
+        model = self._model(chat.model)
+        params = sampling_params(chat)  # refused before the prompt is encoded
+        if model in self.config.lora_adapters:
+            params = dataclasses.replace(params, adapter=model)
+        encoded, stored = await self._encode(chat, body_size)
+        prepared = prepare(chat, params, encoded, self.tool_parser, self.tokenizer)
+        return prepared, model, (prepared.inputs, prepared.params, uuid.uuid4().hex, stored)
 
     @api.post("/v1/completions")
     async def completions(self, request: Request):
@@ -325,7 +366,8 @@ class Ingress:
         with self.encode_lock:
             return self.text_processor.encode(messages, [], **kwargs)
 
-    async def _sse(self, writer: ChunkWriter, first, stream, first_token_at: float):
+    async def _sse(self, writer, first, stream, first_token_at: float):
+        """A chat ChunkWriter's or a ResponseEventWriter's SSE lines."""
         try:
             for line in writer.chunks(first):
                 yield line
@@ -333,10 +375,10 @@ class Ingress:
                 for line in writer.chunks(unwrap(item)):
                     yield line
         except Exception as e:  # noqa: BLE001 - the status line is sent; report in-stream
-            # An error event and no [DONE]: the openai client raises APIError on it.
             error = user_error(e)
             self.metrics.requests.inc(tags={"status": str(error.status_code)})
-            yield error_line(ErrorResponse.from_error(error).error.model_dump())
+            for line in writer.failure(ErrorResponse.from_error(error).error.model_dump()):
+                yield line
             return
         for line in writer.end():
             yield line
