@@ -120,10 +120,10 @@ def _add_serve_parser(sub) -> None:
     serve.add_argument(
         "--routing",
         choices=ROUTING_POLICIES,
-        default="prefix",
-        help="how a request picks one of several Generator replicas: prefix (where the longest "
-        "prefix of its prompt is cached, balanced against load), round_robin, or power_of_two "
-        "(Serve's default)",
+        default="power_of_two",
+        help="how a request picks one of several Generator replicas: power_of_two (Serve's own "
+        "router, the default), prefix (where the longest prefix of its prompt is cached, "
+        "balanced against load), or round_robin",
     )
     serve.add_argument(
         "--routing-max-imbalance",

@@ -103,13 +103,17 @@ def test_the_router_keys_a_prompt_by_the_engines_own_block_hashes() -> None:
 
 
 def test_routing_is_a_setting_that_names_its_router_or_is_refused() -> None:
-    config = ServeConfig(model_path="m", world_size=2)
-    assert config.routing == "prefix" and config.max_imbalance == 8
+    assert ServeConfig(model_path="m").routing == "power_of_two"  # Serve's own, the default
+    config = ServeConfig(model_path="m", world_size=2, routing="prefix")
+    assert config.max_imbalance == 8
     router = _generator_routing(config)["request_router_config"]
     assert router.request_router_class == "areno.serve.routing:PrefixRouter"
     assert router.request_router_kwargs == {"block_size": 16, "max_imbalance": 8}
     config = ServeConfig(
-        model_path="m", routing_max_imbalance=2, engine=EngineConfig(block_size=32)
+        model_path="m",
+        routing="prefix",
+        routing_max_imbalance=2,
+        engine=EngineConfig(block_size=32),
     )
     kwargs = _generator_routing(config)["request_router_config"].request_router_kwargs
     assert kwargs == {"block_size": 32, "max_imbalance": 2}
@@ -128,6 +132,6 @@ def test_serve_flags_set_the_routing() -> None:
     args = build_parser().parse_args(["serve", "--routing", "round_robin"])
     assert (args.routing, args.routing_max_imbalance) == ("round_robin", None)
     args = build_parser().parse_args(["serve", "--routing-max-imbalance", "3"])
-    assert (args.routing, args.routing_max_imbalance) == ("prefix", 3)
+    assert (args.routing, args.routing_max_imbalance) == ("power_of_two", 3)
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--routing", "random"])

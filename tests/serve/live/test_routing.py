@@ -36,6 +36,7 @@ def config(serve_port, tiny_path) -> ServeConfig:
         engine=EngineConfig(max_running_prompts=4, max_context_len=2048),
         world_size=2,
         num_cpus_per_deployment=0.1,
+        routing="prefix",
     )
 
 
