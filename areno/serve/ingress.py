@@ -144,10 +144,13 @@ class Ingress:
         its decode step (minutes for a 2B model on a GPU), so readiness asks the engine itself."""
         if not self.engine_ready:
             probe = self.generator_unary.stats.remote()
+            waiting = asyncio.ensure_future(probe)
             try:
-                await asyncio.wait_for(asyncio.shield(probe), ENGINE_PROBE_S)
+                await asyncio.wait_for(asyncio.shield(waiting), ENGINE_PROBE_S)
             except TimeoutError:
                 probe.cancel()
+                # Its cancellation is expected: read, so asyncio prints no "never retrieved".
+                waiting.add_done_callback(lambda done: done.cancelled() or done.exception())
                 detail = "the generation engine is still starting (loading, compiling, warming up)"
                 return JSONResponse({"status": "starting", "detail": detail}, status_code=503)
             except Exception as error:  # a replica that failed to start: say why, stay up
