@@ -199,28 +199,36 @@ def test_a_whole_request_is_handed_over_once_and_equals_its_stream(setups, overl
 
 
 def test_a_stream_hands_over_its_tokens_at_most_every_stream_interval(setups, overlap):
-    """A streamed request's first token comes alone and at once; later steps' tokens wait in
-    the engine thread for the stream interval and come as one delta (each token keeping its
-    policy version), its end at once. The stream holds every token either way, and interval 0
-    hands over every step's."""
+    """A streamed request's first token is handed over alone and at once; later steps' tokens
+    wait in the engine thread for the stream interval and go over together at its end (a
+    caller reads hand-overs that meet in its queue as one delta, each token keeping its policy
+    version). Interval 0 hands over every step's. The stream holds every token either way."""
     setup = setups("qwen3_5")
     x = setup.encode(text("Count slowly."))
     params = SamplingParams(max_tokens=12, ignore_eos=True, n=2, seed=3, logprobs=True)
-    streams = {}
+    streams, handed = {}, {}
+    put_all = generator_module._put_all
     for interval in (0.0, 60_000.0):
         gen = setup.generator(overlap_steps=overlap, stream_interval_ms=interval)
+        handed[interval] = []
+
+        def counting(batch, into=handed[interval]):
+            into.extend(item for _, item in batch)
+            put_all(batch)
+
+        generator_module._put_all = counting
         try:
             streams[interval] = run(collect_outputs(gen.generate(x, params)))
         finally:
+            generator_module._put_all = put_all
             gen.shutdown()
-    every_step, held = streams[0.0], streams[60_000.0]
-    assert len(every_step) >= 12
-    first, rest = held
-    assert [len(d.token_ids) for d in first.samples] == [1, 1] and not first.finished
-    assert [len(d.token_ids) for d in rest.samples] == [11, 11] and rest.finished
-    assert all(d.policy_versions == [0] * 11 for d in rest.samples)
-    merged = merge_outputs(held).samples
-    assert merged == merge_outputs(every_step).samples
+    assert [len(item) for item in handed[0.0]] == [1] * 12
+    first, rest = handed[60_000.0]
+    assert [len(d.token_ids) for d in first[0].samples] == [1, 1] and len(first) == 1
+    assert len(rest) == 11 and rest[-1].finished
+    merged = merge_outputs(streams[60_000.0]).samples
+    assert merged == merge_outputs(streams[0.0]).samples
+    assert all(d.policy_versions == [0] * 12 for d in merged)
     assert all(len(d.logprobs) == 12 and d.finish_reason == "length" for d in merged)
 
 
