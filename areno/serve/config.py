@@ -40,9 +40,7 @@ class ServeConfig:
     before, unless that replica has more than routing_max_imbalance requests in flight beyond
     the least busy one's (None: engine.max_running_prompts, a batch's worth of waiting);
     "round_robin" takes the replicas in turn; "power_of_two" (the default) is Serve's own
-    router. NOTE: under the two custom routers a completions batch whose prompt is refused
-    (429) mid-way, its other prompts cancelled, left later requests unrouted (a hang in
-    tests/serve/live/openai_server/test_auth_and_limits.py); Serve's own router does not.
+    router.
     """
 
     model_path: str

@@ -20,12 +20,25 @@ from __future__ import annotations
 import itertools
 
 from ray.serve.config import RequestRouterConfig
-from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
+from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, RunningReplica
 
 from areno.serve.prefix_index import PrefixIndex, choose, per_deployment, prompt_hashes
 
 
-class PrefixRouter(RequestRouter):
+class _ChosenFirst(FIFOMixin):
+    """A replica chosen for a request goes to that request; where it is gone (cancelled while
+    it waited), to the oldest request still waiting, as Serve's FIFO routers do. With the
+    request alone (RequestRouter's own rule), a completions batch whose prompt was refused
+    mid-way, its others cancelled while queued here, left every later request unrouted."""
+
+    def _fulfill_next_pending_request(self, replica, request_metadata=None) -> None:
+        if self._get_pending_request_matching_internal_request_id(request_metadata) is not None:
+            RequestRouter._fulfill_next_pending_request(self, replica, request_metadata)
+        else:
+            FIFOMixin._fulfill_next_pending_request(self, replica, request_metadata)
+
+
+class PrefixRouter(_ChosenFirst, RequestRouter):
     """Prefix-aware routing (see the module docstring and `choose`)."""
 
     def initialize_state(self, block_size: int = 16, max_imbalance: int = 8) -> None:
@@ -62,7 +75,7 @@ class PrefixRouter(RequestRouter):
         self.index.keep_only([r.replica_id for r in replicas])
 
 
-class RoundRobinRouter(RequestRouter):
+class RoundRobinRouter(_ChosenFirst, RequestRouter):
     """The replicas in turn (by id), one request each; a full one is passed over."""
 
     def initialize_state(self) -> None:
