@@ -58,6 +58,15 @@ UNSUPPORTED_FIELDS: dict[str, tuple[Any, str]] = {
     "safety_identifier": (None, "not supported: use 'user'"),
 }
 
+
+def refuse_unsupported(table: dict[str, tuple[Any, str]], field: str, value: Any) -> None:
+    """None where `value` asks for nothing of `table`'s unimplemented `field`, else a
+    ValueError saying why it is not supported (pydantic names the field in the 400)."""
+    neutral, why = table[field]
+    if value is not None and value != neutral:
+        raise ValueError(f"{value!r} is not supported: {why}")
+
+
 _TOOL_NAME_PATTERN = r"^[A-Za-z0-9_.\-]{1,64}$"
 
 # Names the server's own chat-template call already passes (to transformers' apply_chat_template
@@ -517,10 +526,7 @@ class ChatCompletionRequest(GenerationRequest):
     @field_validator(*UNSUPPORTED_FIELDS, mode="before")
     @classmethod
     def _unsupported(cls, value: Any, info: ValidationInfo) -> Any:
-        neutral, why = UNSUPPORTED_FIELDS[info.field_name]
-        if value is not None and value != neutral:
-            raise ValueError(f"{value!r} is not supported: {why}")
-        return None
+        refuse_unsupported(UNSUPPORTED_FIELDS, info.field_name, value)
 
     @field_validator("n", "logprobs", "stream", "ignore_eos", "return_token_ids", mode="before")
     @classmethod

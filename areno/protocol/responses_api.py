@@ -37,7 +37,12 @@ from pydantic import (
     model_validator,
 )
 
-from areno.protocol.chat import ChatCompletionRequest, FunctionDefinition, JsonSchemaSpec
+from areno.protocol.chat import (
+    ChatCompletionRequest,
+    FunctionDefinition,
+    JsonSchemaSpec,
+    refuse_unsupported,
+)
 from areno.protocol.content import (
     AudioPart,
     AudioURLPart,
@@ -447,10 +452,7 @@ class ResponsesRequest(BaseModel):
     @field_validator(*UNSUPPORTED_FIELDS, mode="before")
     @classmethod
     def _unsupported(cls, value: Any, info: ValidationInfo) -> Any:
-        neutral, why = UNSUPPORTED_FIELDS[info.field_name]
-        if value is not None and value != neutral:
-            raise ValueError(f"{value!r} is not supported: {why}")
-        return None
+        refuse_unsupported(UNSUPPORTED_FIELDS, info.field_name, value)
 
     @field_validator("input")
     @classmethod
