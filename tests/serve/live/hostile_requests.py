@@ -160,6 +160,7 @@ WRONG_TYPES: dict[str, Any] = {
     "stop": 5,
     "stop_token_ids": "eos",
     "ignore_eos": "sometimes",
+    "return_token_ids": "please",
     "logprobs": 3,
     "top_logprobs": "all",
     "stream": "yes please",
