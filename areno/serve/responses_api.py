@@ -22,7 +22,8 @@ from pydantic import BaseModel
 
 from areno.engine.outputs import RequestOutput
 from areno.protocol.responses import ChatCompletionResponse, ChoiceLogprobs, Usage
-from areno.protocol.responses_api import (
+from areno.protocol.responses_api import ResponsesRequest
+from areno.protocol.responses_reply import (
     FunctionCall,
     IncompleteDetails,
     Logprob,
@@ -32,7 +33,6 @@ from areno.protocol.responses_api import (
     ReasoningOutputText,
     ResponseError,
     ResponseObject,
-    ResponsesRequest,
     ResponsesUsage,
     TopLogprob,
 )

@@ -29,7 +29,9 @@ class _ChosenFirst(FIFOMixin):
     """A replica chosen for a request goes to that request; where it is gone (cancelled while
     it waited), to the oldest request still waiting, as Serve's FIFO routers do. With the
     request alone (RequestRouter's own rule), a completions batch whose prompt was refused
-    mid-way, its others cancelled while queued here, left every later request unrouted."""
+    mid-way, its others cancelled while queued here, left every later request unrouted.
+    NOTE: it overrides Serve's private `_fulfill_next_pending_request` (ray 2.60, pinned); the
+    refused-batch test of tests/serve/live/openai_server runs it under the guarded app."""
 
     def _fulfill_next_pending_request(self, replica, request_metadata=None) -> None:
         if self._get_pending_request_matching_internal_request_id(request_metadata) is not None:

@@ -236,10 +236,14 @@ async def collect_outputs(stream) -> list:
     return [output async for output in stream]
 
 
-def test_a_stream_interval_below_zero_is_refused() -> None:
+def test_a_stream_interval_or_checkpoint_spacing_below_zero_is_refused() -> None:
     with pytest.raises(ConfigError, match="stream_interval_ms") as raised:
         EngineConfig(stream_interval_ms=-1)
     assert raised.value.param == "stream_interval_ms"
+    with pytest.raises(ConfigError, match="prefix_checkpoint_blocks must be an integer >= 0"):
+        EngineConfig(prefix_checkpoint_blocks=-1)
+    with pytest.raises(ConfigError, match="prefix_checkpoint_blocks"):
+        EngineConfig(prefix_checkpoint_blocks=2.5)
 
 
 def test_overlapped_steps_are_on_for_one_cuda_process_and_refused_for_a_tp_group() -> None:
