@@ -20,13 +20,18 @@ DEFAULT_MAX_CONTEXT_LEN = 8192
 @dataclass(frozen=True)
 class KVPoolOptions:
     """What sizes the KV block pool (areno/engine/parallel/kv_pool.py): EngineConfig's `block_size`,
-    `kv_cache_gib` and `kv_cache_memory_fraction`; `profile_tokens`, the prompt tokens of the
+    `kv_cache_gib`, `kv_cache_memory_fraction` and the saved-state settings; `profile_tokens`, the prompt tokens of the
     forward whose activation peak the fraction leaves room for (`max_num_batched_tokens`)."""
 
     block_size: int = 16
     kv_cache_gib: float | None = None
     memory_fraction: float = 0.9
     profile_tokens: int = 8192
+    # Saved layer states of the prefix cache sized in bytes beside the blocks (`prefix_state_rows`
+    # None): their share of the cache's memory and the blocks between two checkpoints.
+    size_state_rows: bool = False
+    state_memory_fraction: float = 0.1
+    checkpoint_blocks: int = 16
 
 
 @dataclass(frozen=True)
@@ -73,8 +78,15 @@ class EngineConfig:
     prefix_state_rows: int | None = setting(
         None,
         help="saved layer states the prefix cache keeps on models with linear-attention or "
-        "sliding-window layers, beside the running sequences' own; none: two per running "
-        "sequence",
+        "sliding-window layers, beside the running sequences' own; none: sized in bytes by "
+        "prefix_state_memory_fraction",
+    )
+    prefix_state_memory_fraction: float = setting(
+        0.1,
+        help="without prefix_state_rows, the most of the cache's memory (KV blocks and saved "
+        "states together) that saved layer states take: a state for every "
+        "prefix_checkpoint_blocks blocks the KV pool holds, within this share, and never fewer "
+        "than two per running sequence; on a GPU the KV pool gets the rest",
     )
     prefix_checkpoint_blocks: int = setting(
         16,
@@ -191,6 +203,12 @@ class EngineConfig:
                 f"prefix_state_rows must be an integer >= 0; got {rows!r}",
                 param="prefix_state_rows",
             )
+        share = self.prefix_state_memory_fraction
+        if isinstance(share, bool) or not isinstance(share, int | float) or not 0 <= share < 1:
+            raise ConfigError(
+                f"prefix_state_memory_fraction must be a number in [0, 1); got {share!r}",
+                param="prefix_state_memory_fraction",
+            )
         cache = self.encoder_cache_gib
         if isinstance(cache, bool) or not isinstance(cache, int | float) or cache < 0:
             raise ConfigError(
@@ -289,6 +307,9 @@ def pool_options(config: EngineConfig) -> KVPoolOptions:
         kv_cache_gib=config.kv_cache_gib,
         memory_fraction=config.kv_cache_memory_fraction,
         profile_tokens=config.max_num_batched_tokens,
+        size_state_rows=config.enable_prefix_caching and config.prefix_state_rows is None,
+        state_memory_fraction=config.prefix_state_memory_fraction,
+        checkpoint_blocks=config.prefix_checkpoint_blocks,
     )
 
 

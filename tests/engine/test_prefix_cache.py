@@ -13,10 +13,13 @@ import pytest
 import torch
 from PIL import Image
 
+from areno.engine.config import EngineConfig
 from areno.engine.kv.block_manager import BlockManager, block_hashes, partial_block_hash
 from areno.engine.kv.state_cache import StateCache
+from areno.engine.parallel.kv_pool import saved_state_rows
 from areno.engine.runner.encoder_cache import EncoderCache
 from areno.engine.sampling import SamplingParams
+from areno.errors import ConfigError
 from areno.media.samples import write_audio, write_image, write_video
 from areno.train.policy import sequence_logprobs
 from tests.engine.generating import FAMILIES, GREEDY, arrive_together, run, text, with_media
@@ -635,3 +638,49 @@ def test_saved_states_count_their_hits_saves_and_evictions(setups):
     assert (hits0, evicted0) == (0, 0) and saves0 >= 1
     assert hits1 == 1 and saves1 == saves0  # its points are known already
     assert saves3 > saves1 and evicted3 > 0
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_nine_prompts_through_three_slots_sent_twice_resume_the_second_time(setups, family):
+    """The saved-state pool is sized in bytes (`prefix_state_memory_fraction`), not at two rows
+    per running sequence: nine prompts through three slots, sent again, find their states
+    kept, resume from their last full block, and answer as the cache-off engine does. (With six
+    rows, each prompt's save had evicted the one the next prompt needed.)"""
+    setup = setups(family)
+    prompts = [
+        setup.encode(text(f"Story {i}: tell me how the river number {i} ran to the sea. " * 6))
+        for i in range(9)
+    ]
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    config = {"max_running_prompts": 3, "max_context_len": 4096}
+    cold = setup.generator(enable_prefix_caching=False, **config)
+    try:
+        expected = [o.samples[0].token_ids for o in run(arrive_together(cold, prompts, params))]
+    finally:
+        cold.shutdown()
+    gen = setup.generator(enable_prefix_caching=True, **config)
+    try:
+        first = run(arrive_together(gen, prompts, params))
+        again = run(arrive_together(gen, prompts, params))
+    finally:
+        gen.shutdown()
+    assert [o.samples[0].token_ids for o in first] == expected
+    assert [o.samples[0].token_ids for o in again] == expected
+    for x, output in zip(prompts, again, strict=True):
+        n = x.num_prompt_tokens
+        assert output.num_cached_tokens == (n - 1) // 16 * 16 >= 0.9 * n, (family, n)
+
+
+def test_saved_state_rows_take_a_row_per_checkpoint_stretch_within_their_share():
+    """`saved_state_rows`: a row for every `checkpoint_blocks` blocks the cache could hold,
+    within the byte share, never fewer than two per running sequence; the share's refusal
+    names the setting."""
+    sizes = {"block_bytes": 8192, "row_bytes": 20480, "checkpoint_blocks": 16, "num_slots": 3}
+    cache = 6 << 20  # 6 MiB: 41 stretches of 16 blocks and a row; the 0.1 share holds 30 rows
+    assert saved_state_rows(cache, fraction=0.1, **sizes) == 30
+    assert saved_state_rows(cache, fraction=0.5, **sizes) == cache // (16 * 8192 + 20480)
+    assert saved_state_rows(cache, fraction=0.0, **sizes) == 6  # the floor
+    assert saved_state_rows(1 << 20, fraction=0.1, **sizes) == 6
+    with pytest.raises(ConfigError, match="prefix_state_memory_fraction") as refused:
+        EngineConfig(prefix_state_memory_fraction=1.0)
+    assert refused.value.param == "prefix_state_memory_fraction"

@@ -109,9 +109,34 @@ def fraction_budget(device: torch.device, fraction: float, reserved: int) -> int
     return min(share, available - reserved - MARGIN_BYTES)
 
 
+def saved_state_rows(
+    cache_bytes: int,
+    *,
+    block_bytes: int,
+    row_bytes: int,
+    fraction: float,
+    checkpoint_blocks: int,
+    num_slots: int,
+) -> int:
+    """Rows of saved layer state for the prefix cache of a model whose layers keep state
+    besides keys, out of `cache_bytes` for KV blocks and saved states together.
+
+    One row for every `checkpoint_blocks` blocks the cache could hold (a resume point for every
+    stretch of cached prompt a prefill checkpoints), within `fraction` of `cache_bytes`, and
+    never fewer than two per running sequence (where its next turn resumes, and room for the
+    prompts that several share)."""
+    floor = 2 * num_slots
+    if row_bytes <= 0:
+        return floor
+    share = int(fraction * cache_bytes) // row_bytes
+    by_blocks = cache_bytes // (block_bytes * checkpoint_blocks + row_bytes)
+    return max(floor, min(share, by_blocks))
+
+
 def agree_across_ranks(num_blocks: int, device: torch.device) -> int:
     """The smallest of every tensor-parallel rank's count: each rank measured its own memory,
-    and rank 0's scheduler hands out block ids that every rank must have."""
+    and rank 0's scheduler hands out block ids that every rank must have (and saved-state rows
+    likewise)."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return num_blocks
     count = torch.tensor([num_blocks], device=device)

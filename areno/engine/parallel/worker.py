@@ -23,6 +23,7 @@ from areno.engine.parallel.kv_pool import (
     block_bytes,
     fraction_budget,
     reserved_bytes,
+    saved_state_rows,
 )
 from areno.engine.runner.model_runner import ModelRunner
 from areno.engine.runner.prefills import run_prefills
@@ -185,25 +186,44 @@ class Worker:
 
     def _size_pool(self, options: KVPoolOptions) -> None:
         """Resize the runner's pool as `options` ask: `kv_cache_gib`, else on CUDA the memory
-        fraction, else (CPU) keep every slot's `max_len` tokens."""
+        fraction, else (CPU) keep every slot's `max_len` tokens; and where its layers keep state
+        besides keys, its saved-state rows by bytes (`saved_state_rows`), which a measured pool
+        leaves out of the blocks' share."""
         runner = self.runner
         per_block = block_bytes(runner.model, runner.layer_types, runner.block_size)
         measured = False
+        row_bytes = 0
         if options.kv_cache_gib is not None:
-            num_blocks = int(options.kv_cache_gib * (1 << 30)) // per_block
+            cache_bytes = int(options.kv_cache_gib * (1 << 30))
         elif self.device.type == "cuda":
             measured = True
             tokens = min(options.profile_tokens, runner.max_len)
-            activation, state_per_slot = runner.measure_prefill_memory(tokens)
-            reserved = self.reserved_bytes(activation, state_per_slot * runner.num_rows)
-            budget = fraction_budget(self.device, options.memory_fraction, sum(reserved.values()))
-            num_blocks = budget // per_block
+            activation, row_bytes = runner.measure_prefill_memory(tokens)
+            reserved = self.reserved_bytes(activation, row_bytes * runner.num_slots)
+            cache_bytes = fraction_budget(
+                self.device, options.memory_fraction, sum(reserved.values())
+            )
         else:
-            return
-        num_blocks = max(num_blocks, 1)
+            cache_bytes = runner.num_blocks * per_block
+        state_rows = runner.num_state_rows
+        if options.size_state_rows and state_rows:
+            state_rows = saved_state_rows(
+                cache_bytes,
+                block_bytes=per_block,
+                row_bytes=row_bytes or runner.measure_state_bytes(),
+                fraction=options.state_memory_fraction,
+                checkpoint_blocks=options.checkpoint_blocks or runner.max_blocks,
+                num_slots=runner.num_slots,
+            )
+        if measured:
+            cache_bytes -= state_rows * row_bytes
+        num_blocks = max(cache_bytes // per_block, 1)
         if self.tensor_parallel:
             num_blocks = agree_across_ranks(num_blocks, self.device)
-        runner.reset_pool(num_blocks, measured=measured)
+            state_rows = agree_across_ranks(state_rows, self.device)
+        if (num_blocks, state_rows) != (runner.num_blocks, runner.num_state_rows) or measured:
+            runner.num_state_rows = state_rows
+            runner.reset_pool(num_blocks, measured=measured)
 
     def reserved_bytes(self, activation: int, states: int) -> dict[str, int]:
         """What the engine uses besides its weights and its KV pool (`kv_pool.reserved_bytes`),
@@ -485,6 +505,6 @@ def _state_rows(config: EngineConfig) -> int:
     if not config.enable_prefix_caching:
         return 0
     rows = config.prefix_state_rows
-    # NOTE: two per running sequence: one where its next turn resumes, and room for the
-    # prompts that several sequences share.
+    # NOTE: without a count, two per running sequence until the pool is sized in bytes
+    # (`Worker._size_pool`, `saved_state_rows`), where a worker is built without a pool.
     return 2 * config.max_running_prompts if rows is None else rows

@@ -272,26 +272,31 @@ class ModelRunner:
     @torch.inference_mode()
     def measure_prefill_memory(self, num_tokens: int) -> tuple[int, int]:
         """On CUDA: (the activation peak of a `num_tokens` prefill, beyond its cache; the bytes
-        of one slot's linear-attention state), from a prefill into a pool of its own size that
-        is dropped after."""
+        of one slot's linear-attention state and sliding rings), from a prefill into a pool of
+        its own size that is dropped after."""
+        torch.cuda.synchronize(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        before = torch.cuda.memory_allocated(self.device)
+        with self._probe(num_tokens) as cache:
+            peak = torch.cuda.max_memory_allocated(self.device) - before
+            return max(peak - cache.allocator.num_bytes, 0), _slot_state_bytes(cache)
+
+    def measure_state_bytes(self) -> int:
+        """The bytes of one slot's linear-attention state and sliding rings (one row of saved
+        state), from a one-block prefill into a pool of its own that is dropped after."""
+        with self._probe(self.block_size) as cache:
+            return _slot_state_bytes(cache)
+
+    @contextlib.contextmanager
+    def _probe(self, num_tokens: int):
+        """A prefill of `num_tokens` into a one-row pool of its own size, which is yielded and
+        then dropped: the real cache stays unallocated (`reset_pool` may still size it)."""
         real = self.cache
         num = blocks_for(num_tokens, self.block_size)
         self.cache = self._new_cache(num, 1)
         try:
-            torch.cuda.synchronize(self.device)
-            torch.cuda.reset_peak_memory_stats(self.device)
-            before = torch.cuda.memory_allocated(self.device)
             self.prefill(PromptInputs([0] * num_tokens, {}), [0], [list(range(1, num + 1))])
-            peak = torch.cuda.max_memory_allocated(self.device) - before
-            states = [t for s in self.cache.linear.values() for t in (s.conv, s.recurrent)]
-            rings = [
-                t[1:]  # the slot's ring, not the sink
-                for layer in self.cache.attention.values()
-                if layer.is_initialized and layer.ring_blocks is not None
-                for t in (layer.keys, layer.values)
-            ]
-            state_bytes = sum(t.numel() * t.element_size() for t in states + rings if t is not None)
-            return max(peak - self.cache.allocator.num_bytes, 0), state_bytes
+            yield self.cache
         finally:
             self.cache = real
             self.set_tables([0], [[]], new=True)
@@ -819,3 +824,15 @@ class ModelRunner:
 
     def _chunk_masks(self, pos_Q: torch.Tensor, kv_len: int, groups: torch.Tensor | None):
         return chunk_masks(pos_Q, kv_len, self._window, groups)
+
+
+def _slot_state_bytes(cache: PagedCache) -> int:
+    """The bytes of one row of `cache`'s slot state (a one-row cache after a prefill)."""
+    states = [t for s in cache.linear.values() for t in (s.conv, s.recurrent)]
+    rings = [
+        t[1:]  # the slot's ring, not the sink
+        for layer in cache.attention.values()
+        if layer.is_initialized and layer.ring_blocks is not None
+        for t in (layer.keys, layer.values)
+    ]
+    return sum(t.numel() * t.element_size() for t in states + rings if t is not None)
