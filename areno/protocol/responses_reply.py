@@ -82,7 +82,7 @@ OutputItem = Union[OutputMessage, FunctionCall, Reasoning]  # noqa: UP007
 
 
 class InputTokensDetails(BaseModel):
-    """Zeros: the prompt cache's hits are not reported per request."""
+    """The prompt tokens the prefix cache held; nothing is written to a cache on request."""
 
     cached_tokens: int = 0
     cache_write_tokens: int = 0

@@ -124,18 +124,22 @@ def _force_prefix(inputs: PromptInputs, prefix: str, tokenizer: Any) -> PromptIn
     return inputs.with_tokens(inputs.input_ids + ids)
 
 
-def usage_for(inputs: PromptInputs, num_completion_tokens: int) -> Usage:
-    """Usage with the encoded prompt length. `prompt_tokens_details` carries the media token
-    counts (video frames count as image tokens) and is left out when there are none: AReno
-    keeps no prompt cache across requests, so OpenAI's `cached_tokens` would always be 0, and
-    vLLM likewise sends the details only for a non-zero cached count. The openai client reads
-    the missing field as None (an empty `{}` would parse as details with every count None)."""
+def usage_for(
+    inputs: PromptInputs, num_completion_tokens: int, num_cached_tokens: int = 0
+) -> Usage:
+    """Usage with the encoded prompt length. `prompt_tokens_details` carries the prompt tokens
+    the prefix cache held (`cached_tokens`) and the media token counts (video frames count as
+    image tokens), each where non-zero, and is left out when all are zero, as vLLM sends it. The
+    openai client reads the missing field as None (an empty `{}` would parse as details with
+    every count None)."""
     num_image = inputs.num_tokens("image") + inputs.num_tokens("video")
     num_audio = inputs.num_tokens("audio")
     details = None
-    if num_image or num_audio:
+    if num_image or num_audio or num_cached_tokens:
         details = PromptTokensDetails(
-            image_tokens=num_image or None, audio_tokens=num_audio or None
+            cached_tokens=num_cached_tokens or None,
+            image_tokens=num_image or None,
+            audio_tokens=num_audio or None,
         )
     return Usage.from_counts(inputs.num_prompt_tokens, num_completion_tokens, details)
 
@@ -198,7 +202,7 @@ def build_response(
             )
         )
     num_completion = sum(len(delta.token_ids) for delta in output.samples)
-    usage = usage_for(prepared.inputs, num_completion)
+    usage = usage_for(prepared.inputs, num_completion, output.num_cached_tokens)
     response = ChatCompletionResponse(
         model=model, choices=choices, usage=usage, prompt_token_ids=_prompt_ids(prepared)
     )
@@ -232,6 +236,7 @@ class ChunkWriter:
         self.prepared, self.model, self.tokenizer = prepared, model, tokenizer
         self.id = ChatCompletionResponse(model=model, choices=[]).id
         self.num_completion_tokens = 0
+        self.num_cached_tokens = 0  # the prompt tokens the prefix cache held, once admitted
         self._streams: dict[int, Any] = {}
         self._reasoning: dict[int, ReasoningStream] = {}
         # choice index -> its reasoning pieces and its content and call events, as written
@@ -241,6 +246,7 @@ class ChunkWriter:
 
     def chunks(self, output: RequestOutput) -> Iterator[str]:
         """SSE lines for one step's deltas."""
+        self.num_cached_tokens = max(self.num_cached_tokens, output.num_cached_tokens)
         for delta in output.samples:
             role = None if delta.index in self._written else "assistant"
             reasoning, content, calls, finish = self.read(delta)
@@ -322,7 +328,9 @@ class ChunkWriter:
     def end(self) -> Iterator[str]:
         """The usage chunk (when asked for) and `[DONE]`."""
         if self.prepared.request.include_usage:
-            usage = usage_for(self.prepared.inputs, self.num_completion_tokens)
+            usage = usage_for(
+                self.prepared.inputs, self.num_completion_tokens, self.num_cached_tokens
+            )
             yield self._line(ChatCompletionChunk(id=self.id, model=self.model, usage=usage))
         yield "data: [DONE]\n\n"
 
@@ -339,7 +347,7 @@ class ChunkWriter:
             )
             for index, (thoughts, events) in sorted(self._written.items())
         ]
-        usage = usage_for(self.prepared.inputs, self.num_completion_tokens)
+        usage = usage_for(self.prepared.inputs, self.num_completion_tokens, self.num_cached_tokens)
         return ChatCompletionResponse(id=self.id, model=self.model, choices=choices, usage=usage)
 
     @staticmethod

@@ -25,6 +25,7 @@ from areno.protocol.responses import (
     CompletionChoice,
     CompletionLogprobs,
     CompletionResponse,
+    PromptTokensDetails,
     Usage,
 )
 
@@ -135,10 +136,14 @@ class _LogprobsReader:
         return self.read(delta.token_ids, delta.logprobs or [], top, offset)
 
 
-def usage_for(prepared: PreparedCompletion, num_completion_tokens: int) -> Usage:
-    """Each prompt's tokens count once, however many samples it has (as OpenAI counts)."""
+def usage_for(
+    prepared: PreparedCompletion, num_completion_tokens: int, num_cached_tokens: int = 0
+) -> Usage:
+    """Each prompt's tokens count once, however many samples it has (as OpenAI counts); the
+    prompt tokens the prefix cache held are `prompt_tokens_details.cached_tokens` where any."""
     num_prompt = sum(p.inputs.num_prompt_tokens for p in prepared.prompts)
-    return Usage.from_counts(num_prompt, num_completion_tokens)
+    details = PromptTokensDetails(cached_tokens=num_cached_tokens) if num_cached_tokens else None
+    return Usage.from_counts(num_prompt, num_completion_tokens, details)
 
 
 def build_completion_response(
@@ -183,7 +188,8 @@ def build_completion_response(
                     token_ids=list(delta.token_ids) if ids is not None else None,
                 )
             )
-    usage = usage_for(prepared, num_completion)
+    num_cached = sum(output.num_cached_tokens for output in outputs if output is not None)
+    usage = usage_for(prepared, num_completion, num_cached)
     return CompletionResponse(model=model, choices=choices, usage=usage)
 
 
@@ -229,6 +235,7 @@ class CompletionChunkWriter:
         self.reader = _LogprobsReader(tokenizer)
         self.id = CompletionResponse(model=model).id
         self.num_completion_tokens = 0
+        self._cached: dict[int, int] = {}  # prompt index -> its tokens the prefix cache held
         self._texts: dict[int, str] = {}  # choice index -> its text so far
         self._finish_reasons: dict[int, str] = {}
         self._sent_prompt_ids: set[int] = set()  # choices whose prompt ids were sent
@@ -259,6 +266,9 @@ class CompletionChunkWriter:
 
     def chunks(self, prompt_index: int, output: RequestOutput) -> Iterator[str]:
         """SSE lines for one step's deltas of prompt `prompt_index`."""
+        self._cached[prompt_index] = max(
+            self._cached.get(prompt_index, 0), output.num_cached_tokens
+        )
         choices = []
         for delta in output.samples:
             self.num_completion_tokens += len(delta.token_ids)
@@ -295,7 +305,7 @@ class CompletionChunkWriter:
     def end(self) -> Iterator[str]:
         """The usage chunk (when asked for) and `[DONE]`."""
         if self.prepared.request.include_usage:
-            usage = usage_for(self.prepared, self.num_completion_tokens)
+            usage = usage_for(self.prepared, self.num_completion_tokens, sum(self._cached.values()))
             chunk = CompletionResponse(id=self.id, model=self.model, usage=usage)
             yield f"data: {chunk.model_dump_json()}\n\n"
         yield "data: [DONE]\n\n"
@@ -307,7 +317,7 @@ class CompletionChunkWriter:
             {"index": i, "text": text, "finish_reason": self._finish_reasons.get(i)}
             for i, text in sorted(self._texts.items())
         ]
-        usage = usage_for(self.prepared, self.num_completion_tokens)
+        usage = usage_for(self.prepared, self.num_completion_tokens, sum(self._cached.values()))
         return {"id": self.id, "choices": choices, "usage": usage.model_dump()}
 
     def _line(self, choices: list[CompletionChoice]) -> str:

@@ -56,11 +56,15 @@ def responses_logprobs(logprobs: ChoiceLogprobs | None) -> list[Logprob]:
 
 
 def responses_usage(usage: Usage, reasoning: str, tokenizer: Any) -> ResponsesUsage:
-    """The chat usage as the Responses API's; reasoning tokens are the reasoning text's count
-    re-encoded (the engine does not tag tokens by block)."""
+    """The chat usage as the Responses API's (the prefix cache's hits as `cached_tokens`);
+    reasoning tokens are the reasoning text's count re-encoded (the engine does not tag tokens
+    by block)."""
     num_reasoning = len(tokenizer.encode(reasoning, add_special_tokens=False)) if reasoning else 0
+    details = usage.prompt_tokens_details
+    cached = (details.cached_tokens or 0) if details is not None else 0
     return ResponsesUsage(
         input_tokens=usage.prompt_tokens,
+        input_tokens_details={"cached_tokens": cached},
         output_tokens=usage.completion_tokens,
         output_tokens_details={"reasoning_tokens": min(num_reasoning, usage.completion_tokens)},
         total_tokens=usage.total_tokens,

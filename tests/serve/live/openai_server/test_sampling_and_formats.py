@@ -102,3 +102,45 @@ def test_return_token_ids_gives_the_engines_ids_whole_and_streamed(server, media
     first, second = sorted(text["choices"], key=lambda c: c["index"])
     assert first["prompt_token_ids"] == prompt[:12] and second["prompt_token_ids"] == prompt[:8]
     assert len(first["token_ids"]) == len(second["token_ids"]) == 3
+
+
+def test_usage_reports_the_prompt_tokens_the_prefix_cache_held(server):
+    """`usage.prompt_tokens_details.cached_tokens` (chat, streamed usage, completions) and the
+    Responses API's `input_tokens_details.cached_tokens`: a long text prompt sent again finds
+    its blocks cached; sent the first time, none (and the details are left out)."""
+    text = "Tell me about the river that runs to the sea, and why it never stops. " * 8
+    first_text = text.replace("river", "brook")
+    common = {"model": "tiny-gemma4", "max_tokens": 2, "temperature": 0}
+    first = server.chat.completions.create(
+        messages=[{"role": "user", "content": first_text}], **common
+    )
+    assert first.usage.prompt_tokens_details is None
+    messages = [{"role": "user", "content": text}]
+    server.chat.completions.create(messages=messages, **common)
+    again = server.chat.completions.create(messages=messages, **common).usage
+    assert 0.8 * again.prompt_tokens <= again.prompt_tokens_details.cached_tokens
+    assert again.prompt_tokens_details.cached_tokens < again.prompt_tokens
+    streamed = [
+        c.usage
+        for c in server.chat.completions.create(
+            messages=messages, stream=True, stream_options={"include_usage": True}, **common
+        )
+        if c.usage is not None
+    ]
+    assert (
+        streamed[-1].prompt_tokens_details.cached_tokens
+        == again.prompt_tokens_details.cached_tokens
+    )
+    reply = server.responses.create(
+        model="tiny-gemma4", input=text, max_output_tokens=2, temperature=0
+    )
+    assert reply.usage.input_tokens_details.cached_tokens > 0
+    prompt_ids = (
+        server.completions.create(
+            prompt=text, extra_body={"return_token_ids": True}, **{**common, "max_tokens": 1}
+        )
+        .choices[0]
+        .prompt_token_ids
+    )
+    completion = server.completions.create(prompt=prompt_ids, **common).usage
+    assert completion.prompt_tokens_details.cached_tokens >= 0.8 * completion.prompt_tokens
