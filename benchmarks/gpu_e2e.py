@@ -238,7 +238,7 @@ def run_grpo(args: argparse.Namespace, work: Path) -> dict:
     runs = {}
     for transport in args.weight_sync:
         runs[transport] = _grpo_run(args, work, transport)
-    keys = ("rollout_s", "reward_s", "train_s", "weight_sync_s", "step_s")
+    keys = ("rollout_s", "idle_s", "reward_s", "train_s", "weight_sync_s", "step_s")
     print(f"\ngrpo (qwen3_5 {args.size}, color quiz, {args.steps} steps; step 1 includes warm-up)")
     print(f"{'weight sync':<13} {'step':>4} " + " ".join(f"{k:>14}" for k in keys))
     for transport, run in runs.items():
@@ -286,9 +286,12 @@ def _grpo_run(args: argparse.Namespace, work: Path, transport: str) -> dict:
         env=env,
     )
     wall_s = time.perf_counter() - start
-    keys = ("step", "rollout_s", "reward_s", "train_s", "weight_sync_s", "step_s")
     steps = [r for r in read_metrics(run_dir) if "step_s" in r]
-    return {"wall_s": wall_s, "steps": [{k: r.get(k) for k in keys} for r in steps]}
+    # every phase's seconds and token counts the run records, for the step's timeline
+    kept = [
+        {k: v for k, v in r.items() if k == "step" or k.endswith(("_s", "tokens"))} for r in steps
+    ]
+    return {"wall_s": wall_s, "steps": kept}
 
 
 # --- tp --------------------------------------------------------------------------------------------

@@ -16,6 +16,7 @@
 #   mkdir -p site && tar -xJf OUT_DIR/site.tar.xz -C site
 #   python3 -m pip install --no-index --no-deps --no-build-isolation --target site OUT_DIR/deepspeed-*.tar.gz
 #   export PYTHONPATH=$PWD/site:$PWD
+#   python3 scripts/check_bundle.py     # every areno module imports with the bundle alone
 #
 # TARGET_PYTHON (default 3.12) is the GPU machine's Python; TARGET_GRPCIO (default 1.84.0) its
 # grpcio version, which grpcio-reflection must not exceed. Ray's wheel is cut to fit one transfer:

@@ -90,3 +90,15 @@ def test_engine_subpackages_import_only_those_below_them() -> None:
             if below and ENGINE_ORDER.index(other[2]) < level:
                 wrong.append(f"{name} -> {target}")
     assert not wrong, wrong
+
+
+def test_every_module_imports_as_the_bundle_check_imports_it() -> None:
+    """scripts/check_bundle.py (run on the GPU machine after unpacking the offline bundle)
+    imports every module and reports the failures; here, with CI's packages, none fails."""
+    import subprocess
+    import sys
+
+    script = ROOT.parent / "scripts" / "check_bundle.py"
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "FAILED" not in done.stdout and " areno modules import" in done.stdout
