@@ -17,9 +17,13 @@ FORBIDDEN = {
     # layer: the layers it never imports
     **{low: {"serve", "rollout", "train"} for low in ("engine", "processing", "media", "models")},
     **{low: {"serve", "rollout", "train"} for low in ("tools", "protocol")},
-    "rollout": {"serve"},
+    "rollout": {"serve", "programs"},
     "train": {"serve"},
+    "programs": {"train"},
 }
+# The serving modules an agent program's training route (areno.programs) runs: the chat
+# handler's pure functions, never the Ray Serve app (docs/architecture.md).
+PROGRAMS_MAY_IMPORT = {"areno.serve.chat", "areno.serve.sampling", "areno.serve.errors"}
 FORBIDDEN["engine"] = FORBIDDEN["engine"] | {"media"}
 
 
@@ -74,6 +78,17 @@ def test_layers_import_only_what_the_rules_allow() -> None:
             other = target.split(".")[1] if "." in target else ""
             if other in FORBIDDEN.get(layer, ()):
                 wrong.append(f"{name} -> {target}")
+    assert not wrong, wrong
+
+
+def test_agent_programs_run_the_chat_handler_not_the_serve_app() -> None:
+    wrong = [
+        f"{name} -> {target}"
+        for name, targets in _imports().items()
+        if name.startswith("areno.programs")
+        for target in targets
+        if target.startswith("areno.serve") and target not in PROGRAMS_MAY_IMPORT
+    ]
     assert not wrong, wrong
 
 

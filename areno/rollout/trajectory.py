@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from areno.processing.types import PromptInputs
 
@@ -16,6 +17,30 @@ class ToolCallRecord:
     arguments: str  # the JSON text the model produced
     result_text: str  # the text parts of the result ("" for media only)
     num_media: int = 0  # media items the result carried back to the model
+
+
+@dataclass
+class RecordedCall:
+    """One chat call of a program's episode, as the engine ran it.
+
+    `prompt_ids` are the encoded prompt's ids (a forced call opening included); `token_ids`,
+    `logprobs` (the sampled distribution's, as `run_episode` records them) and `token_versions`
+    are the sampled tokens'. `messages` and `tools` are what the program sent, for the reward and
+    the leak guard; `content` and `tool_calls` what its reply said."""
+
+    prompt_ids: list[int]
+    token_ids: list[int]
+    logprobs: list[float]
+    token_versions: list[int]
+    policy_version: int
+    finish_reason: str
+    messages: list[dict]
+    tools: list[dict] | None = None
+    content: str = ""
+    tool_calls: list[dict] = field(default_factory=list)  # {"name", "arguments"} each
+    num_malformed_tool_calls: int = 0
+    num_prefill_tokens: int = 0
+    num_cached_tokens: int = 0
 
 
 @dataclass
@@ -39,7 +64,8 @@ class Trajectory:
     tool_calls: list[ToolCallRecord] = field(default_factory=list)
     turn_texts: list[str] = field(default_factory=list)  # every assistant turn's raw text
     # answer | final_tool | max_turns | length | context | aborted (the engine cut a turn off:
-    # `Generator.pause(mode="abort")` or its shutdown; that turn is no answer)
+    # `Generator.pause(mode="abort")` or its shutdown; that turn is no answer); an agent
+    # program's (each part of its episode): answer | error | timeout
     finish: str = "answer"
     num_malformed_tool_calls: int = 0
     reward: float | None = None
@@ -51,6 +77,13 @@ class Trajectory:
     # prefix cache held (the step's prefill metrics sum them)
     num_prefill_tokens: int = 0
     num_cached_tokens: int = 0
+    # An agent program's episode (areno.rollout.calls): its final output and every call it made
+    # (all of them, in each part), and which of the episode's `num_parts` trajectories this is.
+    # The reward is computed once per episode and every part carries it.
+    program_output: Any = None
+    calls: list[RecordedCall] = field(default_factory=list)
+    part: int = 0
+    num_parts: int = 1
 
     @property
     def token_ids(self) -> list[int]:

@@ -36,6 +36,10 @@ class RolloutSpec:
     engine: EngineConfig
     agent: str | None = None  # import path "module:callable" of an Agent factory
     agent_kwargs: dict = field(default_factory=dict)
+    # an agent program instead of an agent (areno.programs; its worker is a ProgramWorker)
+    program: str | None = None
+    program_max_calls: int = 16
+    program_timeout_s: float = 600.0
     max_prompt_tokens: int | None = None
     max_tokens_per_turn: int = 256
     allow_remote_media: bool = False

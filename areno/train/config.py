@@ -100,6 +100,18 @@ class RolloutConfig:
         None, help="module:callable returning an areno Agent; none: one turn, no tools"
     )
     agent_kwargs: dict = setting(default_factory=dict, help="keyword arguments of the agent")
+    program: str | None = setting(
+        None,
+        help="module:callable of an agent program, run(sample, client) or run(sample, "
+        "base_url), whose OpenAI chat calls are the rollout (docs/agent-programs.md); instead "
+        "of an agent",
+    )
+    program_max_calls: int = setting(
+        16, help="chat calls one episode of the agent program may make; more are refused (429)"
+    )
+    program_timeout_s: float = setting(
+        600.0, help="seconds an episode of the agent program may run; later, it ends unfinished"
+    )
     num_workers: int = setting(
         1, help="rollout workers, each one Generator replica of engine.tp_size ranks"
     )
@@ -134,8 +146,19 @@ class RolloutConfig:
     )
 
     def __post_init__(self) -> None:
-        for name in ("num_workers", "max_tokens_per_turn"):
+        for name in ("num_workers", "max_tokens_per_turn", "program_max_calls"):
             _positive("rollout", name, getattr(self, name))
+        if not self.program_timeout_s > 0:
+            raise ConfigError(
+                f"rollout.program_timeout_s must be positive, got {self.program_timeout_s}",
+                param="program_timeout_s",
+            )
+        if self.program and (self.agent or self.agent_kwargs):
+            raise ConfigError(
+                "rollout.program and rollout.agent both set: an episode is either an agent "
+                "program's run or an areno Agent's; set one",
+                param="program",
+            )
         if isinstance(self.engine, dict):
             self.engine = EngineConfig.from_dict(self.engine, "rollout.engine", _ROLLOUT_ENGINE)
         # Settings a rollout worker's engine takes from elsewhere in the config.

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from areno.data import Sample, SampleStream, load_samples
+from areno.data.guard import PrivateDataLeakError, check_private
 from areno.data.sample import SampleError
 from areno.engine.sampling import SamplingParams
 from areno.imports import import_callable
@@ -374,23 +375,67 @@ def score(
     reward_kwargs: dict | None = None,
 ) -> float:
     """Set each trajectory's reward (and components) from its sample's private metadata; the
-    seconds it took. Private metadata never leaves rank 0: the workers got `Sample.public()`."""
+    seconds it took. Private metadata never leaves rank 0: the workers got `Sample.public()`.
+    An agent program's episode is scored once, on its first part, after the leak guard has read
+    what the program sent (`check_program_calls`); its other parts carry that reward."""
     start = time.perf_counter()
     for group, sample in zip(groups, samples, strict=True):
+        firsts = {}
         for traj in group:
+            if traj.part:
+                continue
+            check_program_calls(traj, sample)
             value = reward_fn(traj, sample.private, **(reward_kwargs or {}))
             if isinstance(value, dict):
                 traj.reward_components = {k: float(v) for k, v in value.items()}
                 traj.reward = float(combine(traj.reward_components))
             else:
                 traj.reward = float(value)
+            firsts[traj.episode_index] = traj
+        for traj in group:
+            if traj.part:
+                first = firsts[traj.episode_index]
+                traj.reward, traj.reward_components = first.reward, dict(first.reward_components)
     return time.perf_counter() - start
 
 
+def check_program_calls(traj: Trajectory, sample: Sample) -> None:
+    """The leak guard on what an agent program sent in each call (its messages but the
+    assistant's, which the policy wrote, and its tools): a private value there means the program
+    reads what the reward holds. Raises PrivateDataLeakError naming the call."""
+    for index, call in enumerate(traj.calls):
+        sent = [m for m in call.messages if m.get("role") != "assistant"]
+        if not sent:
+            continue
+        try:
+            check_private(Sample(sent, call.tools, sample.private, sample.id))
+        except PrivateDataLeakError as error:
+            raise PrivateDataLeakError(
+                f"agent program, episode {traj.episode_index}, call {index}: {error.message}",
+                param=error.param,
+            ) from None
+
+
 def advantages(groups: Sequence[Sequence[Trajectory]], normalize_std: bool) -> torch.Tensor:
-    rewards = torch.tensor([t.reward for group in groups for t in group], dtype=torch.float32)
-    group_ids = [g for g, group in enumerate(groups) for _ in group]
-    return group_advantages(rewards, group_ids, normalize_std=normalize_std)
+    """Group-normalised advantages, one per episode: the later parts of an agent program's
+    episode (`Trajectory.part`, after its first) count once in their group's statistics and
+    share their first part's advantage."""
+    rewards: list[float] = []
+    group_ids: list[int] = []
+    owners: list[int] = []  # the episode (its index in `rewards`) of each trajectory
+    for g, group in enumerate(groups):
+        firsts: dict[int, int] = {}
+        for traj in group:
+            if traj.part:
+                owners.append(firsts[traj.episode_index])
+                continue
+            firsts[traj.episode_index] = len(rewards)
+            owners.append(len(rewards))
+            rewards.append(traj.reward)
+            group_ids.append(g)
+    values = torch.tensor(rewards, dtype=torch.float32)
+    per_episode = group_advantages(values, group_ids, normalize_std=normalize_std)
+    return per_episode[torch.tensor(owners, dtype=torch.long)]
 
 
 def prefill_metrics(trajectories: Sequence[Trajectory]) -> dict[str, float]:
@@ -406,27 +451,49 @@ def prefill_metrics(trajectories: Sequence[Trajectory]) -> dict[str, float]:
 
 
 def rollout_metrics(trajectories: Sequence[Trajectory], prefix: str = "") -> dict[str, float]:
-    """Reward, accuracy, lengths and tool use over a list of trajectories."""
+    """Reward, accuracy, lengths and tool use over a list of trajectories (reward and accuracy
+    per episode: an agent program's episode split into parts counts once), and an agent
+    program's episodes (`program_metrics`)."""
     n = max(len(trajectories), 1)
-    rewards = torch.tensor([t.reward or 0.0 for t in trajectories], dtype=torch.float64)
+    episodes = [t for t in trajectories if not t.part]
+    num_episodes = max(len(episodes), 1)
+    rewards = torch.tensor([t.reward or 0.0 for t in episodes], dtype=torch.float64)
     metrics = {
-        "episodes": float(len(trajectories)),
-        "reward_mean": rewards.mean().item() if len(trajectories) else 0.0,
-        "reward_std": rewards.std(unbiased=False).item() if len(trajectories) else 0.0,
-        "accuracy": sum(_is_correct(t) for t in trajectories) / n,
+        "episodes": float(len(episodes)),
+        "reward_mean": rewards.mean().item() if episodes else 0.0,
+        "reward_std": rewards.std(unbiased=False).item() if episodes else 0.0,
+        "accuracy": sum(_is_correct(t) for t in episodes) / num_episodes,
         "response_len_mean": sum(t.num_generated_tokens for t in trajectories) / n,
         "episode_len_mean": sum(t.num_tokens for t in trajectories) / n,
         "turns_mean": sum(t.num_turns for t in trajectories) / n,
-        "tool_calls_per_episode": sum(len(t.tool_calls) for t in trajectories) / n,
+        "tool_calls_per_episode": sum(len(t.tool_calls) for t in trajectories) / num_episodes,
         "malformed_tool_calls": float(sum(t.num_malformed_tool_calls for t in trajectories)),
         "aborted_episodes": float(sum(t.finish == "aborted" for t in trajectories)),
     }
-    names = sorted({k for t in trajectories for k in t.reward_components})
+    names = sorted({k for t in episodes for k in t.reward_components})
     for name in names:
         metrics[f"reward/{name}"] = (
-            sum(t.reward_components.get(name, 0.0) for t in trajectories) / n
+            sum(t.reward_components.get(name, 0.0) for t in episodes) / num_episodes
         )
+    metrics.update(program_metrics(trajectories))
     return {f"{prefix}{k}": v for k, v in metrics.items()}
+
+
+def program_metrics(trajectories: Sequence[Trajectory]) -> dict[str, float]:
+    """How an agent program's episodes were trained: as one multi-turn trajectory (every call
+    extended the one before) or split into transitions (a call rewrote the history), how many
+    transitions, calls per episode, and the episodes that ended in an error or a timeout.
+    Empty for an areno Agent's episodes."""
+    episodes = [t for t in trajectories if t.calls and not t.part]
+    if not episodes:
+        return {}
+    return {
+        "program_multi_turn_episodes": float(sum(t.num_parts == 1 for t in episodes)),
+        "program_split_episodes": float(sum(t.num_parts > 1 for t in episodes)),
+        "program_transitions": float(sum(t.num_parts for t in episodes if t.num_parts > 1)),
+        "program_calls_per_episode": sum(len(t.calls) for t in episodes) / len(episodes),
+        "program_failed_episodes": float(sum(t.finish in ("error", "timeout") for t in episodes)),
+    }
 
 
 def _is_correct(traj: Trajectory) -> bool:

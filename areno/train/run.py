@@ -11,6 +11,8 @@ from pathlib import Path
 
 from areno.logs import ENV
 from areno.models.registry import adapter_for_checkpoint
+from areno.programs.program import load_program
+from areno.programs.worker import ProgramWorker
 from areno.rollout.worker import RolloutSpec, RolloutWorker
 from areno.train.config import GRPOConfig, cpu_threads
 from areno.train.controller import rollouts_overlap_training
@@ -36,6 +38,9 @@ def rollout_spec(config: GRPOConfig, model_path: str) -> RolloutSpec:
         engine=engine,
         agent=r.agent,
         agent_kwargs=dict(r.agent_kwargs),
+        program=r.program,
+        program_max_calls=r.program_max_calls,
+        program_timeout_s=r.program_timeout_s,
         max_prompt_tokens=r.max_prompt_tokens,
         max_tokens_per_turn=r.max_tokens_per_turn,
         # NOTE: only a generator computing on CPU (no GPU share) competes with the trainer's
@@ -46,7 +51,8 @@ def rollout_spec(config: GRPOConfig, model_path: str) -> RolloutSpec:
 
 
 def start_rollout_workers(config: GRPOConfig, model_path: str) -> list:
-    """One RolloutWorker actor per generator replica (tensor-parallel followers are its own).
+    """One RolloutWorker actor per generator replica (tensor-parallel followers are its own);
+    a ProgramWorker (areno.programs) when `rollout.program` names an agent program.
 
     Ray restarts a lost worker up to rollout.max_restarts times. Its calls are never retried by
     Ray (max_task_retries=0): the restarted process holds the initial weights, so the trainer
@@ -54,9 +60,13 @@ def start_rollout_workers(config: GRPOConfig, model_path: str) -> list:
     import ray
 
     spec = rollout_spec(config, model_path)
+    worker_cls = RolloutWorker
+    if spec.program:
+        load_program(spec.program)  # a wrong name or signature fails here, naming the setting
+        worker_cls = ProgramWorker
     # Workers on a running cluster do not inherit this process's environment.
     env_vars = {ENV: os.environ[ENV]} if ENV in os.environ else {}
-    cls = ray.remote(RolloutWorker).options(
+    cls = ray.remote(worker_cls).options(
         num_cpus=config.rollout.num_cpus_per_worker,
         num_gpus=config.rollout.num_gpus_per_worker,
         resources=config.rollout.resources_per_worker,
