@@ -8,6 +8,7 @@ the leak guard on what a program sends."""
 from __future__ import annotations
 
 import asyncio
+from typing import Literal
 
 import openai
 import pytest
@@ -168,3 +169,40 @@ def test_the_example_agent_runs_its_tool_round_trip(env, tmp_path):
     assert [c["name"] for c in first.tool_calls] == ["list_options"]
     assert second.messages[-1]["role"] == "tool" and "green" in second.messages[-1]["content"]
     assert isinstance(output[0], str) and len(second.token_ids) == 1
+
+
+def test_an_agents_sdk_agent_runs_on_the_route_and_its_call_is_recorded(env):
+    """An agent written with the OpenAI Agents SDK (its Chat Completions model, sampling left
+    to the run) runs against the route unchanged: its forced tool call is parsed and run by the
+    SDK, and the route recorded the call as the engine ran it."""
+    agents = pytest.importorskip("agents", reason="the Agents SDK: pip install -e '.[agents]'")
+    agents.set_tracing_disabled(True)
+    noted = []
+
+    @agents.function_tool
+    def note_option(option: Literal["A", "B", "C", "D"]) -> str:
+        """Note the chosen option.
+
+        Args:
+            option: the letter.
+        """
+        noted.append(option)
+        return f"noted {option}"
+
+    async def program(client, base_url, route):
+        agent = agents.Agent(
+            name="quiz",
+            instructions="Answer with one letter.",
+            tools=[note_option],
+            model=agents.OpenAIChatCompletionsModel(model="policy", openai_client=client),
+            model_settings=agents.ModelSettings(tool_choice="required", max_tokens=48),
+            tool_use_behavior="stop_on_first_tool",
+        )
+        result = await agents.Runner.run(agent, QUIZ[0]["content"])
+        assert result.final_output == f"noted {noted[0]}"
+
+    episode = _on_route(env, RouteLimits(64, 4), program)
+    [call] = episode.calls
+    assert call.tool_calls[0]["name"] == "note_option" and len(noted) == 1
+    assert call.token_ids and len(call.logprobs) == len(call.token_ids)
+    assert any(m.get("content") == QUIZ[0]["content"] for m in call.messages)
