@@ -439,11 +439,14 @@ def staleness_metrics(
     trajectories: list[Trajectory], step: int, max_staleness: int
 ) -> dict[str, float]:
     """How many versions behind policy `step` (the one being trained) each sampled token's
-    policy was: a histogram of token counts ("staleness/k") and the largest. Raises if a token
-    is older than `max_staleness` allows (the window's own invariant)."""
+    policy was: a histogram of token counts ("staleness/k"), the largest, and the episodes
+    whose tokens more than one policy sampled ("partial_episodes": new weights landed while
+    they ran, rollout.partial_rollouts). Raises if a token is older than `max_staleness`
+    allows (the window's own invariant, counted per token)."""
     counts: collections.Counter[int] = collections.Counter()
     for traj in trajectories:
         counts.update(step - version for version in traj.token_versions)
+    partial = sum(len(set(traj.token_versions)) > 1 for traj in trajectories)
     oldest = max(counts, default=0)
     if oldest > max_staleness:
         raise RuntimeError(
@@ -452,4 +455,5 @@ def staleness_metrics(
         )
     metrics = {f"staleness/{k}": float(n) for k, n in sorted(counts.items())}
     metrics["staleness_max"] = float(oldest)
+    metrics["partial_episodes"] = float(partial)
     return metrics
