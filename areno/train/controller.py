@@ -117,7 +117,9 @@ class Controller:
     def batch(self, step: int) -> StepBatch:
         """Step `step`'s batch. With `rollout.max_staleness` k the rollouts of steps up to
         step + k are running when it returns: step s's rollout starts once policy s - k is on
-        the workers, so no token a step trains on comes from a policy older than k steps."""
+        the workers, so no token a step trains on comes from a policy older than k steps
+        (counted per token: with rollout.partial_rollouts an episode's later tokens may be a
+        newer policy's)."""
         cfg = self.config
         if cfg.run.eval_every and step % cfg.run.eval_every == 0:
             self.writer.write(step, self.evaluate())
