@@ -299,9 +299,11 @@ class Generator:
 
         `weights` maps parameter names to full tensors (or is an iterable of pairs, a Ray object
         ref to either, or `CudaIpcWeights` shared from a process on this GPU), or is a LoRA
-        policy's `LoraWeights` (see `load_adapter`). Requests in flight
-        continue on the new weights; pause first to keep a rollout on one version. Returns the
-        number of tensors loaded.
+        policy's `LoraWeights` (see `load_adapter`). Requests in flight continue on the new
+        weights, their keys and values computed again under them (`_recompute_running`), so
+        each later token is the new policy's given its prefix, and each token's
+        `policy_versions` entry names the weights that sampled it. Returns the number of tensors
+        loaded.
         """
         weights = _resolve(weights)
         if isinstance(weights, LoraWeights):
@@ -315,11 +317,21 @@ class Generator:
             # cached prefixes and the saved resume points of running episodes stay valid.
             count = self.core.executor.load_weights(pairs) if pairs else 0
             if count:
-                self.core.scheduler.forget_cached()  # keys and states of the old weights
+                self._recompute_running()
             self.core.policy_version = version
             return count
 
         return await self._call(load)
+
+    def _recompute_running(self) -> None:
+        """After new weights (on the engine thread, the step in flight read): every running
+        request is prefilled again from its prompt and the tokens it has, and every cached
+        block and saved state is forgotten. NOTE: without this a running request would attend
+        to keys the old weights computed, and its next tokens would come from neither policy:
+        an RL rollout stamps each token with the one version whose logprob it records
+        (partial rollouts, docs/architecture.md)."""
+        self.core.scheduler.recompute_running()
+        self.core.scheduler.forget_cached()
 
     async def reset_prefix_cache(self) -> None:
         """Forget the cached prompt blocks and saved states between two steps, as new weights
@@ -340,9 +352,11 @@ class Generator:
 
         def load() -> int:
             count = self.core.executor.load_adapter(name, weights, default=default)
-            self.core.scheduler.forget_cached()  # keys and states of the adapter's old factors
-            if default:
+            if default:  # the policy the running requests sample from changed
+                self._recompute_running()
                 self.core.policy_version = version
+            else:
+                self.core.scheduler.forget_cached()  # keys and states of its old factors
             return count
 
         return await self._call(load)

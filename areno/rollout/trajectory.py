@@ -70,8 +70,9 @@ class Trajectory:
     num_malformed_tool_calls: int = 0
     reward: float | None = None
     reward_components: dict[str, float] = field(default_factory=dict)
-    # the policy version of each sampled token (loss_mask 1), in order: weights may change in
-    # the middle of a turn when rollouts overlap training (rollout.max_staleness)
+    # the policy version of each sampled token (loss_mask 1), in order: with partial rollouts
+    # (rollout.partial_rollouts) weights may change in the middle of a turn, and each token's
+    # rollout logprob is the policy's its version names
     token_versions: list[int] = field(default_factory=list)
     # prompt tokens the engine prefilled over the episode's turns and, of them, those its
     # prefix cache held (the step's prefill metrics sum them)

@@ -3,13 +3,21 @@
 Run as `ray.remote(RolloutWorker)`; the GRPO trainer calls `run_group` for each prompt of a step
 and `update_weights` after each optimizer step. It only ever sees PUBLIC samples: private
 metadata stays with the trainer, which computes rewards.
+
+Weights land in one of two ways (`RolloutSpec.partial_rollouts`). Partial rollouts: at once,
+between two engine steps; the episodes in flight go on under them, each token stamped with the
+version that sampled it. Drained: the update waits for the worker's episodes in flight to end,
+and episodes that would start meanwhile wait for the update (`EpisodeGate`), so every episode is
+sampled by one policy.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -46,6 +54,8 @@ class RolloutSpec:
     # torch's CPU compute threads (None: its default, every core): an overlapped GRPO loop
     # gives the rollout and the trainer their own share of the cores
     cpu_threads: int | None = None
+    # new weights land mid-episode (rollout.partial_rollouts); else an update drains first
+    partial_rollouts: bool = False
 
 
 @dataclass
@@ -55,6 +65,41 @@ class GroupResult:
     trajectories: list[Trajectory]
     timings: dict[str, float]
     skipped: str | None = None  # the sample's error: "MediaNotFoundError: media file not found..."
+
+
+class EpisodeGate:
+    """Drained weight updates: an update waits until no episode is in flight and holds the
+    episodes that would start meanwhile until it is done."""
+
+    def __init__(self) -> None:
+        self._changed = asyncio.Condition()
+        self._num_running = 0
+        self._updating = False
+
+    @contextlib.asynccontextmanager
+    async def episode(self) -> AsyncIterator[None]:
+        async with self._changed:
+            await self._changed.wait_for(lambda: not self._updating)
+            self._num_running += 1
+        try:
+            yield
+        finally:
+            async with self._changed:
+                self._num_running -= 1
+                self._changed.notify_all()
+
+    @contextlib.asynccontextmanager
+    async def update(self) -> AsyncIterator[None]:
+        async with self._changed:
+            await self._changed.wait_for(lambda: not self._updating)  # one update at a time
+            self._updating = True
+            await self._changed.wait_for(lambda: self._num_running == 0)
+        try:
+            yield
+        finally:
+            async with self._changed:
+                self._updating = False
+                self._changed.notify_all()
 
 
 class RolloutWorker:
@@ -80,6 +125,7 @@ class RolloutWorker:
         self.agent = load_agent(spec.agent, **spec.agent_kwargs)
         self.limits = EpisodeLimits(generator.max_context_len, spec.max_tokens_per_turn)
         self._prompts: dict[str, PromptInputs] = {}
+        self._gate = EpisodeGate()
 
     def node(self) -> str:
         import ray
@@ -109,14 +155,7 @@ class RolloutWorker:
             )
         encoded = time.perf_counter()
         episodes = [
-            run_episode(
-                self.env,
-                self.agent,
-                ToolContext(sample_id, messages, index),
-                prompt,
-                sampling,
-                self.limits,
-            )
+            self._episode(ToolContext(sample_id, messages, index), prompt, sampling)
             for index in range(group_size)
         ]
         # Every episode ends before the group does, failed or not: none keeps running unseen.
@@ -129,9 +168,22 @@ class RolloutWorker:
             return GroupResult([], timings, sample_error_text(errors[0]))
         return GroupResult(list(results), timings)
 
+    async def _episode(
+        self, ctx: ToolContext, prompt: PromptInputs, sampling: SamplingParams
+    ) -> Trajectory:
+        if self.spec.partial_rollouts:
+            return await run_episode(self.env, self.agent, ctx, prompt, sampling, self.limits)
+        async with self._gate.episode():
+            return await run_episode(self.env, self.agent, ctx, prompt, sampling, self.limits)
+
     async def update_weights(self, weights: Any, version: int) -> int:
-        """Load new trainable weights in place (Ray resolves an ObjectRef argument here)."""
-        return await self.env.generator.update_weights(weights, version)
+        """Load new trainable weights in place (Ray resolves an ObjectRef argument here): at
+        once with partial rollouts, else once the episodes in flight have ended (the module's
+        docstring)."""
+        if self.spec.partial_rollouts:
+            return await self.env.generator.update_weights(weights, version)
+        async with self._gate.update():
+            return await self.env.generator.update_weights(weights, version)
 
     def policy_version(self) -> int:
         return self.env.generator.policy_version

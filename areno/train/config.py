@@ -144,6 +144,14 @@ class RolloutConfig:
         "on at step t has no token sampled by a policy older than t - max_staleness (0: "
         "rollout, then train)",
     )
+    partial_rollouts: bool = setting(
+        False,
+        help="with max_staleness >= 1, new weights reach the rollout workers between two "
+        "engine steps and the episodes in flight go on under them: each sampled token keeps "
+        "the policy version that sampled it and its own logprob, and the staleness bound "
+        "holds per token; off, a weight update waits for every episode in flight to end (new "
+        "ones wait for it), so each episode is sampled by one policy",
+    )
 
     def __post_init__(self) -> None:
         for name in ("num_workers", "max_tokens_per_turn", "program_max_calls"):
@@ -175,6 +183,19 @@ class RolloutConfig:
                 )
         _positive("rollout", "max_restarts", self.max_restarts, allow_zero=True)
         _positive("rollout", "max_staleness", self.max_staleness, allow_zero=True)
+        if not isinstance(self.partial_rollouts, bool):
+            raise ConfigError(
+                f"rollout.partial_rollouts must be true or false; got {self.partial_rollouts!r}",
+                param="partial_rollouts",
+            )
+        if self.partial_rollouts and not self.max_staleness:
+            raise ConfigError(
+                "rollout.partial_rollouts needs rollout.max_staleness >= 1: at 0 no episode "
+                "is in flight when new weights land (the rollout ends before the step "
+                "trains), so there is nothing to continue; set max_staleness or leave "
+                "partial_rollouts out",
+                param="partial_rollouts",
+            )
         self.resources_per_worker = check_custom_resources(
             self.resources_per_worker, "rollout.resources_per_worker"
         )

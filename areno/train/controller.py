@@ -118,7 +118,9 @@ class Controller:
     def batch(self, step: int) -> StepBatch:
         """Step `step`'s batch. With `rollout.max_staleness` k the rollouts of steps up to
         step + k are running when it returns: step s's rollout starts once policy s - k is on
-        the workers, so no token a step trains on comes from a policy older than k steps."""
+        the workers, so no token a step trains on comes from a policy older than k steps
+        (counted per token: with rollout.partial_rollouts an episode's later tokens may be a
+        newer policy's)."""
         cfg = self.config
         if cfg.run.eval_every and step % cfg.run.eval_every == 0:
             self.writer.write(step, self.evaluate())
@@ -506,11 +508,14 @@ def staleness_metrics(
     trajectories: list[Trajectory], step: int, max_staleness: int
 ) -> dict[str, float]:
     """How many versions behind policy `step` (the one being trained) each sampled token's
-    policy was: a histogram of token counts ("staleness/k") and the largest. Raises if a token
-    is older than `max_staleness` allows (the window's own invariant)."""
+    policy was: a histogram of token counts ("staleness/k"), the largest, and the episodes
+    whose tokens more than one policy sampled ("partial_episodes": new weights landed while
+    they ran, rollout.partial_rollouts). Raises if a token is older than `max_staleness`
+    allows (the window's own invariant, counted per token)."""
     counts: collections.Counter[int] = collections.Counter()
     for traj in trajectories:
         counts.update(step - version for version in traj.token_versions)
+    partial = sum(len(set(traj.token_versions)) > 1 for traj in trajectories)
     oldest = max(counts, default=0)
     if oldest > max_staleness:
         raise RuntimeError(
@@ -519,4 +524,5 @@ def staleness_metrics(
         )
     metrics = {f"staleness/{k}": float(n) for k, n in sorted(counts.items())}
     metrics["staleness_max"] = float(oldest)
+    metrics["partial_episodes"] = float(partial)
     return metrics

@@ -43,6 +43,7 @@ def rollout_spec(config: GRPOConfig, model_path: str) -> RolloutSpec:
         program_timeout_s=r.program_timeout_s,
         max_prompt_tokens=r.max_prompt_tokens,
         max_tokens_per_turn=r.max_tokens_per_turn,
+        partial_rollouts=r.partial_rollouts,
         # NOTE: only a generator computing on CPU (no GPU share) competes with the trainer's
         cpu_threads=cpu_threads(r.num_cpus_per_worker)
         if rollouts_overlap_training(config) and not r.num_gpus_per_worker

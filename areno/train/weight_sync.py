@@ -2,7 +2,9 @@
 
 After each optimizer step the trainable parameters (the frozen towers never change, so they are
 not sent) go to every rollout worker, which loads them in place between two engine steps and
-takes the new policy version. Two transports:
+takes the new policy version: at once, its episodes in flight going on under them
+(rollout.partial_rollouts), or once those have ended (`RolloutWorker.update_weights`). Two
+transports:
 - "object_store": rank 0 copies the parameters to host memory and puts them in Ray's object
   store once; every worker, on any node, reads them from there.
 - "cuda_ipc": when every rollout worker shares rank 0's GPU (colocated GRPO with fractional GPUs),

@@ -428,6 +428,58 @@ def test_update_weights_changes_outputs_and_policy_version(setups, tiny_path, ov
     assert after.samples[0].token_ids != before.samples[0].token_ids
 
 
+def test_weights_landing_mid_request_sample_its_later_tokens_from_the_new_policy(
+    setups, tiny_path, overlap
+):
+    """A request running when new weights land continues on them (what partial rollouts rest
+    on): its tokens carry the version of the weights that sampled them, and each token's
+    logprob is that policy's given the whole prefix, the tokens before the update included
+    (their keys and values were computed again under the new weights)."""
+    from areno.models.tiny import build_tiny
+    from areno.train.policy import sequence_logprobs
+
+    setup = setups("qwen3_5")
+    x = setup.encode(text("Which weights sample me?"))
+    other = Setup(build_tiny("qwen3_5", tiny_path("qwen3_5").parent / "qwen3_5-seed1", seed=1))
+    models = {0: setup.model, 1: other.model}
+    gen = Generator.from_model(
+        Setup(tiny_path("qwen3_5")).model,  # a private copy: the update writes in place
+        setup.processor.tokenizer,
+        EngineConfig(max_running_prompts=2, max_context_len=512, overlap_steps=overlap),
+    )
+    params = SamplingParams(max_tokens=24, ignore_eos=True, seed=5, logprobs=True)
+    names = {n for n, _ in gen.core.executor.model.named_parameters()}
+    new_weights = {n: w for n, w in other.model.state_dict().items() if n in names}
+
+    async def main():
+        stream = gen.generate(x, params)
+        outputs = [await anext(stream)]  # its first tokens, sampled by policy 0
+        await gen.pause("keep")  # the request stays in its slot, unfinished
+        await gen.update_weights(new_weights, version=1)
+        await gen.resume()
+        outputs += [output async for output in stream]
+        return merge_outputs(outputs).samples[0]
+
+    try:
+        sample = run(main())
+    finally:
+        gen.shutdown()
+    versions = sample.policy_versions
+    switch = versions.index(1)
+    assert switch > 0 and versions == [0] * switch + [1] * (len(versions) - switch)
+    assert len(sample.token_ids) == 24
+    whole = x.with_tokens(x.input_ids + list(sample.token_ids))
+    with torch.no_grad():
+        expected = {
+            v: sequence_logprobs(m, whole, "cpu", x.num_prompt_tokens) for v, m in models.items()
+        }
+    for i, (version, logprob) in enumerate(zip(versions, sample.logprobs, strict=True)):
+        assert logprob == pytest.approx(expected[version][i].item(), abs=1e-4), (i, version)
+    # the two policies disagree after the switch: the check above tells them apart
+    after = slice(switch, None)
+    assert not torch.allclose(expected[0][after], expected[1][after], atol=1e-2)
+
+
 @pytest.mark.parametrize("family", ["qwen3_5", "gemma4"])
 def test_start_up_prompts_run_every_media_tower_and_change_no_output(setups, media, family):
     from areno.processing.warmup import warm_up_prompts

@@ -99,6 +99,13 @@ def test_a_model_path_that_is_no_checkpoint_fails_before_ray_starts(tmp_path, ca
 
 
 def test_recipe_settings_that_would_do_nothing_are_refused_by_name() -> None:
+    with pytest.raises(ConfigError, match="partial_rollouts needs rollout.max_staleness >= 1"):
+        GRPOConfig.from_dict({"rollout": {"partial_rollouts": True}})
+    with pytest.raises(ConfigError, match="rollout.partial_rollouts must be") as info:
+        GRPOConfig.from_dict({"rollout": {"partial_rollouts": "yes", "max_staleness": 1}})
+    assert info.value.param == "partial_rollouts"
+    partial = GRPOConfig.from_dict({"rollout": {"partial_rollouts": True, "max_staleness": 1}})
+    assert partial.rollout.partial_rollouts and not GRPOConfig().rollout.partial_rollouts
     with pytest.raises(ConfigError, match="max_extra_prompts bounds grpo.dynamic_sampling") as info:
         GRPOConfig.from_dict({"grpo": {"max_extra_prompts": 4}})
     assert info.value.param == "max_extra_prompts"

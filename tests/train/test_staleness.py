@@ -33,7 +33,12 @@ def test_a_merged_output_knows_the_version_of_each_token() -> None:
 def test_staleness_is_counted_per_token_and_the_bound_is_enforced() -> None:
     trajectories = [_traj([4, 4, 5]), _traj([5])]
     metrics = staleness_metrics(trajectories, 5, max_staleness=1)
-    assert metrics == {"staleness/0": 2.0, "staleness/1": 2.0, "staleness_max": 1.0}
+    assert metrics == {
+        "staleness/0": 2.0,
+        "staleness/1": 2.0,
+        "staleness_max": 1.0,
+        "partial_episodes": 1.0,  # the first: two policies sampled its tokens
+    }
     with pytest.raises(RuntimeError, match="2 policy versions old; rollout.max_staleness is 1"):
         staleness_metrics([_traj([3, 5])], 5, max_staleness=1)
 

@@ -301,6 +301,14 @@ class Scheduler:
         """Forget every cached block and saved state (new weights make them stale)."""
         self.kv.forget(self._running)
 
+    def recompute_running(self) -> None:
+        """Send every running sequence back to wait, at the front, to be prefilled again from
+        its prompt and the tokens it has (as a preemption does, not counted as one): after new
+        weights, its later tokens are then sampled from keys and values the new weights
+        computed. The engine reads the step in flight first."""
+        for seq in reversed(self._running[:]):  # newest first: each is inserted at its place
+            self._requeue(seq)
+
     def _continue_chunks(self, budget: int) -> list[ScheduledPrefill]:
         """The next chunk of every sequence whose prompt is being prefilled in chunks, oldest
         first, within `budget` tokens (the oldest always gets one: it never starves)."""
@@ -360,13 +368,17 @@ class Scheduler:
         return decode, preempted
 
     def _preempt(self, seq: Sequence) -> None:
+        self._requeue(seq)
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+
+    def _requeue(self, seq: Sequence) -> None:
+        """Free a running sequence's slot and blocks; it waits to be prefilled again."""
         assert not seq.num_in_flight, "read a sequence's token in flight before preempting it"
         self._release(seq)
         seq.num_computed_tokens = seq.prefill_end = seq.num_fed_tokens = 0
         self._running.remove(seq)
         seq.status = SequenceStatus.WAITING
-        seq.num_preemptions += 1
-        self.num_preemptions += 1
         bisect.insort(self._waiting, seq, key=_queue_key)
 
     def _may_decode(self, seq: Sequence) -> bool:
