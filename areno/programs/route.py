@@ -96,31 +96,37 @@ class EpisodeRoute:
         # threads at once): encoding, the forced call opening, and reading the reply.
         self._tokenizer_thread = concurrent.futures.ThreadPoolExecutor(1, "areno-route")
         self._server: Any = None
-        self._task: asyncio.Task | None = None
+        self._task: asyncio.Task | None = None  # the server's
+        self._started: asyncio.Future | None = None  # its start: the root URL
         self.base_url = ""
 
     async def start(self) -> str:
-        """Serve on loopback (a free port) from the running event loop; the root URL."""
-        if self._task is None:
-            import uvicorn
+        """Serve on loopback (a free port) from the running event loop; the root URL. Groups
+        that start at once share one start: each returns once the server listens."""
+        if self._started is None:
+            self._started = asyncio.ensure_future(self._serve())
+        return await asyncio.shield(self._started)
 
-            sock = socket.socket()
-            sock.bind(("127.0.0.1", 0))
-            config = uvicorn.Config(self._app(), log_level="warning", lifespan="off")
-            self._server = uvicorn.Server(config)
-            self._task = asyncio.ensure_future(self._server.serve(sockets=[sock]))
-            while not self._server.started:
-                if self._task.done():
-                    self._task.result()  # raises why it could not start
-                await asyncio.sleep(0.01)
-            self.base_url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    async def _serve(self) -> str:
+        import uvicorn
+
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", 0))
+        config = uvicorn.Config(self._app(), log_level="warning", lifespan="off")
+        self._server = uvicorn.Server(config)
+        self._task = asyncio.ensure_future(self._server.serve(sockets=[sock]))
+        while not self._server.started:
+            if self._task.done():
+                self._task.result()  # raises why it could not start
+            await asyncio.sleep(0.01)
+        self.base_url = f"http://127.0.0.1:{sock.getsockname()[1]}"
         return self.base_url
 
     async def stop(self) -> None:
         if self._task is not None:
             self._server.should_exit = True
             await self._task
-            self._task = None
+            self._task = self._started = None
         self._tokenizer_thread.shutdown(wait=False)
 
     def open(self, episode: ProgramEpisode, sampling: SamplingParams) -> str:

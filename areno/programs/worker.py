@@ -47,7 +47,7 @@ class ProgramWorker(RolloutWorker):
         start = time.perf_counter()
         await self.route.start()
         sample = PublicSample(sample_id, messages, tools)
-        runs = [self._episode(sample, index, sampling) for index in range(group_size)]
+        runs = [self._run_program(sample, index, sampling) for index in range(group_size)]
         episodes = await asyncio.gather(*runs)
         timings = {"generate_s": time.perf_counter() - start}
         if not any(episode.calls for episode in episodes):
@@ -56,19 +56,22 @@ class ProgramWorker(RolloutWorker):
         trajectories = [t for e in episodes for t in trajectories_from_calls(sample_id, e)]
         return GroupResult(trajectories, timings)
 
-    async def _episode(
+    async def _run_program(
         self, sample: PublicSample, index: int, sampling: SamplingParams
     ) -> ProgramEpisode:
-        """One run of the program; an error or a timeout ends the episode, not the group."""
+        """One run of the program; an error or a timeout ends the episode, not the group. With
+        drained weight updates, an update waits for the whole run (`sampling_episode`), so
+        every call of an episode is sampled by one policy."""
         episode = ProgramEpisode(index)
         seed = None if sampling.seed is None else sampling.seed + 7919 * index
         base_url = self.route.open(episode, dataclasses.replace(sampling, seed=seed))
         # each episode its own copy: a program that edits its sample changes no other episode's
         own = PublicSample(**sample.to_dict())
         try:
-            output = await asyncio.wait_for(
-                self.program.run(own, base_url), self.spec.program_timeout_s
-            )
+            async with self.sampling_episode():
+                output = await asyncio.wait_for(
+                    self.program.run(own, base_url), self.spec.program_timeout_s
+                )
             episode.output = portable_output(output)
         except TimeoutError:
             episode.finish = "timeout"

@@ -171,10 +171,15 @@ class RolloutWorker:
     async def _episode(
         self, ctx: ToolContext, prompt: PromptInputs, sampling: SamplingParams
     ) -> Trajectory:
+        async with self.sampling_episode():
+            return await run_episode(self.env, self.agent, ctx, prompt, sampling, self.limits)
+
+    def sampling_episode(self) -> contextlib.AbstractAsyncContextManager:
+        """Held while an episode samples: with drained updates (no partial rollouts) an update
+        waits for it to end, and it waits for an update under way to land first."""
         if self.spec.partial_rollouts:
-            return await run_episode(self.env, self.agent, ctx, prompt, sampling, self.limits)
-        async with self._gate.episode():
-            return await run_episode(self.env, self.agent, ctx, prompt, sampling, self.limits)
+            return contextlib.nullcontext()
+        return self._gate.episode()
 
     async def update_weights(self, weights: Any, version: int) -> int:
         """Load new trainable weights in place (Ray resolves an ObjectRef argument here): at

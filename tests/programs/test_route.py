@@ -206,3 +206,22 @@ def test_an_agents_sdk_agent_runs_on_the_route_and_its_call_is_recorded(env):
     assert call.tool_calls[0]["name"] == "note_option" and len(noted) == 1
     assert call.token_ids and len(call.logprobs) == len(call.token_ids)
     assert any(m.get("content") == QUIZ[0]["content"] for m in call.messages)
+
+
+def test_groups_that_start_the_route_at_once_both_get_its_address(env):
+    """Two groups of one worker start the route at once: both wait for it to listen (the
+    second had got an empty address, and its programs' calls a connection error)."""
+
+    async def main():
+        route = EpisodeRoute(env, RouteLimits(8, 2))
+        try:
+            first, second = await asyncio.gather(route.start(), route.start())
+            base_url = route.open(ProgramEpisode(0), SamplingParams(temperature=1.0))
+            models = await openai.AsyncOpenAI(base_url=base_url, api_key="x").models.list()
+        finally:
+            await route.stop()
+        return first, second, models
+
+    first, second, models = asyncio.run(main())
+    assert first == second and second.startswith("http://127.0.0.1:")
+    assert models.data
