@@ -143,10 +143,23 @@ def build(
         raise ConfigError(
             f"{where}: unknown key(s) {unknown}; valid keys: {', '.join(sorted(names))}"
         )
+    _check_switches(cls, raw, where)
     try:
         return dataclasses.replace(base, **raw) if base is not None else cls(**raw)
     except TypeError as error:
         raise ConfigError(f"{where}: {error}") from None
+
+
+def _check_switches(cls: type, raw: dict, where: str) -> None:
+    """A bool setting takes true or false only: a string such as "false" would read as true."""
+    for d in describe(cls):
+        value = raw.get(d.name)
+        if d.base is bool and d.name in raw and not isinstance(value, bool):
+            if value is None and d.optional:
+                continue
+            raise ConfigError(
+                f"{where}.{d.name} must be true or false; got {value!r}", param=d.name
+            )
 
 
 def reference(cls: type, prefix: str, defaults: Any = None) -> str:

@@ -67,3 +67,16 @@ def test_the_configuration_reference_is_generated_from_the_declarations() -> Non
     for line in ("`rollout.engine.max_num_batched_tokens` | int | `8192`",
                  "`rollout.max_staleness` | int | `0`", "`grpo.loss.rollout_correction` | str | `off`"):  # fmt: skip
         assert line in page
+
+
+def test_a_switch_takes_true_or_false_only() -> None:
+    """A string such as "false" in a YAML or JSON config would read as true: refused, named."""
+    for raw, name in (({"grpo": {"dynamic_sampling": "false"}}, "grpo.dynamic_sampling"),
+                      ({"rollout": {"engine": {"enable_prefix_caching": 0}}},
+                       "rollout.engine.enable_prefix_caching")):  # fmt: skip
+        with pytest.raises(ConfigError, match=f"{name} must be true or false") as refused:
+            GRPOConfig.from_dict(raw)
+        assert refused.value.param == name.rsplit(".", 1)[1]
+    with pytest.raises(ConfigError, match="engine.enable_prefix_caching must be true or false"):
+        EngineConfig.from_dict({"enable_prefix_caching": "yes"})
+    assert GRPOConfig.from_dict({"grpo": {"dynamic_sampling": True}}).grpo.dynamic_sampling
