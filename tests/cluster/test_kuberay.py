@@ -14,8 +14,10 @@ import re
 import shlex
 import signal
 import subprocess
+import sys
 import threading
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -176,6 +178,16 @@ def test_the_serve_config_serves_with_serve_run(tiny_path, tmp_path):
             model="areno", messages=[{"role": "user", "content": "hi"}], max_tokens=4
         )
         assert reply.usage.completion_tokens == 4 and reply.choices[0].finish_reason == "length"
+        # docs/operations.md's drain of an app Serve owns, as written there
+        drained = subprocess.run(
+            [sys.executable, "-c", _drain_command()], env=env, capture_output=True, text=True,
+            timeout=300,
+        )  # fmt: skip
+        assert drained.returncode == 0, drained.stderr[-3000:]
+        assert "DrainReport(num_in_flight=0, num_cut_off=0" in drained.stdout
+        with pytest.raises(urllib.error.HTTPError) as draining:
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5)
+        assert draining.value.code == 503
     finally:
         os.killpg(process.pid, signal.SIGINT)  # `serve run` stops the app on Ctrl-C
         try:
@@ -183,6 +195,13 @@ def test_the_serve_config_serves_with_serve_run(tiny_path, tmp_path):
         except subprocess.TimeoutExpired:
             os.killpg(process.pid, signal.SIGKILL)
             process.wait()
+
+
+def _drain_command() -> str:
+    """The Python code of docs/operations.md's command that drains an app Serve owns."""
+    page = (ROOT / "docs" / "operations.md").read_text()
+    (code,) = re.findall(r'(?m)^python -c "(.*drain_requests.*)"$', page)
+    return code
 
 
 def _job_argv() -> list[str]:

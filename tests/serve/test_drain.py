@@ -288,18 +288,39 @@ def test_a_stop_signal_lets_streams_finish_and_refuses_new_requests(tiny_path, h
         assert f"{NUM_STREAMS} request(s) finished" in server.output
 
 
-def test_streams_past_the_grace_period_end_with_an_error_event(tiny_path) -> None:
+def test_requests_past_the_grace_period_end_with_an_error(tiny_path) -> None:
+    """Four streams and one reply not yet sent outlive a 2 s grace period: each stream ends
+    with the error event, the other is a 503 error."""
     grace_s = 2.0
-    with areno_serve(tiny_path("qwen3_5"), "--shutdown-grace-s", str(grace_s)) as server:
+    flags = ("--shutdown-grace-s", str(grace_s), "--max-running-prompts", str(NUM_STREAMS + 1))
+    with areno_serve(tiny_path("qwen3_5"), *flags) as server:
+        unary: list = []
+
+        def whole_reply() -> None:
+            try:
+                unary.append(
+                    server.client().chat.completions.create(
+                        model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                        max_tokens=4000, extra_body={"ignore_eos": True},
+                    )
+                )  # fmt: skip
+            except openai.APIStatusError as error:
+                unary.append(error)
+
+        waiting = threading.Thread(target=whole_reply, daemon=True)
+        waiting.start()
         results, threads = _start_streams(server, 4000)
         _send(server, "SIGTERM")
         signalled_at = time.monotonic()
-        for thread in threads:
+        for thread in [*threads, waiting]:
             thread.join(timeout=60)
         for result in results:
             assert isinstance(result.error, openai.APIError), result
             assert result.error.code == "server_shutting_down", result.error
             assert "grace period of 2 s ran out" in result.error.message
             assert result.finish_reason is None and not result.done
+        (error,) = unary
+        assert isinstance(error, openai.APIStatusError) and error.status_code == 503, error
+        assert error.code == "server_shutting_down" and error.response.headers["retry-after"]
         _exits_cleanly(server, signalled_at, grace_s)
-        assert f"{NUM_STREAMS} cut off when the 2 s grace period ran out" in server.output
+        assert f"{NUM_STREAMS + 1} cut off when the 2 s grace period ran out" in server.output
