@@ -233,22 +233,27 @@ def run_server(
     from areno.serve.drain import StopSignals, drain_app, stopped_line
 
     check_config(config)  # a wrong flag fails now, before Ray and Serve start
-    signals = StopSignals(announce)
+    signals = StopSignals(announce) if block else None  # else the caller's handlers stay
     try:
         if not ray.is_initialized():
             ray.init(include_dashboard=False)
-        signals.install()  # after ray.init, which sets a SIGTERM handler of its own
+        if signals is not None:
+            signals.install()  # after ray.init, which sets a SIGTERM handler of its own
         serve.start(http_options={"host": config.host, "port": config.port})
         serve.run(build_app(config), name=APP_NAME, route_prefix="/")
     except KeyboardInterrupt:
+        if signals is None:
+            raise
+        signals.started()  # no more interrupts: the next signals only cut the stop short
         announce("interrupted while starting; stopping")
         _stop(serve, ray)
+        signals.restore()
         return
-    signals.serving = True
+    if signals is not None:
+        signals.started()
     for line in banner(config):
         announce(line)
-    if not block:
-        signals.restore()
+    if signals is None:
         return
     name = signals.wait()
     grace_s = config.shutdown_grace_s

@@ -148,13 +148,12 @@ class DrainGate:
 
 class StopSignals:
     """SIGTERM and SIGINT to `areno serve` (one process or its whole group, as a terminal's
-    Ctrl-C sends). The first starts the drain, a later one cuts its grace period short. Before
-    `serving` is set (the app is starting), the first is kept for when the app is up (its
-    Ingress may already answer requests), and a second one interrupts the start
-    (KeyboardInterrupt)."""
+    Ctrl-C sends). The first starts the drain, a later one cuts its grace period short. Until
+    `started()` (the app is starting), the first is kept for when the app is up (its Ingress
+    may already answer requests), and a second one interrupts the start (KeyboardInterrupt)."""
 
     def __init__(self, announce: Callable[[str], None]) -> None:
-        self.serving = False
+        self._starting = True
         self.received: list[str] = []
         self._announce = announce
         self._first = threading.Event()
@@ -163,6 +162,10 @@ class StopSignals:
     def install(self) -> None:
         for sig in (signal.SIGINT, signal.SIGTERM):
             self._saved[sig] = signal.signal(sig, self._on_signal)
+
+    def started(self) -> None:
+        """From now on a signal never interrupts: it starts the drain or cuts it short."""
+        self._starting = False
 
     def restore(self) -> None:
         """The handlers there were before `install`."""
@@ -173,7 +176,7 @@ class StopSignals:
         name = signal.Signals(signum).name
         self.received.append(name)
         self._first.set()
-        if not self.serving:
+        if self._starting:
             if len(self.received) > 1:
                 raise KeyboardInterrupt
             self._announce(f"{name}: stopping once the app is up (signal again to stop now)")

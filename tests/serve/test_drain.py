@@ -30,7 +30,7 @@ from starlette.testclient import TestClient
 
 from areno.errors import ConfigError
 from areno.serve.config import ServeConfig
-from areno.serve.drain import Drain, DrainGate, DrainReport, stopped_line
+from areno.serve.drain import Drain, DrainGate, DrainReport, StopSignals, stopped_line
 from tests.ray_head import VENV_BIN, free_port, ray_env
 
 # --- the drain without Ray -------------------------------------------------------------------
@@ -93,6 +93,24 @@ def test_a_drain_waits_for_requests_in_flight_then_cuts_off_the_rest() -> None:
     assert (report.num_in_flight, report.num_cut_off) == (1, 1)
     assert report.seconds >= 0.3
     assert "1 cut off when the 0.3 s grace period ran out" in stopped_line("SIGTERM", 0.3, report)
+
+
+def test_signals_while_starting_are_kept_and_a_second_one_interrupts() -> None:
+    said: list[str] = []
+    signals = StopSignals(said.append)
+    before = signal.getsignal(signal.SIGTERM)
+    signals.install()
+    try:
+        os.kill(os.getpid(), signal.SIGTERM)  # while starting: kept for when the app is up
+        assert said == ["SIGTERM: stopping once the app is up (signal again to stop now)"]
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+        signals.started()
+        os.kill(os.getpid(), signal.SIGINT)  # now only recorded: it cuts a drain short
+        assert signals.wait() == "SIGTERM" and signals.received[1:] == ["SIGINT", "SIGINT"]
+    finally:
+        signals.restore()
+    assert signal.getsignal(signal.SIGTERM) is before
 
 
 def test_the_grace_period_is_a_flag_and_a_config_field_checked_once() -> None:
