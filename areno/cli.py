@@ -51,7 +51,7 @@ def _default_checkpoint() -> str:
 def _serve(args: argparse.Namespace) -> None:
     from areno.engine.config import EngineConfig
     from areno.serve.app import run_server
-    from areno.serve.config import ServeConfig
+    from areno.serve.config import SERVE_SETTINGS, ServeConfig
     from areno.settings import given_flags
 
     model_path = args.model_path or _default_checkpoint()
@@ -75,6 +75,7 @@ def _serve(args: argparse.Namespace) -> None:
         lora_adapters=_pairs("--lora", args.lora),
         routing=args.routing,
         routing_max_imbalance=args.routing_max_imbalance,
+        **given_flags(ServeConfig, args, only=SERVE_SETTINGS),
     )
     run_server(config)
 
@@ -103,7 +104,7 @@ def _json_flag(flag: str, text: str | None):
 
 def _add_serve_parser(sub) -> None:
     from areno.engine.config import EngineConfig
-    from areno.serve.config import ROUTING_POLICIES
+    from areno.serve.config import ROUTING_POLICIES, SERVE_SETTINGS, ServeConfig
     from areno.settings import add_flags
 
     serve = sub.add_parser("serve", help="serve a checkpoint behind an OpenAI-compatible API")
@@ -164,6 +165,7 @@ def _add_serve_parser(sub) -> None:
         'generator, ingress), e.g. \'{"decoder": {"media": 1}}\': place them on the nodes '
         "started with those resources",
     )
+    add_flags(serve, ServeConfig, only=SERVE_SETTINGS)
     engine = serve.add_argument_group(
         "engine", "how each Generator replica runs (areno/engine/config.py::EngineConfig)"
     )

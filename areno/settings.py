@@ -89,12 +89,19 @@ def flag_name(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
-def add_flags(parser: argparse.ArgumentParser, cls: type, *, defaults: Any = None) -> None:
+def add_flags(
+    parser: argparse.ArgumentParser,
+    cls: type,
+    *,
+    defaults: Any = None,
+    only: tuple[str, ...] | None = None,
+) -> None:
     """A flag per field of `cls` that offers one (`--max-num-batched-tokens` for
-    `max_num_batched_tokens`), with its help and choices. A flag left out keeps the value of
-    `defaults` (an instance; None: the class's defaults): see `given_flags`."""
+    `max_num_batched_tokens`), with its help and choices; `only`: just those fields. A flag left
+    out keeps the value of `defaults` (an instance; None: the class's defaults): see
+    `given_flags`."""
     for d in describe(cls):
-        if not d.flag:
+        if not d.flag or (only is not None and d.name not in only):
             continue
         default = getattr(defaults, d.name) if defaults is not None else d.default
         shown = "none" if default is None else default
@@ -111,12 +118,15 @@ def add_flags(parser: argparse.ArgumentParser, cls: type, *, defaults: Any = Non
         parser.add_argument(flag_name(d.name), **kwargs)
 
 
-def given_flags(cls: type, args: argparse.Namespace) -> dict[str, Any]:
-    """The fields of `cls` whose flags were given (`add_flags`), by name."""
+def given_flags(
+    cls: type, args: argparse.Namespace, *, only: tuple[str, ...] | None = None
+) -> dict[str, Any]:
+    """The fields of `cls` (`only` those, where given) whose flags were given (`add_flags`),
+    by name."""
     return {
         d.name: getattr(args, d.name)
         for d in describe(cls)
-        if d.flag and getattr(args, d.name, None) is not None
+        if d.flag and (only is None or d.name in only) and getattr(args, d.name, None) is not None
     }
 
 

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import signal
-import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -17,6 +15,9 @@ APP_NAME = "areno"
 # next check and only then replaced: Serve's default of 10 s added up to 10 s to every recovery
 # (tests/serve/live/test_faults.py measures it); a check is one cheap RPC.
 HEALTH_CHECK_PERIOD_S = 2.0
+# How often a stopping replica looks whether its requests in flight have finished (Serve's
+# graceful_shutdown_wait_loop_s; its default of 2 s kept an idle replica up 2 s more).
+SHUTDOWN_WAIT_LOOP_S = 0.5
 
 
 def check_config(config: ServeConfig) -> int:
@@ -77,27 +78,40 @@ def build_app(config: ServeConfig):
     max_context_len = check_config(config)
     engine = dataclasses.replace(config.engine, max_context_len=max_context_len)
     config = dataclasses.replace(config, engine=engine)
+    lifecycle = _lifecycle_options(config)
     decoder = MediaDecoderServer.options(
         num_replicas=config.num_decoder_replicas,
         ray_actor_options=_cpu_actor_options(config, "decoder"),
-        health_check_period_s=HEALTH_CHECK_PERIOD_S,
+        **lifecycle,
     ).bind(config)
     processor = ProcessorServer.options(
         num_replicas=config.num_processor_replicas,
         ray_actor_options=_cpu_actor_options(config, "processor"),
-        health_check_period_s=HEALTH_CHECK_PERIOD_S,
+        **lifecycle,
     ).bind(config)
     generator = GeneratorServer.options(
         num_replicas=config.num_generator_replicas,
         max_ongoing_requests=_generator_max_ongoing(config),
-        health_check_period_s=HEALTH_CHECK_PERIOD_S,
+        **lifecycle,
         **_generator_resources(config),
         **_generator_routing(config),
     ).bind(config)
     return Ingress.options(
         ray_actor_options=_cpu_actor_options(config, "ingress"),
-        health_check_period_s=HEALTH_CHECK_PERIOD_S,
+        **lifecycle,
     ).bind(decoder, processor, generator, config)
+
+
+def _lifecycle_options(config: ServeConfig) -> dict[str, float]:
+    """Every deployment's health checks and graceful shutdown. Where Serve stops replicas itself
+    (an app updated by `serve deploy` or deleted, a RayService upgrade), each one lets its
+    requests in flight finish for up to --shutdown-grace-s (docs/operations.md); a config
+    file's `deployments:` entry may still set these otherwise."""
+    return {
+        "health_check_period_s": HEALTH_CHECK_PERIOD_S,
+        "graceful_shutdown_timeout_s": config.shutdown_grace_s,
+        "graceful_shutdown_wait_loop_s": SHUTDOWN_WAIT_LOOP_S,
+    }
 
 
 def _cpu_actor_options(config: ServeConfig, deployment: str) -> dict[str, Any]:
@@ -210,23 +224,51 @@ def run_server(
     config: ServeConfig, *, block: bool = True, announce: Callable[[str], None] = _announce
 ) -> None:
     """Start (or join, via RAY_ADDRESS) Ray, deploy the app on config.host:config.port, announce
-    its banner, and serve until Ctrl-C / SIGTERM, then shut the app down."""
+    its banner, and serve until SIGTERM or SIGINT (to the process or its group: Ctrl-C). Then
+    drain (areno/serve/drain.py): new requests get 503, those in flight finish within
+    config.shutdown_grace_s or end with an error; then Serve and Ray stop."""
     import ray
     from ray import serve
 
+    from areno.serve.drain import StopSignals, drain_app, stopped_line
+
     check_config(config)  # a wrong flag fails now, before Ray and Serve start
-    if not ray.is_initialized():
-        ray.init(include_dashboard=False)
-    serve.start(http_options={"host": config.host, "port": config.port})
-    serve.run(build_app(config), name=APP_NAME, route_prefix="/")
+    signals = StopSignals(announce) if block else None  # else the caller's handlers stay
+    try:
+        if not ray.is_initialized():
+            ray.init(include_dashboard=False)
+        if signals is not None:
+            signals.install()  # after ray.init, which sets a SIGTERM handler of its own
+        serve.start(http_options={"host": config.host, "port": config.port})
+        serve.run(build_app(config), name=APP_NAME, route_prefix="/")
+    except KeyboardInterrupt:
+        if signals is None:
+            raise
+        signals.started()  # no more interrupts: the next signals only cut the stop short
+        announce("interrupted while starting; stopping")
+        _stop(serve, ray)
+        signals.restore()
+        return
+    if signals is not None:
+        signals.started()
     for line in banner(config):
         announce(line)
-    if not block:
+    if signals is None:
         return
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
-    stop.wait()
-    announce("shutting down")
+    name = signals.wait()
+    grace_s = config.shutdown_grace_s
+    announce(
+        f"{name}: draining: new requests get 503; those in flight have {grace_s:g} s to "
+        "finish (signal again to cut them off now)"
+    )
+    report = drain_app(APP_NAME, grace_s, signals)
+    _stop(serve, ray)
+    signals.restore()
+    announce(stopped_line(name, grace_s, report))
+
+
+def _stop(serve, ray) -> None:
+    """Serve's controller, proxies and replicas, then Ray (the local instance `ray.init`
+    started; only the connection to a cluster joined through RAY_ADDRESS)."""
     serve.shutdown()
     ray.shutdown()

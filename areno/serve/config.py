@@ -9,12 +9,16 @@ from dataclasses import dataclass, field
 from areno.engine.config import EngineConfig
 from areno.errors import ConfigError
 from areno.resources import check_custom_resources
+from areno.settings import setting
 
 QUEUE_FACTOR = 8  # default waiting requests per running slot of a Generator replica
 DEPLOYMENTS = ("decoder", "processor", "generator", "ingress")
 # How the Ingress picks a Generator replica (areno/serve/routing.py): the longest cached prefix
 # balanced against load, in turn, or Serve's own power of two choices.
 ROUTING_POLICIES = ("prefix", "round_robin", "power_of_two")
+# The ServeConfig fields declared with `setting` (help and default in one place), whose
+# `areno serve` flags are generated (areno/settings.py).
+SERVE_SETTINGS = ("shutdown_grace_s",)
 
 
 @dataclass(frozen=True)
@@ -62,6 +66,13 @@ class ServeConfig:
     lora_adapters: dict[str, str] = field(default_factory=dict)
     routing: str = "power_of_two"
     routing_max_imbalance: int | None = None
+    shutdown_grace_s: float = setting(
+        30.0,
+        help="seconds a stopping server lets the requests in flight finish (streams included) "
+        "while it answers new ones 503; then the rest end with an error. `areno serve` drains "
+        "on SIGTERM or Ctrl-C; from a Serve config file it is each deployment's "
+        "graceful_shutdown_timeout_s",
+    )
 
     def __post_init__(self) -> None:
         self._check_deployment_resources()
@@ -72,6 +83,12 @@ class ServeConfig:
                 f"--world-size {self.world_size} must be a multiple of --tp-size "
                 f"{self.engine.tp_size} (each Generator replica is one tensor-parallel group)",
                 param="world_size",
+            )
+        grace = self.shutdown_grace_s
+        if isinstance(grace, bool) or not isinstance(grace, int | float) or not grace >= 0:
+            raise ConfigError(
+                f"--shutdown-grace-s must be a number of seconds >= 0; got {grace!r}",
+                param="shutdown_grace_s",
             )
         if not 0 < self.port < 65536:
             raise ConfigError(f"--port must be in 1..65535; got {self.port}", param="port")

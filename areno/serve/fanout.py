@@ -37,6 +37,15 @@ class PromptBatch:
         self.unary, self.streaming = unary, streaming
         self.prepared, self.request_id = prepared, request_id
         self.streams: list[Any] = []
+        self.calls: list[Any] = []  # every Generator call made, for `cancel`
+
+    def cancel(self) -> None:
+        """Cancel every Generator call of the batch (a server that stops cuts it off)."""
+        _cancel(self.calls)
+
+    def _started(self, calls: list[Any]) -> list[Any]:
+        self.calls += calls
+        return calls
 
     async def scores(self) -> list[TokenScores | None]:
         """Each prompt's TokenScores when its logprobs are echoed (None each otherwise)."""
@@ -45,7 +54,12 @@ class PromptBatch:
             return [None] * len(prepared.prompts)
         num_top = prepared.request.logprobs
         return await _gather(
-            [self.unary.score.remote(p.inputs, prepared.adapter, num_top) for p in prepared.prompts]
+            self._started(
+                [
+                    self.unary.score.remote(p.inputs, prepared.adapter, num_top)
+                    for p in prepared.prompts
+                ]
+            )
         )
 
     async def outputs(self) -> list[RequestOutput | None]:
@@ -54,10 +68,12 @@ class PromptBatch:
         if params is None:
             return [None] * len(self.prepared.prompts)
         return await _gather(
-            [
-                self.unary.generate_all.remote(p.inputs, params, f"{self.request_id}-{i}")
-                for i, p in enumerate(self.prepared.prompts)
-            ]
+            self._started(
+                [
+                    self.unary.generate_all.remote(p.inputs, params, f"{self.request_id}-{i}")
+                    for i, p in enumerate(self.prepared.prompts)
+                ]
+            )
         )
 
     async def open_streams(self) -> list[RequestOutput]:
@@ -66,10 +82,12 @@ class PromptBatch:
         params = self.prepared.params
         if params is None:
             return []
-        self.streams = [
-            self.streaming.generate.remote(p.inputs, params, f"{self.request_id}-{i}")
-            for i, p in enumerate(self.prepared.prompts)
-        ]
+        self.streams = self._started(
+            [
+                self.streaming.generate.remote(p.inputs, params, f"{self.request_id}-{i}")
+                for i, p in enumerate(self.prepared.prompts)
+            ]
+        )
         return await _gather(self.streams, [stream.__anext__() for stream in self.streams])
 
     async def rest(self) -> AsyncIterator[tuple[int, RequestOutput]]:

@@ -55,6 +55,7 @@ from areno.serve.completions import (
 )
 from areno.serve.config import ServeConfig
 from areno.serve.disconnects import QuietDisconnects
+from areno.serve.drain import Drain, DrainGate, DrainReport
 from areno.serve.errors import AuthenticationError, ModelNotFoundError, unwrap, user_error
 from areno.serve.fanout import PromptBatch
 from areno.serve.metrics import IngressMetrics
@@ -92,6 +93,7 @@ async def read_body(request: Request) -> bytes:
 # No /docs, /redoc or /openapi.json: they would answer without the API key.
 api = FastAPI(title="AReno", docs_url=None, redoc_url=None, openapi_url=None)
 api.add_middleware(QuietDisconnects)
+api.add_middleware(DrainGate)  # outermost: a refused request never reaches the routes
 
 
 @api.exception_handler(HTTPException)
@@ -136,6 +138,18 @@ class Ingress:
         self.tool_parser = get_tool_parser(adapter_for_checkpoint(config.model_path).tool_format)
         self.metrics = IngressMetrics()
         self.engine_ready = False
+        # NOTE: one Ingress replica a process, so the app's state is this replica's own.
+        self.drain = api.state.drain = Drain()
+
+    async def drain_requests(self, grace_s: float) -> DrainReport:
+        """Stop admitting (503 with Retry-After, `/health` too), let the requests in flight
+        finish for up to `grace_s`, then cut off the rest (areno/serve/drain.py). Called by
+        `areno serve` on SIGTERM / Ctrl-C through a deployment handle."""
+        return await self.drain.run(grace_s)
+
+    def end_grace(self) -> None:
+        """Cut a running drain's grace period short (a second signal)."""
+        self.drain.end_grace()
 
     @api.get("/health")
     async def health(self):
@@ -198,9 +212,9 @@ class Ingress:
             chat = parse_chat_request(body)
             prepared, model, args = await self._prepare_chat(chat, len(body))
             if not chat.stream:
-                merged = await self.generator_unary.generate_all.remote(*args)
+                merged = await self.drain.hold(self.generator_unary.generate_all.remote(*args))
                 return self._respond(prepared, model, unwrap(merged), arrival)
-            stream = self.generator.generate.remote(*args)
+            stream = self.drain.hold(self.generator.generate.remote(*args))
             first = unwrap(await stream.__anext__())  # request-level errors: before any byte
         except Exception as e:  # noqa: BLE001 - every failure becomes an OpenAI error response
             return self._error(e)
@@ -224,14 +238,15 @@ class Ingress:
             chat = to_chat_request(responses_request)
             prepared, model, args = await self._prepare_chat(chat, len(body))
             if not chat.stream:
-                merged = unwrap(await self.generator_unary.generate_all.remote(*args))
+                call = self.drain.hold(self.generator_unary.generate_all.remote(*args))
+                merged = unwrap(await call)
                 reply, malformed = build_response(prepared, model, merged, self.tokenizer)
                 self.metrics.record(
                     prepared, reply.model_dump(exclude_none=True), arrival, malformed
                 )
                 answer = build_reply(responses_request, reply, model, self.tokenizer)
                 return JSONResponse(answer.model_dump(mode="json", by_alias=True))
-            stream = self.generator.generate.remote(*args)
+            stream = self.drain.hold(self.generator.generate.remote(*args))
             first = unwrap(await stream.__anext__())  # request-level errors: before any byte
         except Exception as e:  # noqa: BLE001 - every failure becomes an OpenAI error response
             return self._error(e)
@@ -261,6 +276,7 @@ class Ingress:
         try:
             prepared, model = await self._prepare_completion(await read_body(request))
             batch = PromptBatch(self.generator_unary, self.generator, prepared, uuid.uuid4().hex)
+            self.drain.hold(batch)
             scores = await batch.scores()
             if not prepared.request.stream:
                 outputs = await batch.outputs()
@@ -307,7 +323,7 @@ class Ingress:
                     for line in writer.chunks(i, output):
                         yield line
         except Exception as e:  # noqa: BLE001 - the status line is sent; report in-stream
-            yield error_line(ErrorResponse.from_error(user_error(e)).error.model_dump())
+            yield error_line(ErrorResponse.from_error(self._user_error(e)).error.model_dump())
             return
         for line in writer.end():
             yield line
@@ -378,7 +394,7 @@ class Ingress:
                 for line in writer.chunks(unwrap(item)):
                     yield line
         except Exception as e:  # noqa: BLE001 - the status line is sent; report in-stream
-            error = user_error(e)
+            error = self._user_error(e)
             self.metrics.requests.inc(tags={"status": str(error.status_code)})
             for line in writer.failure(ErrorResponse.from_error(error).error.model_dump()):
                 yield line
@@ -397,8 +413,13 @@ class Ingress:
             AuthenticationError("missing or wrong API key: send 'Authorization: Bearer <key>'")
         )
 
+    def _user_error(self, exc: Exception):
+        """What the client is told of `exc`: the drain's error once the grace period ran out
+        (the request's Generator call was cancelled), else `user_error`'s."""
+        return self.drain.cut_off_error() or user_error(exc)
+
     def _error(self, exc: Exception) -> JSONResponse:
-        error = user_error(exc)
+        error = self._user_error(exc)
         self.metrics.requests.inc(tags={"status": str(error.status_code)})
         body = ErrorResponse.from_error(error).model_dump()
         retry_after = getattr(error, "retry_after_s", None)

@@ -282,6 +282,9 @@ class OptimConfig:
 
 
 WEIGHT_SYNC_TRANSPORTS = ("auto", "object_store", "cuda_ipc")
+# Worker-group restarts a run allows by default when it saves checkpoints (trainer.max_failures):
+# a lost worker costs the steps since the newest checkpoint, not the run.
+DEFAULT_MAX_FAILURES = 3
 
 
 @dataclass
@@ -304,11 +307,12 @@ class TrainerConfig:
         help="the most tokens one forward / backward takes (rows x the longest row): several "
         "trajectories share a pass up to it (areno/train/batching.py); 0: one a pass",
     )
-    max_failures: int = setting(
-        0,
-        help="times Ray Train restarts the worker group after a worker fails; each restart "
-        "resumes from this launch's newest checkpoint (set run.save_every), or from where the "
-        "launch began",
+    max_failures: int | None = setting(
+        None,
+        help="times Ray Train restarts the worker group after a worker fails (a killed process, "
+        "a lost node, an error raised in a worker); each restart resumes from this launch's "
+        f"newest checkpoint. None: {DEFAULT_MAX_FAILURES} when run.save_every > 0, else 0 (a "
+        "restart would redo the launch from its start; the error then says how to resume)",
     )
     weight_sync: str = setting(
         "auto",
@@ -325,7 +329,8 @@ class TrainerConfig:
                 f"trainer.weight_sync must be one of {WEIGHT_SYNC_TRANSPORTS}; "
                 f"got {self.weight_sync!r}"
             )
-        _positive("trainer", "max_failures", self.max_failures, allow_zero=True)
+        if self.max_failures is not None:
+            _positive("trainer", "max_failures", self.max_failures, allow_zero=True)
         _positive("trainer", "micro_batch_tokens", self.micro_batch_tokens, allow_zero=True)
         self.resources_per_worker = check_custom_resources(
             self.resources_per_worker, "trainer.resources_per_worker"
@@ -441,6 +446,14 @@ class GRPOConfig:
             )
 
         _check_correction(self.grpo, self.rollout.max_staleness)
+
+    @property
+    def max_failures(self) -> int:
+        """trainer.max_failures, or its default: restarts only where a checkpoint can be
+        resumed from (run.save_every > 0)."""
+        if self.trainer.max_failures is not None:
+            return self.trainer.max_failures
+        return DEFAULT_MAX_FAILURES if self.run.save_every > 0 else 0
 
     @property
     def episodes_per_step(self) -> int:

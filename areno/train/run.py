@@ -9,16 +9,44 @@ import os
 import uuid
 from pathlib import Path
 
+from areno.errors import ArenoError
 from areno.logs import ENV
 from areno.models.registry import adapter_for_checkpoint
 from areno.programs.program import load_program
 from areno.programs.worker import ProgramWorker
 from areno.rollout.worker import RolloutSpec, RolloutWorker
-from areno.train.config import GRPOConfig, cpu_threads
+from areno.train.config import DEFAULT_MAX_FAILURES, GRPOConfig, cpu_threads
 from areno.train.controller import rollouts_overlap_training
 from areno.train.metrics import TRACKER_ENV, check_trackers
 
 logger = logging.getLogger("areno.train")
+
+
+class TrainingStoppedError(ArenoError):
+    """Ray Train gave up: a trainer worker failed more often than trainer.max_failures allows.
+    Its message is Ray Train's (which worker failed, and why) and how to go on from there."""
+
+    status_code = 500
+    error_type = "server_error"
+    code = "training_failed"
+
+
+def resume_hint(config: GRPOConfig) -> str:
+    """How to go on after the trainer workers failed for good, as this run's settings allow."""
+    run_dir = config.run.run_dir
+    if config.run.save_every <= 0:
+        return (
+            f"areno train: stopped with no checkpoint to resume from (trainer.max_failures = "
+            f"{config.max_failures}). Set run.save_every (--save-every N) to save one every N "
+            f"steps: a lost trainer worker then restarts the group from the newest one (up to "
+            f"trainer.max_failures times, {DEFAULT_MAX_FAILURES} by default), and a run that "
+            f"stopped goes on with the same command plus `--resume --run-dir {run_dir}`."
+        )
+    return (
+        f"areno train: stopped after trainer.max_failures = {config.max_failures} restart(s). "
+        f"Go on from the newest checkpoint in {run_dir}/checkpoints with the same command plus "
+        f"`--resume --run-dir {run_dir}` (raise trainer.max_failures to allow more restarts)."
+    )
 
 
 def rollout_spec(config: GRPOConfig, model_path: str) -> RolloutSpec:
@@ -84,7 +112,7 @@ def start_rollout_workers(config: GRPOConfig, model_path: str) -> list:
 def run(config: GRPOConfig) -> Path:
     """Train; returns the run directory (metrics.jsonl, checkpoints/, hf/)."""
     import ray
-    from ray.train import FailureConfig, RunConfig, ScalingConfig
+    from ray.train import FailureConfig, RunConfig, ScalingConfig, TrainingFailedError
     from ray.train.torch import TorchConfig, TorchTrainer
 
     check_trackers(config.run.trackers)  # a missing package or server, before anything starts
@@ -123,11 +151,13 @@ def run(config: GRPOConfig) -> Path:
         run_config=RunConfig(
             name="areno-grpo",
             storage_path=str(run_dir / "ray"),
-            failure_config=FailureConfig(max_failures=t.max_failures),
+            failure_config=FailureConfig(max_failures=config.max_failures),
         ),
     )
     try:
         trainer.fit()
+    except TrainingFailedError as error:
+        raise TrainingStoppedError(f"{error}\n{resume_hint(config)}") from None
     finally:
         for worker in workers:
             ray.kill(worker)

@@ -27,9 +27,11 @@ def test_config_validates_and_builds(path, tiny_path):
         # The tiny stand-in has a 4096-token position limit; real checkpoints have more.
         engine = dict(args.get("engine", {}))
         engine["max_context_len"] = min(engine.get("max_context_len") or 4096, 4096)
-        app_builder(
+        built = app_builder(
             args | {"engine": engine}
         )  # binds the deployments; models load only when Serve starts them
+        options = built._bound_deployment._deployment_config  # the Ingress's
+        assert options.graceful_shutdown_timeout_s == args["shutdown_grace_s"]
 
 
 def test_a_context_longer_than_the_model_fails_before_deploying(tiny_path):

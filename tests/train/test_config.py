@@ -119,3 +119,14 @@ def test_recipe_settings_that_would_do_nothing_are_refused_by_name() -> None:
     with pytest.raises(ConfigError, match="run.trackers must be a list"):
         GRPOConfig.from_dict({"run": {"trackers": "wandb"}})
     assert GRPOConfig().run.trackers == ["tensorboard"]
+
+
+def test_trainer_restarts_by_default_only_where_a_checkpoint_is_saved():
+    from areno.train.config import DEFAULT_MAX_FAILURES
+
+    assert GRPOConfig.from_dict({}).max_failures == 0
+    saving = GRPOConfig.from_dict({"run": {"save_every": 5}})
+    assert saving.trainer.max_failures is None and saving.max_failures == DEFAULT_MAX_FAILURES
+    chosen = GRPOConfig.from_dict({"run": {"save_every": 5}, "trainer": {"max_failures": 1}})
+    assert chosen.max_failures == 1
+    assert GRPOConfig.from_dict(saving.to_dict()) == saving

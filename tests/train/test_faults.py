@@ -8,7 +8,12 @@ process crashes (tests/train/fault_task.py), each at an exact point:
   (rollout.max_restarts); the trainer sends the restarted worker the current weights and retries
   the step's rollout with the same samples and seeds.
 - step 3: trainer rank 0 dies in the reward, after the rollout. Ray Train restarts the worker
-  group (trainer.max_failures); the new group resumes from this launch's step-2 checkpoint.
+  group: trainer.max_failures is left to its default, which allows restarts because the run
+  saves checkpoints (run.save_every); the new group resumes from this launch's step-2
+  checkpoint.
+
+A run that saves no checkpoint keeps the default of no restarts: a lost trainer worker ends it,
+with an error that says how to go on.
 
 Every step's metrics record lists the sample ids it consumed: over the whole run they must be
 exactly the data stream's order, each step once.
@@ -56,7 +61,7 @@ def faulty_run(ray_head, tiny_path, tmp_path_factory):
             "kill_at_call": PROMPTS * GROUP * (TRAINER_CRASH_STEP - 1) + 1,
         },
         "rollout.max_restarts": 1,
-        "trainer.max_failures": 1,
+        # trainer.max_failures: its default (restarts, since --save-every is set)
         "run.export_hf": False,
         # serial steps, so that the crash lands in a known step's rollout
         "rollout.max_staleness": 0,
@@ -69,16 +74,20 @@ def faulty_run(ray_head, tiny_path, tmp_path_factory):
     for key, value in settings.items():
         args += ["--set", f"{key}={json.dumps(value)}"]
     start = time.monotonic()
-    # cwd=REPO: Ray puts the driver's working directory on its workers' path, so they import
-    # tests.train.fault_task.
-    result = ray_head.run(
-        sys.executable, "-m", "areno.cli", "train", "--no-progress", *args,
-        cwd=REPO, timeout=RUN_LIMIT_S,
-    )  # fmt: skip
+    result = _train(ray_head, args)
     print(f"\nthe run with both crashes took {time.monotonic() - start:.1f} s")
     assert result.returncode == 0, result.stderr[-4000:]
     assert not rollout_marker.exists() and not trainer_marker.exists(), "a crash never happened"
     return run_dir, result.stdout + result.stderr + ray_head.session_logs()
+
+
+def _train(ray_head, args: list[str]):
+    # cwd=REPO: Ray puts the driver's working directory on its workers' path, so they import
+    # tests.train.fault_task.
+    return ray_head.run(
+        sys.executable, "-m", "areno.cli", "train", "--no-progress", *args,
+        cwd=REPO, timeout=RUN_LIMIT_S,
+    )  # fmt: skip
 
 
 def _step_records(run_dir: Path) -> list[dict]:
@@ -119,3 +128,30 @@ def test_a_killed_trainer_worker_resumes_without_losing_or_repeating_data(faulty
     assert consumed == [s.id for s in stream.next_batch(NUM_STEPS * PROMPTS)]
     saved = json.loads((run_dir / "trainer_state.json").read_text())
     assert (saved["step"], saved["data_position"]) == (NUM_STEPS, NUM_STEPS * PROMPTS)
+
+
+def test_a_lost_trainer_worker_without_checkpoints_ends_the_run_saying_how_to_resume(
+    ray_head, tiny_path, tmp_path
+):
+    """No run.save_every: nothing to resume from, so no restart by default; the error names the
+    setting and the command that go on."""
+    marker = tmp_path / "crash-trainer"
+    marker.touch()
+    reward_kwargs = {"marker": str(marker), "kill_at_call": 1}
+    run_dir = tmp_path / "run"
+    args = [
+        *("--config", str(CONFIG), "--model-path", str(tiny_path("qwen3_5"))),
+        *("--run-dir", str(run_dir), "--max-steps", "2", "--eval-every", "0"),
+        *("--save-every", "0", "--group-size", str(GROUP), "--prompts-per-step", str(PROMPTS)),
+        *("--set", "reward=tests.train.fault_task:reward"),
+        *("--set", f"reward_kwargs={json.dumps(reward_kwargs)}"),
+        *("--set", "run.export_hf=false"),
+    ]
+    result = _train(ray_head, args)
+    assert not marker.exists(), "the crash never happened"
+    assert result.returncode == 2, result.stderr[-4000:]
+    error = result.stderr[result.stderr.index("areno: error:") :]
+    assert "Training failed due to worker errors" in error  # Ray Train's word comes first
+    assert "stopped with no checkpoint to resume from" in error
+    assert "--save-every N" in error and f"--resume --run-dir {run_dir}" in error
+    assert "Traceback" not in error
