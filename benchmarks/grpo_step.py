@@ -1,9 +1,17 @@
 """Seconds per GRPO step, and where they go, for the color quiz and the AVE agent at their
 shipped configs (configs/color_quiz.yaml, examples/multimodal/ave_event_recognition/grpo.yaml)
-on the embedded tiny checkpoints: the serial loop with one trajectory per trainer pass
-(`rollout.max_staleness 0`, `trainer.micro_batch_tokens 0`) beside the configs as shipped
-(overlapped, `max_staleness 1`; batched passes, `micro_batch_tokens` 4096: the AVE groups'
-episodes packed a group a row, their prompt once), in one run; `--also` adds settings.
+on the embedded tiny checkpoints, beside other settings of the same run, in one run. The
+settings (`--settings`, the first the baseline of the speed-up column):
+- `serial`: the serial loop with one trajectory per trainer pass (`rollout.max_staleness 0`,
+  `trainer.micro_batch_tokens 0`);
+- `shipped`: the config as shipped (overlapped, `max_staleness 1`; batched passes,
+  `micro_batch_tokens` 4096: the AVE groups' episodes packed a group a row, their prompt once);
+- `drained` / `partial`: `max_staleness 1` with a weight update that waits for the episodes in
+  flight to end, or one that lands at once and re-prefills them (`rollout.partial_rollouts`).
+`--also` adds settings as `--set` overrides, `--set` changes the workload of every setting (the
+AVE episodes' length, say); `--repeats N` runs the settings in turns N times, the order reversed
+every other time (A B B A ...), so that the load of other jobs on a shared machine falls on
+each alike.
 
 The color quiz starts from its format-only warm start (`areno sft --target-key warmup_answer`,
 as its README section runs it), so its groups have rewards to learn from. The AVE agent starts
@@ -13,13 +21,16 @@ stand-in whose rewards differ within a group, so every step trains as a warm-sta
 
 Each setting is `areno train` in a subprocess, as a user runs it (its own local Ray), for
 `--steps` steps without evaluation; the figures are means over the steps after the first
-(the first pays for start-up and, overlapped, has no earlier rollout to hide behind).
-Per step, from metrics.jsonl: `step_s` (wall), `rollout_s` (the step's rollout on the workers,
-overlapped with other phases when max_staleness > 0), `idle_s` (the trainer waiting for that
-rollout), `train_s`, `weight_sync_s`.
+(the first pays for start-up and, overlapped, has no earlier rollout to hide behind), and over
+the repeats. Per step, from metrics.jsonl: `step_s` (wall), `rollout_s` (the step's rollout on
+the workers, overlapped with other phases when max_staleness > 0), `idle_s` (the trainer
+waiting for that rollout), `train_s`, `weight_sync_s` (drained: with the wait for the episodes
+in flight), and the prompt tokens the rollout engines computed (`prefill_tokens_computed`).
 
-    python benchmarks/grpo_step.py                 # both tasks, 6 steps each setting
-    python benchmarks/grpo_step.py --tasks ave --steps 8
+    python benchmarks/grpo_step.py                 # both tasks, serial and shipped, 6 steps
+    python benchmarks/grpo_step.py --tasks ave --settings drained,partial --steps 8 --repeats 2
+    python benchmarks/grpo_step.py --tasks ave --settings drained,partial \
+        --set rollout.max_tokens_per_turn=192     # longer episodes: the rollout bounds the step
     python benchmarks/grpo_step.py --tasks ave --also rollout.max_staleness=0  # more settings
 """
 
@@ -41,12 +52,16 @@ from engine_workloads import write_results  # noqa: E402
 
 from areno.models.tiny import tiny_checkpoint  # noqa: E402
 
-# "shipped": the task's config as it is (both ship max_staleness 1; the color quiz batched passes)
 SETTINGS = {
-    "serial, 1 per pass": {"rollout.max_staleness": 0, "trainer.micro_batch_tokens": 0},
+    "serial": {"rollout.max_staleness": 0, "trainer.micro_batch_tokens": 0},
     "shipped": {},
+    "drained": {"rollout.max_staleness": 1, "rollout.partial_rollouts": False},
+    "partial": {"rollout.max_staleness": 1, "rollout.partial_rollouts": True},
 }
 PHASES = ("step_s", "rollout_s", "idle_s", "train_s", "weight_sync_s", "reward_s")
+# means over the steps, beside the phases
+MEANS = ("train_passes", "shared_fraction", "prefill_tokens_computed", "partial_episodes")
+MAXIMA = ("trajectories_per_pass", "padding_fraction", "staleness_max")  # maxima over the steps
 AVE = "examples/multimodal/ave_event_recognition"
 
 
@@ -105,6 +120,7 @@ def task_args(task: str, data: Path) -> list[str]:
 
 
 def run(task: str, name: str, setting: dict, steps: int, data: Path, work: Path) -> dict:
+    work.mkdir(parents=True, exist_ok=True)
     run_dir = work / f"{task}-{''.join(c if c.isalnum() else '_' for c in name)}"
     cmd = [sys.executable, "-m", "areno.cli", "train", "--no-progress", *task_args(task, data)]
     cmd += ["--run-dir", str(run_dir), "--max-steps", str(steps), "--eval-every", "0"]
@@ -122,15 +138,64 @@ def run(task: str, name: str, setting: dict, steps: int, data: Path, work: Path)
         raise SystemExit(f"{task} failed; see {log}:\n" + log.read_text()[-3000:])
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     steady = [r for r in records if "step_s" in r and r["step"] > 1]
-    row = {k: sum(r.get(k, 0.0) for r in steady) / len(steady) for k in PHASES}
-    row["train_passes"] = sum(r["train_passes"] for r in steady) / len(steady)
-    row["trajectories_per_pass"] = max(r["trajectories_per_pass"] for r in steady)
-    row["padding_fraction"] = max(r["padding_fraction"] for r in steady)
-    row["shared_fraction"] = sum(r.get("shared_fraction", 0.0) for r in steady) / len(steady)
-    row["staleness_max"] = max(r["staleness_max"] for r in steady)
+    row = {k: sum(r.get(k, 0.0) for r in steady) / len(steady) for k in PHASES + MEANS}
+    row.update({k: max(r[k] for r in steady) for k in MAXIMA})
     row["reward_mean"] = sum(r["reward_mean"] for r in steady) / len(steady)
     row["run_wall_s"] = wall
+    row["per_step"] = [{k: r.get(k, 0.0) for k in PHASES} for r in steady]
     return row
+
+
+def overrides(text: str, flag: str, parser: argparse.ArgumentParser) -> dict:
+    """`KEY=VALUE[,KEY=VALUE]` as a dict of `areno train --set` overrides."""
+    pairs = [pair.split("=", 1) for pair in text.split(",")]
+    if any(len(pair) != 2 or not pair[0] for pair in pairs):
+        parser.error(f"{flag} {text!r}: expected KEY=VALUE[,KEY=VALUE]")
+    return dict(pairs)
+
+
+def parse_settings(args: argparse.Namespace, parser: argparse.ArgumentParser) -> dict:
+    """The settings to run, by name (`SETTINGS`) then `--also` overrides, in order, each with
+    the `--set` overrides of the workload."""
+    settings = {}
+    for name in args.settings.split(","):
+        if name not in SETTINGS:
+            parser.error(f"--settings {name!r}: expected one of {', '.join(SETTINGS)}")
+        settings[name] = SETTINGS[name]
+    for extra in args.also:
+        settings[extra] = overrides(extra, "--also", parser)
+    workload = {k: v for text in args.set for k, v in overrides(text, "--set", parser).items()}
+    return {name: {**setting, **workload} for name, setting in settings.items()}
+
+
+def in_turns(settings: dict, repeats: int) -> list[str]:
+    """Each setting once a repeat, the order reversed every other repeat (A B B A ...)."""
+    names = list(settings)
+    return [name for r in range(repeats) for name in (names if r % 2 == 0 else names[::-1])]
+
+
+def mean_row(rows: list[dict]) -> dict:
+    """The repeats' rows as one: numbers averaged (maxima where the row keeps a maximum)."""
+    merged = {}
+    for key in [key for key in rows[0] if key != "per_step"]:
+        values = [row[key] for row in rows]
+        merged[key] = max(values) if key in MAXIMA else sum(values) / len(values)
+    return merged
+
+
+def print_table(results: dict) -> None:
+    width = max(12, *(len(name) for rows in results.values() for name in rows))
+    header = f"{'task':<11} {'setting':<{width}} " + " ".join(f"{p:>13}" for p in PHASES)
+    print(header + f" {'passes':>7} {'prefill tok':>11} {'partial ep':>10} {'speed-up':>9}")
+    for task, rows in results.items():
+        base = next(iter(rows.values()))["step_s"]
+        for name, row in rows.items():
+            cells = " ".join(f"{row[p]:>13.2f}" for p in PHASES)
+            print(
+                f"{task:<11} {name:<{width}} {cells} {row['train_passes']:>7.1f} "
+                f"{row['prefill_tokens_computed']:>11.0f} {row['partial_episodes']:>10.1f} "
+                f"{base / row['step_s']:>8.2f}x"
+            )
 
 
 def main() -> None:
@@ -138,43 +203,50 @@ def main() -> None:
     parser.add_argument("--tasks", default="color_quiz,ave")
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument(
+        "--settings",
+        default="serial,shipped",
+        help=f"settings to run, comma-separated, the first the baseline ({', '.join(SETTINGS)})",
+    )
+    parser.add_argument(
         "--also",
         action="append",
         default=[],
         metavar="KEY=VALUE[,KEY=VALUE]",
-        help="one more setting beside the two, as `areno train --set` overrides (repeatable)",
+        help="one more setting, as `areno train --set` overrides (repeatable)",
     )
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="an `areno train --set` override of every setting: the workload (repeatable)",
+    )
+    parser.add_argument("--repeats", type=int, default=1, help="runs of each setting, in turns")
     parser.add_argument("--out", default=str(REPO / "benchmarks/results/grpo_step.json"))
     args = parser.parse_args()
-    settings = dict(SETTINGS)
-    for also in args.also:
-        pairs = [pair.split("=", 1) for pair in also.split(",")]
-        if any(len(pair) != 2 or not pair[0] for pair in pairs):
-            parser.error(f"--also {also!r}: expected KEY=VALUE[,KEY=VALUE]")
-        settings[also] = dict(pairs)
+    settings = parse_settings(args, parser)
     results: dict[str, dict] = {}
+    repeats: dict[str, dict] = {}
     with tempfile.TemporaryDirectory(prefix="grpo_step_") as tmp:
         data, work = Path(tmp) / "data", Path(tmp) / "runs"
         work.mkdir(parents=True)
         for task in args.tasks.split(","):
-            results[task] = {}
-            for name, setting in settings.items():
-                row = run(task, name, setting, args.steps, data, work)
-                results[task][name] = {**setting, **row}
-                print(task, name, json.dumps(results[task][name]), flush=True)
-    width = max(20, *(len(name) for name in settings))
-    header = f"{'task':<11} {'setting':<{width}} " + " ".join(f"{p:>13}" for p in PHASES)
-    print(header + f" {'passes':>7} {'speed-up':>9}")
-    for task, rows in results.items():
-        base = rows["serial, 1 per pass"]["step_s"]
-        for name, row in rows.items():
-            cells = " ".join(f"{row[p]:>13.2f}" for p in PHASES)
-            print(
-                f"{task:<11} {name:<{width}} {cells} {row['train_passes']:>7.1f} "
-                f"{base / row['step_s']:>8.2f}x"
-            )
-    meta = {"steps": args.steps, "settings": settings, "mean_over": "steps 2..N"}
-    write_results(args.out, meta, {"results": results})
+            repeats[task] = {name: [] for name in settings}
+            for turn, name in enumerate(in_turns(settings, args.repeats)):
+                row = run(task, name, settings[name], args.steps, data, work / str(turn))
+                repeats[task][name].append(row)
+                print(task, name, json.dumps(row), flush=True)
+            results[task] = {
+                name: {**settings[name], **mean_row(rows)} for name, rows in repeats[task].items()
+            }
+    print_table(results)
+    meta = {
+        "steps": args.steps,
+        "settings": settings,
+        "repeats": args.repeats,
+        "mean_over": "steps 2..N, then the repeats",
+    }
+    write_results(args.out, meta, {"results": results, "repeats": repeats})
 
 
 if __name__ == "__main__":
