@@ -1,7 +1,7 @@
 """Import every `areno` module (and the benchmarks' entry points) with what this Python has: on
 the GPU machine, the offline bundle plus the machine's own packages. Prints each module that fails
 with its error and exits 1 if any does; the optional trackers (wandb, mlflow) are reported apart,
-since `run.trackers` names them only when they are installed.
+since `run.loggers` names them only when they are installed.
 
     PYTHONPATH=$PWD/site:$PWD python3 scripts/check_bundle.py
 """
@@ -39,7 +39,7 @@ def main() -> int:
             importlib.import_module(name)
             optional[name] = "installed"
         except ImportError:
-            optional[name] = "absent (run.trackers cannot name it)"
+            optional[name] = "absent (run.loggers cannot name it)"
     print(f"{len(names) - len(failed)} of {len(names)} areno modules import")
     for name, error in failed.items():
         print(f"  FAILED {name}: {error}")

@@ -59,6 +59,8 @@ def test_old_and_borrowed_names_are_refused_with_the_name_to_use() -> None:
         GRPOConfig.from_dict({"rollout": {"engine": {"max_loras": 2}}})
     with pytest.raises(ConfigError, match="rollout.engine.stream_interval_ms does nothing here"):
         GRPOConfig.from_dict({"rollout": {"engine": {"stream_interval_ms": 20}}})
+    with pytest.raises(ConfigError, match="run.trackers is now run.loggers"):
+        GRPOConfig.from_dict({"run": {"trackers": ["tensorboard"]}})
 
 
 def test_the_configuration_reference_is_generated_from_the_declarations() -> None:

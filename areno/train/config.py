@@ -341,6 +341,8 @@ class TrainerConfig:
 
 @dataclass
 class RunConfig:
+    RENAMED: ClassVar[dict[str, str]] = {"trackers": "loggers"}
+
     run_dir: str = setting(
         "runs/grpo", help="where metrics.jsonl, TensorBoard, checkpoints/ and hf/ go"
     )
@@ -360,7 +362,7 @@ class RunConfig:
         True, help="write hf/ at the end (a LoRA run writes its small adapter/ always)"
     )
     progress: bool = setting(True, help="a progress bar on the console")
-    trackers: list = setting(
+    loggers: list = setting(
         default_factory=lambda: ["tensorboard"],
         help="where each step's metrics go besides metrics.jsonl: any of tensorboard (the run "
         "directory's tensorboard/), wandb (Weights & Biases; extra areno[wandb]; WANDB_MODE "
@@ -372,18 +374,18 @@ class RunConfig:
     )
 
     def __post_init__(self) -> None:
-        trackers = self.trackers
+        loggers = self.loggers
         if (
-            not isinstance(trackers, list | tuple)
-            or not all(isinstance(t, str) and t in TRACKER_MODULES for t in trackers)
-            or len(set(trackers)) != len(trackers)
+            not isinstance(loggers, list | tuple)
+            or not all(isinstance(t, str) and t in TRACKER_MODULES for t in loggers)
+            or len(set(loggers)) != len(loggers)
         ):
             raise ConfigError(
-                f"run.trackers must be a list of distinct trackers among "
-                f"{', '.join(TRACKER_MODULES)}; got {trackers!r}",
-                param="trackers",
+                f"run.loggers must be a list of distinct loggers among "
+                f"{', '.join(TRACKER_MODULES)}; got {loggers!r}",
+                param="loggers",
             )
-        self.trackers = list(trackers)
+        self.loggers = list(loggers)
         _positive("run", "max_steps", self.max_steps)
         _positive("run", "save_every", self.save_every, allow_zero=True)
         _positive("run", "eval_every", self.eval_every, allow_zero=True)

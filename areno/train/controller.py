@@ -99,7 +99,7 @@ class Controller:
         self.sampling = SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k)
         self.writer = MetricsWriter(
             config.run.run_dir,
-            config.run.trackers,
+            config.run.loggers,
             project=config.run.project,
             config=config.to_dict(),
             start_step=start_step,

@@ -1,5 +1,5 @@
 """Per-step metrics, written by trainer rank 0: always to metrics.jsonl (one object per line),
-and to the experiment trackers `run.trackers` names: TensorBoard, Weights & Biases, MLflow.
+and to the experiment trackers `run.loggers` names: TensorBoard, Weights & Biases, MLflow.
 
 A tracker is a small class with `log(step, scalars)` and `close()`, registered in `TRACKERS`;
 the W&B and MLflow ones need their packages (the `wandb` / `mlflow` extras), which
@@ -53,16 +53,16 @@ def check_trackers(trackers: list[str]) -> None:
         except ImportError:
             install = f"pip install 'areno[{extra}]'" if extra else f"pip install {module}"
             raise ConfigError(
-                f"run.trackers names {name}, but the {module} package is not installed here: "
+                f"run.loggers names {name}, but the {module} package is not installed here: "
                 f"{install}",
-                param="trackers",
+                param="loggers",
             ) from None
     if "mlflow" in trackers and not os.environ.get("MLFLOW_TRACKING_URI"):
         raise ConfigError(
-            "run.trackers names mlflow: set MLFLOW_TRACKING_URI to the tracking server "
+            "run.loggers names mlflow: set MLFLOW_TRACKING_URI to the tracking server "
             "(http://HOST:5000), or to a local store (sqlite:///PATH/mlflow.db with the full "
             "mlflow package installed; file:PATH with MLFLOW_ALLOW_FILE_STORE=true)",
-            param="trackers",
+            param="loggers",
         )
 
 

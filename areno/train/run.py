@@ -115,7 +115,7 @@ def run(config: GRPOConfig) -> Path:
     from ray.train import FailureConfig, RunConfig, ScalingConfig, TrainingFailedError
     from ray.train.torch import TorchConfig, TorchTrainer
 
-    check_trackers(config.run.trackers)  # a missing package or server, before anything starts
+    check_trackers(config.run.loggers)  # a missing package or server, before anything starts
     model_path = config.model_path or _embedded_default()
     if Path(model_path).is_dir():  # a relative path means this process's, not a worker's, cwd
         model_path = str(Path(model_path).resolve())

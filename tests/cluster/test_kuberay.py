@@ -30,7 +30,7 @@ from ray.serve import schema as serve_schema
 from areno.cli import _train_config, build_parser
 from areno.serve.app import app_builder
 from areno.train.metrics import read_metrics
-from tests.ray_head import VENV_BIN, free_port, ray_env, ray_head  # noqa: F401 (a fixture)
+from tests.ray_head import VENV_BIN, free_port, ray_head  # noqa: F401 (a fixture)
 
 ROOT = Path(__file__).parents[2]
 KUBERAY = ROOT / "cluster" / "kuberay"
@@ -149,12 +149,13 @@ def _local_serve_config(checkpoint: Path, port: int) -> dict:
     return config
 
 
-def test_the_serve_config_serves_with_serve_run(tiny_path, tmp_path):
+def test_the_serve_config_serves_with_serve_run(ray_head, tiny_path, tmp_path):  # noqa: F811
+    """`serve run` of the RayService's Serve config, on the module's Ray head (RAY_ADDRESS: the
+    drain command's `address='auto'` then reaches this cluster, not another on the machine)."""
     port = free_port()
     path = tmp_path / "serve.yaml"
     path.write_text(yaml.safe_dump(_local_serve_config(tiny_path("qwen3_5"), port)))
-    env = ray_env()
-    env.pop("RAY_ADDRESS", None)
+    env = ray_head.env
     process = subprocess.Popen(
         [str(VENV_BIN / "serve"), "run", str(path)], env=env, stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT, text=True, start_new_session=True,

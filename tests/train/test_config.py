@@ -114,11 +114,11 @@ def test_recipe_settings_that_would_do_nothing_are_refused_by_name() -> None:
     config = GRPOConfig.from_dict({"grpo": {"dynamic_sampling": True, "prompts_per_step": 4}})
     assert config.grpo.extra_prompts_bound == 12  # 3 x prompts_per_step where not set
     assert GRPOConfig.from_dict(config.to_dict()) == config
-    with pytest.raises(ConfigError, match="run.trackers must be a list of distinct trackers"):
-        GRPOConfig.from_dict({"run": {"trackers": ["tensorboard", "comet"]}})
-    with pytest.raises(ConfigError, match="run.trackers must be a list"):
-        GRPOConfig.from_dict({"run": {"trackers": "wandb"}})
-    assert GRPOConfig().run.trackers == ["tensorboard"]
+    with pytest.raises(ConfigError, match="run.loggers must be a list of distinct loggers"):
+        GRPOConfig.from_dict({"run": {"loggers": ["tensorboard", "comet"]}})
+    with pytest.raises(ConfigError, match="run.loggers must be a list"):
+        GRPOConfig.from_dict({"run": {"loggers": "wandb"}})
+    assert GRPOConfig().run.loggers == ["tensorboard"]
 
 
 def test_trainer_restarts_by_default_only_where_a_checkpoint_is_saved():

@@ -80,7 +80,7 @@ def run(ray_head, tiny_path, tmp_path_factory):
             "rollout_correction": "mask",
         },
         "run.export_hf": False,
-        "run.trackers": ["tensorboard", *OPTIONAL],
+        "run.loggers": ["tensorboard", *OPTIONAL],
         "run.project": "areno-recipes",
     }
     env = {
@@ -199,11 +199,11 @@ def test_a_tracker_without_its_package_is_refused_before_ray_starts(tmp_path, mo
 
     monkeypatch.setitem(sys.modules, "wandb", None)  # what an import finds when it is missing
     run_dir = tmp_path / "run"
-    assert main(["train", "--run-dir", str(run_dir), "--set", "run.trackers=[wandb]"]) == 2
+    assert main(["train", "--run-dir", str(run_dir), "--set", "run.loggers=[wandb]"]) == 2
     error = capsys.readouterr().err
-    assert "run.trackers names wandb" in error and "pip install 'areno[wandb]'" in error
+    assert "run.loggers names wandb" in error and "pip install 'areno[wandb]'" in error
     assert not ray.is_initialized()
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     if "mlflow" in OPTIONAL:
-        assert main(["train", "--run-dir", str(run_dir), "--set", "run.trackers=[mlflow]"]) == 2
+        assert main(["train", "--run-dir", str(run_dir), "--set", "run.loggers=[mlflow]"]) == 2
         assert "set MLFLOW_TRACKING_URI" in capsys.readouterr().err
