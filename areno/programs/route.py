@@ -96,24 +96,32 @@ class EpisodeRoute:
         # threads at once): encoding, the forced call opening, and reading the reply.
         self._tokenizer_thread = concurrent.futures.ThreadPoolExecutor(1, "areno-route")
         self._server: Any = None
-        self._task: asyncio.Task | None = None
+        self._task: asyncio.Task | None = None  # the server's
+        self._starting: asyncio.Future | None = None
         self.base_url = ""
 
     async def start(self) -> str:
-        """Serve on loopback (a free port) from the running event loop; the root URL."""
-        if self._task is None:
-            import uvicorn
+        """Serve on loopback (a free port) from the running event loop; the root URL.
 
-            sock = socket.socket()
-            sock.bind(("127.0.0.1", 0))
-            config = uvicorn.Config(self._app(), log_level="warning", lifespan="off")
-            self._server = uvicorn.Server(config)
-            self._task = asyncio.ensure_future(self._server.serve(sockets=[sock]))
-            while not self._server.started:
-                if self._task.done():
-                    self._task.result()  # raises why it could not start
-                await asyncio.sleep(0.01)
-            self.base_url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+        NOTE: the groups of a step (or of an evaluation) call this at once on a fresh worker:
+        every caller waits for the one start, none returns before the URL is known."""
+        if self._starting is None:
+            self._starting = asyncio.ensure_future(self._serve())
+        return await asyncio.shield(self._starting)
+
+    async def _serve(self) -> str:
+        import uvicorn
+
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", 0))
+        config = uvicorn.Config(self._app(), log_level="warning", lifespan="off")
+        self._server = uvicorn.Server(config)
+        self._task = asyncio.ensure_future(self._server.serve(sockets=[sock]))
+        while not self._server.started:
+            if self._task.done():
+                self._task.result()  # raises why it could not start
+            await asyncio.sleep(0.01)
+        self.base_url = f"http://127.0.0.1:{sock.getsockname()[1]}"
         return self.base_url
 
     async def stop(self) -> None:
@@ -121,6 +129,7 @@ class EpisodeRoute:
             self._server.should_exit = True
             await self._task
             self._task = None
+        self._starting = None
         self._tokenizer_thread.shutdown(wait=False)
 
     def open(self, episode: ProgramEpisode, sampling: SamplingParams) -> str:

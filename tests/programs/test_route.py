@@ -124,6 +124,23 @@ def test_refusals_name_the_field_and_the_route_keeps_serving(env):
     assert len(episode.calls) == 2  # only the calls that ran are recorded
 
 
+def test_groups_that_start_the_route_at_once_all_get_its_url(env):
+    """A step's (or an evaluation's) groups reach a fresh worker together: each waits for the
+    one server, and none opens an episode before its URL is known."""
+
+    async def main():
+        route = EpisodeRoute(env, RouteLimits(4, 1))
+        try:
+            urls = await asyncio.gather(*(route.start() for _ in range(8)))
+            return urls, route.open(ProgramEpisode(0), SamplingParams())
+        finally:
+            await route.stop()
+
+    urls, episode_url = asyncio.run(main())
+    assert len(set(urls)) == 1 and urls[0].startswith("http://127.0.0.1:")
+    assert episode_url.startswith(urls[0] + "/episodes/")
+
+
 async def _takes_client(sample, client): ...
 
 
