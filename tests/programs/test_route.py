@@ -188,6 +188,39 @@ def test_the_example_agent_runs_its_tool_round_trip(env, tmp_path):
     assert isinstance(output[0], str) and len(second.token_ids) == 1
 
 
+def test_the_agents_sdk_example_runs_its_lookup_and_answer_on_the_route(env, tmp_path):
+    """examples/agent_program/sdk_agent.py on the route: the lookup agent's forced tool call
+    (run by the SDK), then the answer agent's call, which shows the image and the options it
+    looked up; a new conversation, so the episode trains as two transitions."""
+    pytest.importorskip("agents", reason="the Agents SDK: pip install -e '.[agents]'")
+    from areno.tasks.color_quiz import load
+    from examples.agent_program.sdk_agent import run
+
+    sample = next(load(num_samples=1, media_dir=tmp_path)).public()
+    output = []
+
+    async def program(client, base_url, route):
+        output.append(await run(sample, client))
+
+    episode = _on_route(env, RouteLimits(32, 4), program)
+    lookup, answer = episode.calls
+    assert [c["name"] for c in lookup.tool_calls] == ["list_options"]
+    [shown] = answer.messages
+    image, text = shown["content"]
+    assert image["type"] == "image_url" and text["text"].endswith('"C": "blue", "D": "yellow"}')
+    assert output == [answer.content]
+    assert len(trajectories_from_calls(sample.id, episode)) == 2
+
+
+def test_the_docs_show_the_agents_sdk_example_as_it_is():
+    """docs/agent-programs.md's snippet is the example's code, which the test above runs."""
+    from tests.readme import REPO, blocks
+
+    snippets = [b.text for b in blocks(REPO / "docs" / "agent-programs.md") if b.lang == "python"]
+    example = (REPO / "examples" / "agent_program" / "sdk_agent.py").read_text()
+    assert len(snippets) == 1 and snippets[0] in example
+
+
 def test_an_agents_sdk_agent_runs_on_the_route_and_its_call_is_recorded(env):
     """An agent written with the OpenAI Agents SDK (its Chat Completions model, sampling left
     to the run) runs against the route unchanged: its forced tool call is parsed and run by the
