@@ -11,8 +11,10 @@ which the reward reads (`Trajectory.program_output`, and as text `Trajectory.fin
 from __future__ import annotations
 
 import asyncio
+import functools
 import inspect
 import json
+import ssl
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -41,7 +43,10 @@ class Program:
             return await _call(self.fn, sample, base_url)
         import openai
 
-        client = openai.AsyncOpenAI(base_url=base_url, api_key=EPISODE_API_KEY)
+        http_client = openai.DefaultAsyncHttpxClient(verify=_tls_context())
+        client = openai.AsyncOpenAI(
+            base_url=base_url, api_key=EPISODE_API_KEY, http_client=http_client
+        )
         try:
             return await _call(self.fn, sample, client)
         finally:
@@ -74,6 +79,18 @@ def portable_output(output: Any) -> Any:
     except (TypeError, ValueError):
         return output_text(output)
     return output
+
+
+@functools.cache
+def _tls_context() -> ssl.SSLContext:
+    """The TLS context of every episode's client on this worker, built once.
+
+    NOTE: an httpx client built without one loads the system's CA certificates: 16.6 ms of CPU
+    a client (128 clients: 2.13 s, against 0.004 s sharing a context), that is 2 s a step of
+    the Agents SDK color quiz's 128 episodes, on the rollout worker's event loop. (The route is
+    plain HTTP on loopback; the context is never used, only built.) Each episode keeps a
+    connection pool of its own: one pool for a step's 128 concurrent episodes was slower."""
+    return ssl.create_default_context()
 
 
 async def _call(fn: Callable[..., Any], *args: Any) -> Any:

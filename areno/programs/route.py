@@ -97,15 +97,17 @@ class EpisodeRoute:
         self._tokenizer_thread = concurrent.futures.ThreadPoolExecutor(1, "areno-route")
         self._server: Any = None
         self._task: asyncio.Task | None = None  # the server's
-        self._started: asyncio.Future | None = None  # its start: the root URL
+        self._starting: asyncio.Future | None = None
         self.base_url = ""
 
     async def start(self) -> str:
-        """Serve on loopback (a free port) from the running event loop; the root URL. Groups
-        that start at once share one start: each returns once the server listens."""
-        if self._started is None:
-            self._started = asyncio.ensure_future(self._serve())
-        return await asyncio.shield(self._started)
+        """Serve on loopback (a free port) from the running event loop; the root URL.
+
+        NOTE: the groups of a step (or of an evaluation) call this at once on a fresh worker:
+        every caller waits for the one start, none returns before the URL is known."""
+        if self._starting is None:
+            self._starting = asyncio.ensure_future(self._serve())
+        return await asyncio.shield(self._starting)
 
     async def _serve(self) -> str:
         import uvicorn
@@ -126,7 +128,8 @@ class EpisodeRoute:
         if self._task is not None:
             self._server.should_exit = True
             await self._task
-            self._task = self._started = None
+            self._task = None
+        self._starting = None
         self._tokenizer_thread.shutdown(wait=False)
 
     def open(self, episode: ProgramEpisode, sampling: SamplingParams) -> str:

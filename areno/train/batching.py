@@ -207,9 +207,16 @@ def _plan(own: list, budget: int, packs: bool, batched_media: bool) -> list[list
     trajectory a row (`plan_micro_batches`)."""
     inputs = [traj.inputs for traj, _ in own]
     if packs:
-        return plan_rows(inputs, budget, [traj.sample_id for traj, _ in own])
+        return plan_rows(inputs, budget, [_row_key(traj) for traj, _ in own])
     batches = plan_micro_batches(inputs, budget, batched_media=batched_media)
     return [[[i] for i in members] for members in batches]
+
+
+def _row_key(traj: Any) -> Any:
+    """The trajectories that share a packed row: a GRPO group's episodes (its sample id), the
+    parts of an agent program's split episodes by part (the group's first calls share their
+    prompt, its later calls theirs; a row of both would share nothing and hold them all)."""
+    return None if traj.sample_id is None else (traj.sample_id, traj.part)
 
 
 def _mini_batch(own: list, plan: list[list[list[int]]], count: int, spare) -> MiniBatch:

@@ -9,7 +9,8 @@ reward saw (the trajectory, every recorded call, the private metadata):
 - an episode's trajectories are its runs of calls whose prompt extends the previous call's
   prompt and reply: the first one's tokens are its last call's prompt and reply, its loss mask
   1 exactly on each call's sampled tokens; the rewritten call always starts another part;
-- the reward reads private metadata; the program never does (not in its sample, not sent).
+- the reward reads private metadata; the program never does (not in its sample, not sent);
+- the evaluations (steps 0 and 2) run the same program on the held-out samples.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from tests.train.canary_task import CANARY
 
 REPO = Path(__file__).resolve().parents[2]
 NUM_STEPS, PROMPTS, GROUP = 2, 2, 2
+EVAL_SIZE = 2  # held-out samples, evaluated at steps 0 and NUM_STEPS
 RUN_LIMIT_S = 900  # a generous bound that turns a hang into a failure
 
 
@@ -45,7 +47,8 @@ def program_run(ray_head, tiny_path, tmp_path_factory):
     }
     args = [
         *("--model-path", str(tiny_path("gemma4")), "--run-dir", str(root / "run")),
-        *("--max-steps", str(NUM_STEPS), "--eval-every", "0"),
+        *("--max-steps", str(NUM_STEPS), "--eval-every", str(NUM_STEPS)),
+        *("--set", f"run.eval_size={EVAL_SIZE}"),
         *("--group-size", str(GROUP), "--prompts-per-step", str(PROMPTS)),
     ]
     for key, value in settings.items():
@@ -59,6 +62,18 @@ def program_run(ray_head, tiny_path, tmp_path_factory):
     program = [json.loads(line) for line in (media / "program-log.jsonl").open()]
     rewards = [json.loads(line) for line in (root / "reward-log.jsonl").open()]
     return read_metrics(root / "run"), program, rewards
+
+
+@pytest.fixture(scope="module")
+def trained(program_run):
+    """The training episodes' lines (the evaluations' held-out samples left out)."""
+    metrics, program, rewards = program_run
+    program = [p for p in program if not _held_out(p["sample"]["id"])]
+    return metrics, program, [r for r in rewards if not _held_out(r["sample_id"])]
+
+
+def _held_out(sample_id: str) -> bool:
+    return "-validation-" in sample_id
 
 
 def _chains(calls: list[dict]) -> list[list[int]]:
@@ -75,8 +90,8 @@ def _chains(calls: list[dict]) -> list[list[int]]:
     return runs
 
 
-def test_every_episode_is_trained_from_the_ids_the_engine_ran(program_run):
-    metrics, program, rewards = program_run
+def test_every_episode_is_trained_from_the_ids_the_engine_ran(trained):
+    metrics, program, rewards = trained
     assert len(program) == len(rewards) == NUM_STEPS * PROMPTS * GROUP
     # every call the reward sees is one the program made, with the ids the API reported
     reported = sorted(json.dumps(p["calls"]) for p in program)
@@ -106,6 +121,19 @@ def test_every_episode_is_trained_from_the_ids_the_engine_ran(program_run):
     assert sum(m["program_split_episodes"] for m in steps) == len(rewards)
     assert sum(m["program_transitions"] for m in steps) == sum(r["num_parts"] for r in rewards)
     assert all(m["program_calls_per_episode"] == 4.0 for m in steps)
+
+
+def test_evaluation_runs_the_program_on_the_held_out_samples(program_run):
+    """`areno train`'s evaluation is the same program on the held-out samples (greedy), each
+    episode scored by the reward; its metrics are the program's."""
+    metrics, program, rewards = program_run
+    evals = [m for m in metrics if "eval/program_calls_per_episode" in m]
+    assert [m["step"] for m in evals] == [0, NUM_STEPS]
+    assert all(m["eval/program_calls_per_episode"] == 4.0 for m in evals)
+    assert all(m["eval/episodes"] == EVAL_SIZE for m in evals)
+    held_out = [p["sample"]["id"] for p in program if _held_out(p["sample"]["id"])]
+    assert len(held_out) == len(evals) * EVAL_SIZE
+    assert sorted(held_out) == sorted(r["sample_id"] for r in rewards if _held_out(r["sample_id"]))
 
 
 def test_private_metadata_reaches_the_reward_and_never_the_program(program_run):

@@ -124,6 +124,23 @@ def test_refusals_name_the_field_and_the_route_keeps_serving(env):
     assert len(episode.calls) == 2  # only the calls that ran are recorded
 
 
+def test_groups_that_start_the_route_at_once_all_get_its_url(env):
+    """A step's (or an evaluation's) groups reach a fresh worker together: each waits for the
+    one server, and none opens an episode before its URL is known."""
+
+    async def main():
+        route = EpisodeRoute(env, RouteLimits(4, 1))
+        try:
+            urls = await asyncio.gather(*(route.start() for _ in range(8)))
+            return urls, route.open(ProgramEpisode(0), SamplingParams())
+        finally:
+            await route.stop()
+
+    urls, episode_url = asyncio.run(main())
+    assert len(set(urls)) == 1 and urls[0].startswith("http://127.0.0.1:")
+    assert episode_url.startswith(urls[0] + "/episodes/")
+
+
 async def _takes_client(sample, client): ...
 
 
@@ -171,6 +188,39 @@ def test_the_example_agent_runs_its_tool_round_trip(env, tmp_path):
     assert isinstance(output[0], str) and len(second.token_ids) == 1
 
 
+def test_the_agents_sdk_example_runs_its_lookup_and_answer_on_the_route(env, tmp_path):
+    """examples/agent_program/sdk_agent.py on the route: the lookup agent's forced tool call
+    (run by the SDK), then the answer agent's call, which shows the image and the options it
+    looked up; a new conversation, so the episode trains as two transitions."""
+    pytest.importorskip("agents", reason="the Agents SDK: pip install -e '.[agents]'")
+    from areno.tasks.color_quiz import load
+    from examples.agent_program.sdk_agent import run
+
+    sample = next(load(num_samples=1, media_dir=tmp_path)).public()
+    output = []
+
+    async def program(client, base_url, route):
+        output.append(await run(sample, client))
+
+    episode = _on_route(env, RouteLimits(32, 4), program)
+    lookup, answer = episode.calls
+    assert [c["name"] for c in lookup.tool_calls] == ["list_options"]
+    [shown] = answer.messages
+    image, text = shown["content"]
+    assert image["type"] == "image_url" and text["text"].endswith('"C": "blue", "D": "yellow"}')
+    assert output == [answer.content]
+    assert len(trajectories_from_calls(sample.id, episode)) == 2
+
+
+def test_the_docs_show_the_agents_sdk_example_as_it_is():
+    """docs/agent-programs.md's snippet is the example's code, which the test above runs."""
+    from tests.readme import REPO, blocks
+
+    snippets = [b.text for b in blocks(REPO / "docs" / "agent-programs.md") if b.lang == "python"]
+    example = (REPO / "examples" / "agent_program" / "sdk_agent.py").read_text()
+    assert len(snippets) == 1 and snippets[0] in example
+
+
 def test_an_agents_sdk_agent_runs_on_the_route_and_its_call_is_recorded(env):
     """An agent written with the OpenAI Agents SDK (its Chat Completions model, sampling left
     to the run) runs against the route unchanged: its forced tool call is parsed and run by the
@@ -207,21 +257,3 @@ def test_an_agents_sdk_agent_runs_on_the_route_and_its_call_is_recorded(env):
     assert call.token_ids and len(call.logprobs) == len(call.token_ids)
     assert any(m.get("content") == QUIZ[0]["content"] for m in call.messages)
 
-
-def test_groups_that_start_the_route_at_once_both_get_its_address(env):
-    """Two groups of one worker start the route at once: both wait for it to listen (the
-    second had got an empty address, and its programs' calls a connection error)."""
-
-    async def main():
-        route = EpisodeRoute(env, RouteLimits(8, 2))
-        try:
-            first, second = await asyncio.gather(route.start(), route.start())
-            base_url = route.open(ProgramEpisode(0), SamplingParams(temperature=1.0))
-            models = await openai.AsyncOpenAI(base_url=base_url, api_key="x").models.list()
-        finally:
-            await route.stop()
-        return first, second, models
-
-    first, second, models = asyncio.run(main())
-    assert first == second and second.startswith("http://127.0.0.1:")
-    assert models.data

@@ -164,9 +164,28 @@ def test_every_kept_trajectory_is_trained_once_however_many_a_step_kept(
             assert all(sum(map(sum, mini.rows)) == sum(map(len, mini.micro)) for mini in minis)
 
 
+def test_the_parts_of_split_program_episodes_pack_by_part() -> None:
+    """An agent program's episodes split in two: a group's first parts share one prompt, its
+    second parts another; each packs into a row of its own, sharing its prompt."""
+    first, second = list(range(1, 51)), list(range(200, 240))
+    pairs = [
+        (_Traj(PromptInputs(prompt + [100 + e] * 5, {}), 5, sample_id="s", part=part), 0.5)
+        for e in range(3)
+        for part, prompt in enumerate((first, second))
+    ]
+    [[mini]] = plan_step(pairs, world_size=1, mini_batches=1, budget=4096, packs=True)
+    [micro], [lengths] = mini.micro, mini.rows
+    rows = [micro[sum(lengths[:r]) : sum(lengths[: r + 1])] for r in range(len(lengths))]
+    assert sorted(sorted(t.part for t, _ in row) for row in rows) == [[0, 0, 0], [1, 1, 1]]
+    assert sorted(shared_length([t.inputs for t, _ in row]) for row in rows) == [40, 50]
+
+
 class _Traj:
-    def __init__(self, inputs: PromptInputs, generated: int, sample_id: str | None = None):
+    def __init__(
+        self, inputs: PromptInputs, generated: int, sample_id: str | None = None, part: int = 0
+    ):
         self.inputs, self.num_generated_tokens, self.sample_id = inputs, generated, sample_id
+        self.part = part
 
 
 # --- the gradient of a batched mini-batch -------------------------------------------------

@@ -70,8 +70,8 @@ def test_return_token_ids_gives_the_engines_ids_whole_and_streamed(server, media
     """`return_token_ids` (vLLM's field): the prompt as the engine ran it, the image's
     placeholders expanded (as many ids as usage counts), and each choice's sampled ids, equal
     whole and streamed (the first chunk carries the prompt's, every chunk its tokens'); the
-    completions route gives each choice its prompt's ids (a token-id prompt's as sent). Without
-    the field none of them is there."""
+    completions route gives each choice its prompt's ids (a token-id prompt's as sent), whole
+    and streamed (on the choice's first chunk). Without the field none of them is there."""
     messages = [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": media["image"]}},
         {"type": "text", "text": "What is this?"}]}]  # fmt: skip
@@ -102,6 +102,15 @@ def test_return_token_ids_gives_the_engines_ids_whole_and_streamed(server, media
     first, second = sorted(text["choices"], key=lambda c: c["index"])
     assert first["prompt_token_ids"] == prompt[:12] and second["prompt_token_ids"] == prompt[:8]
     assert len(first["token_ids"]) == len(second["token_ids"]) == 3
+    text_chunks = [c.model_dump() for c in server.completions.create(
+        model="tiny-gemma4", prompt=[prompt[:12], prompt[:8]], max_tokens=3, temperature=0,
+        stream=True, extra_body={**ids, "ignore_eos": True})]  # fmt: skip
+    for whole_choice in (first, second):
+        pieces = [c for chunk in text_chunks for c in chunk["choices"]
+                  if c["index"] == whole_choice["index"]]  # fmt: skip
+        assert pieces[0]["prompt_token_ids"] == whole_choice["prompt_token_ids"]
+        assert all(p.get("prompt_token_ids") is None for p in pieces[1:])
+        assert [t for p in pieces for t in p["token_ids"] or []] == whole_choice["token_ids"]
 
 
 def test_usage_reports_the_prompt_tokens_the_prefix_cache_held(server):
