@@ -256,4 +256,3 @@ def test_an_agents_sdk_agent_runs_on_the_route_and_its_call_is_recorded(env):
     assert call.tool_calls[0]["name"] == "note_option" and len(noted) == 1
     assert call.token_ids and len(call.logprobs) == len(call.token_ids)
     assert any(m.get("content") == QUIZ[0]["content"] for m in call.messages)
-
