@@ -86,6 +86,10 @@ class _OpenEpisode:
     sampling: SamplingParams  # the run's: temperature, top_p, top_k, and the episode's seed
 
 
+def _failed(future: asyncio.Future) -> bool:
+    return future.done() and (future.cancelled() or future.exception() is not None)
+
+
 class EpisodeRoute:
     """The per-episode chat endpoint of one rollout worker (the module's docstring)."""
 
@@ -105,7 +109,8 @@ class EpisodeRoute:
 
         NOTE: the groups of a step (or of an evaluation) call this at once on a fresh worker:
         every caller waits for the one start, none returns before the URL is known."""
-        if self._starting is None:
+        if self._starting is None or _failed(self._starting):
+            # A start that failed is tried again by the next caller, not re-raised forever.
             self._starting = asyncio.ensure_future(self._serve())
         return await asyncio.shield(self._starting)
 
