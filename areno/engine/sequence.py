@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import enum
 import itertools
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -169,6 +170,11 @@ class SequenceGroup:
     # samples that share their group's prefill) and, of them, those the prefix cache held.
     num_prefill_tokens: int = 0
     num_cached_tokens: int = 0
+    # When the engine took the request, first admitted it, and first read a token of it
+    # (time.perf_counter: `RequestTimings`).
+    added_at: float = field(default_factory=time.perf_counter)
+    scheduled_at: float | None = None
+    first_token_at: float | None = None
 
     @classmethod
     def create(

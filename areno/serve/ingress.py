@@ -61,6 +61,7 @@ from areno.serve.fanout import PromptBatch
 from areno.serve.metrics import IngressMetrics
 from areno.serve.responses_api import ResponseEventWriter, build_reply
 from areno.serve.sampling import completion_sampling_params, sampling_params
+from areno.serve.timing import HopTimes
 from areno.tools import get_tool_parser
 
 # HTTP requests the Serve proxy queues for the Ingress once every Ingress replica has
@@ -207,22 +208,30 @@ class Ingress:
         if (denied := self._check_key(request)) is not None:
             return denied
         arrival = time.perf_counter()
+        hops = HopTimes(arrival)
         try:
             body = await read_body(request)
+            hops.lap("read")
             chat = parse_chat_request(body)
-            prepared, model, args = await self._prepare_chat(chat, len(body))
+            prepared, model, args = await self._prepare_chat(chat, len(body), hops)
             if not chat.stream:
                 merged = await self.drain.hold(self.generator_unary.generate_all.remote(*args))
-                return self._respond(prepared, model, unwrap(merged), arrival)
+                merged = unwrap(merged)
+                hops.lap("generate")
+                hops.add_engine(merged.timings)
+                return self._respond(prepared, model, merged, arrival, hops)
             stream = self.drain.hold(self.generator.generate.remote(*args))
             first = unwrap(await stream.__anext__())  # request-level errors: before any byte
         except Exception as e:  # noqa: BLE001 - every failure becomes an OpenAI error response
             return self._error(e)
         first_token_at = time.perf_counter()
+        hops.lap("first-token")
         self.metrics.time_to_first_token.observe(first_token_at - arrival)
         writer = ChunkWriter(prepared, model, self.tokenizer)
         return StreamingResponse(
-            self._sse(writer, first, stream, first_token_at), media_type="text/event-stream"
+            self._sse(writer, first, stream, first_token_at),
+            media_type="text/event-stream",
+            headers=hops.header(),
         )
 
     @api.post("/v1/responses")
@@ -232,39 +241,49 @@ class Ingress:
         if (denied := self._check_key(request)) is not None:
             return denied
         arrival = time.perf_counter()
+        hops = HopTimes(arrival)
         try:
             body = await read_body(request)
+            hops.lap("read")
             responses_request = parse_responses_request(body)
             chat = to_chat_request(responses_request)
-            prepared, model, args = await self._prepare_chat(chat, len(body))
+            prepared, model, args = await self._prepare_chat(chat, len(body), hops)
             if not chat.stream:
                 call = self.drain.hold(self.generator_unary.generate_all.remote(*args))
                 merged = unwrap(await call)
+                hops.lap("generate")
+                hops.add_engine(merged.timings)
                 reply, malformed = build_response(prepared, model, merged, self.tokenizer)
                 self.metrics.record(
                     prepared, reply.model_dump(exclude_none=True), arrival, malformed
                 )
                 answer = build_reply(responses_request, reply, model, self.tokenizer)
-                return JSONResponse(answer.model_dump(mode="json", by_alias=True))
+                body = answer.model_dump(mode="json", by_alias=True)
+                hops.lap("reply")
+                return JSONResponse(body, headers=hops.header())
             stream = self.drain.hold(self.generator.generate.remote(*args))
             first = unwrap(await stream.__anext__())  # request-level errors: before any byte
         except Exception as e:  # noqa: BLE001 - every failure becomes an OpenAI error response
             return self._error(e)
         first_token_at = time.perf_counter()
+        hops.lap("first-token")
         self.metrics.time_to_first_token.observe(first_token_at - arrival)
         writer = ResponseEventWriter(responses_request, prepared, model, self.tokenizer)
         return StreamingResponse(
-            self._sse(writer, first, stream, first_token_at), media_type="text/event-stream"
+            self._sse(writer, first, stream, first_token_at),
+            media_type="text/event-stream",
+            headers=hops.header(),
         )
 
-    async def _prepare_chat(self, chat, body_size: int):
+    async def _prepare_chat(self, chat, body_size: int, hops: HopTimes):
         """A chat request's model checked, its prompt encoded and `prepare`d: the PreparedChat,
         the model, and the Generator call's arguments."""
         model = self._model(chat.model)
         params = sampling_params(chat)  # refused before the prompt is encoded
         if model in self.config.lora_adapters:
             params = dataclasses.replace(params, adapter=model)
-        encoded, stored = await self._encode(chat, body_size)
+        hops.lap("parse")
+        encoded, stored = await self._encode(chat, body_size, hops)
         prepared = prepare(chat, params, encoded, self.tool_parser, self.tokenizer)
         return prepared, model, (prepared.inputs, prepared.params, uuid.uuid4().hex, stored)
 
@@ -342,15 +361,18 @@ class Ingress:
             )
         return requested
 
-    def _respond(self, prepared: PreparedChat, model: str, merged, arrival: float) -> JSONResponse:
+    def _respond(
+        self, prepared: PreparedChat, model: str, merged, arrival: float, hops: HopTimes
+    ) -> JSONResponse:
         """The JSON answer of a non-streaming request (its tokens/s include the prefill: the
         first token's time is not known here). The metrics read the same dump as the reply."""
         response, malformed = build_response(prepared, model, merged, self.tokenizer)
         body = response.model_dump(exclude_none=True)
         self.metrics.record(prepared, body, arrival, malformed)
-        return JSONResponse(body)
+        hops.lap("reply")
+        return JSONResponse(body, headers=hops.header())
 
-    async def _encode(self, chat, body_size: int | None = None):
+    async def _encode(self, chat, body_size: int | None, hops: HopTimes):
         """The request's PromptInputs and, for one with media, the reference to its whole
         prompt (a `StoredPrompt`; None for text). Text-only requests are encoded here (a small one
         on the event loop when the tokenizer is free, see INLINE_ENCODE_MAX_BYTES, the others on
@@ -368,17 +390,24 @@ class Ingress:
             small = body_size is not None and body_size <= INLINE_ENCODE_MAX_BYTES
             if small and self.encode_lock.acquire(blocking=False):
                 try:
-                    return self.text_processor.encode(chat.messages, [], **options), None
+                    encoded = self.text_processor.encode(chat.messages, [], **options)
                 finally:
                     self.encode_lock.release()
-            encode = functools.partial(self._encode_text, chat.messages, **options)
-            loop = asyncio.get_running_loop()
-            return await loop.run_in_executor(self.encode_thread, encode), None
+            else:
+                encode = functools.partial(self._encode_text, chat.messages, **options)
+                loop = asyncio.get_running_loop()
+                encoded = await loop.run_in_executor(self.encode_thread, encode)
+            hops.lap("encode")
+            return encoded, None
         media = self.decoder.decode_many.remote(refs)  # resolved in the Processor replica
         encoded = self.processor.encode.remote(
             chat.messages, media, tools, kwargs, chat.max_new_tokens
         )
-        return unwrap(await encoded)
+        stored = unwrap(await encoded)
+        hops.lap("prompt")
+        hops.add("media-decode", stored.decode_s)
+        hops.add("media-process", stored.process_s)
+        return stored.inputs, stored.ref
 
     def _encode_text(self, messages, **kwargs):
         """The encode thread's call: it holds the lock the event loop's inline encodes take."""

@@ -59,9 +59,10 @@ class MediaDecoderServer:
             tag_keys=("modality",),
         )
 
-    def decode_many(self, refs: list) -> list | Refused:
+    def decode_many(self, refs: list) -> MediaBatch | Refused:
         """The decoded items, or Refused with the first item's error (a missing file, an
         undecodable codec, a refused URL: see `Refused`)."""
+        began = time.perf_counter()
         decoded = []
         for ref in refs:
             start = time.perf_counter()
@@ -72,17 +73,26 @@ class MediaDecoderServer:
             self.decode_seconds.observe(
                 time.perf_counter() - start, tags={"modality": ref.modality}
             )
-        return decoded
+        return MediaBatch(decoded, time.perf_counter() - began)
+
+
+class MediaBatch(NamedTuple):
+    """A request's decoded media items, and the seconds their decoding took (Server-Timing)."""
+
+    items: list
+    decode_s: float
 
 
 class StoredPrompt(NamedTuple):
     """A request's encoded prompt with media, as the Processor replica answers it: `inputs`
     without the media tensors (token ids, spans, prompt text: what the Ingress reads) and `ref`,
     the whole PromptInputs in Ray's object store, which the Ingress passes to the Generator
-    replica unread."""
+    replica unread; the seconds its media's decoding and its encoding took (Server-Timing)."""
 
     inputs: PromptInputs
     ref: ray.ObjectRef
+    decode_s: float = 0.0
+    process_s: float = 0.0
 
 
 @serve.deployment(max_ongoing_requests=64)
@@ -98,7 +108,7 @@ class ProcessorServer:
     def encode(
         self,
         messages: list,
-        media: list | Refused,
+        media: MediaBatch | Refused,
         tools: list | None,
         template_kwargs: Any,
         max_new_tokens: int | None = None,
@@ -107,10 +117,11 @@ class ProcessorServer:
         this replica's own (a prompt over the limits, media the processor cannot take)."""
         if isinstance(media, Refused):
             return media
+        start = time.perf_counter()
         try:
             inputs = self.processor.encode(
                 messages,
-                media,
+                media.items,
                 tools=tools,
                 chat_template_kwargs=template_kwargs,
                 max_new_tokens=max_new_tokens,
@@ -118,7 +129,8 @@ class ProcessorServer:
         except ArenoError as error:
             return Refused(error)
         header = PromptInputs(inputs.input_ids, {}, inputs.mm_spans, inputs.prompt_text)
-        return StoredPrompt(header, ray.put(inputs))
+        stored = ray.put(inputs)
+        return StoredPrompt(header, stored, media.decode_s, time.perf_counter() - start)
 
 
 @serve.deployment(max_ongoing_requests=4096)

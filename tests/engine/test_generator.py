@@ -4,6 +4,7 @@ staggered, mixed-media and unequal-length requests, logprobs, n > 1, queueing pa
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 import torch
@@ -217,15 +218,25 @@ def test_more_requests_than_slots_queue_and_all_finish(setups, overlap):
     gen = setup.generator(overlap_steps=overlap, max_running_prompts=2)
 
     async def main():
-        return await asyncio.gather(*(gen.generate_all(x, GREEDY) for x in inputs))
+        start = time.perf_counter()
+        outputs = await arrive_together(gen, inputs, GREEDY)
+        return outputs, time.perf_counter() - start
 
     try:
-        outputs = run(main())
+        outputs, wall = run(main())
     finally:
         gen.shutdown()
     for x, output in zip(inputs, outputs, strict=True):
         assert output.finished
         assert output.samples[0].token_ids == setup.reference(x, GREEDY.max_tokens)
+    # Each request's engine timings: queued, prefilled, decoded, within the wall time; the two
+    # admitted first never waited for a slot, the last two waited for two requests to finish.
+    timings = [output.timings for output in outputs]
+    for t in timings:
+        assert t.prefill_s > 0 and t.decode_s > 0
+        assert t.queue_s + t.prefill_s + t.decode_s <= wall
+    first = max(t.queue_s for t in timings[:2])
+    assert min(t.queue_s for t in timings[4:]) > first + min(t.decode_s for t in timings[:2])
 
 
 @pytest.mark.parametrize("graphs", ["off", "static"])

@@ -8,11 +8,12 @@ grammar masks); the executor owns every tensor. It is single-threaded by design:
 
 from __future__ import annotations
 
+import time
 from collections.abc import Collection
 from typing import Any
 
 from areno.engine.core.scheduler import ScheduledPrefill, Scheduler, SchedulerConfig
-from areno.engine.outputs import AbortCause, RequestOutput, SampleDelta
+from areno.engine.outputs import AbortCause, RequestOutput, RequestTimings, SampleDelta
 from areno.engine.outputs.processor import OutputProcessor
 from areno.engine.parallel.executor import Executor
 from areno.engine.sampling import SamplingParams
@@ -246,6 +247,9 @@ class EngineCore:
         self._freed_seq_ids.extend(seq.seq_id for seq in seqs)
 
     def _output(self, group: SequenceGroup, deltas: list[SampleDelta]) -> RequestOutput:
+        now = time.perf_counter()
+        if group.first_token_at is None and any(delta.token_ids for delta in deltas):
+            group.first_token_at = now
         return RequestOutput(
             request_id=group.request_id,
             samples=deltas,
@@ -254,4 +258,13 @@ class EngineCore:
             finished=group.is_finished,
             num_prefill_tokens=group.num_prefill_tokens,
             num_cached_tokens=group.num_cached_tokens,
+            timings=_timings(group, now) if group.is_finished else None,
         )
+
+
+def _timings(group: SequenceGroup, now: float) -> RequestTimings:
+    """A finished group's `RequestTimings` (one cut off before admission or before its first
+    token spent the rest of its time where it was)."""
+    scheduled = group.scheduled_at if group.scheduled_at is not None else now
+    first = group.first_token_at if group.first_token_at is not None else now
+    return RequestTimings(scheduled - group.added_at, first - scheduled, now - first)

@@ -36,6 +36,7 @@ After executing, the engine appends each token, calls `check_stop`, marks finish
 from __future__ import annotations
 
 import bisect
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -427,6 +428,8 @@ class Scheduler:
                 break
             self._waiting.pop(index)
             seq.status = SequenceStatus.RUNNING
+            if group.scheduled_at is None:
+                group.scheduled_at = time.perf_counter()
             seq.prefill_end, seq.num_computed_tokens = seq.num_tokens, end
             seq.num_fed_tokens = end
             if joins:

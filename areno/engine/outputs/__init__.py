@@ -45,6 +45,18 @@ class SampleDelta:
     policy_versions: list[int] | None = None
 
 
+@dataclass(frozen=True)
+class RequestTimings:
+    """Where a finished request's time went inside the engine, in seconds on the engine's clock
+    (the Server-Timing header and the serve timeline benchmark read them): waiting to be
+    admitted, admitted until its first token reached the host (prefill, and a step of decode
+    with overlapped steps), and from then until it finished."""
+
+    queue_s: float
+    prefill_s: float
+    decode_s: float
+
+
 @dataclass
 class TokenScores:
     """What `Generator.score` returns for a sequence of N tokens.
@@ -72,6 +84,7 @@ class RequestOutput:
     # (`SequenceGroup.num_prefill_tokens`): counted once for a request's samples.
     num_prefill_tokens: int = 0
     num_cached_tokens: int = 0
+    timings: RequestTimings | None = None  # once finished
 
 
 def merge_outputs(outputs: list[RequestOutput]) -> RequestOutput:
@@ -103,4 +116,5 @@ def merge_outputs(outputs: list[RequestOutput]) -> RequestOutput:
         last.finished,
         last.num_prefill_tokens,
         last.num_cached_tokens,
+        last.timings,
     )
