@@ -1,11 +1,14 @@
-"""Where a served request's time goes, hop by hop: HTTP -> Serve's proxy -> Ingress -> (for an
-image: MediaDecoder -> Processor) -> Generator replica -> engine -> back, for a text and an image
-request, beside the same request run by a `Generator` in this process.
+"""Where a served request's time goes, hop by hop: HTTP -> Serve's proxy -> Ingress -> (with
+media: MediaDecoder -> Processor) -> Generator replica -> engine -> back, for a text, an image
+and a video request, beside the same request run by a `Generator` in this process.
 
 Workload (fixed seed): one tiny checkpoint (`--family`, default Qwen3.5) or `--model-path`,
 greedy, non-streamed chat requests of `--tokens` tokens (`min_tokens` = `max_tokens`), one at a
-time; each request's question is its own (no prompt is found in the prefix cache), the image a
-fixed 224 x 224 PNG read from a local path. The served times come from the server's own
+time; each request's question and media are its own (no prompt is found in the prefix cache, no
+item in the decoder's cache): a 224 x 224 PNG, a 2 s, 4 fps 224 x 224 MP4, read from local
+paths. The first
+request of each kind to reach the new server is timed apart (`first`: what start-up left
+unwarmed). The served times come from the server's own
 `Server-Timing` header (areno/serve/timing.py) and the client's wall time (httpx); the
 in-process engine and the served app take turns in each of `--rounds` rounds. Every figure is a
 median over the requests, in milliseconds. Prints the table and writes JSON (default
@@ -27,9 +30,6 @@ import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
-from PIL import Image
-
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).parents[1]))
 from engine_workloads import write_results  # noqa: E402
@@ -38,19 +38,32 @@ from areno.engine.config import EngineConfig  # noqa: E402
 from areno.engine.generator import Generator  # noqa: E402
 from areno.engine.sampling import SamplingParams  # noqa: E402
 from areno.media import MediaDecoder, MediaPolicy  # noqa: E402
+from areno.media.samples import write_image, write_video  # noqa: E402
 from areno.models.tiny import tiny_checkpoint  # noqa: E402
 from areno.processing import Processor  # noqa: E402
 from areno.serve.timing import parse_header  # noqa: E402
 
-KINDS = ("text", "image")
+KINDS = ("text", "image", "video")
 
 
-def messages(kind: str, image: str, i: int) -> list[dict]:
+class Media:
+    """Request i's image or video: a file of its own in `root`, written before it is timed."""
+
+    def __init__(self, root: str):
+        self.root = root
+
+    def path(self, kind: str, i: int) -> str:
+        if kind == "image":
+            return str(write_image(os.path.join(self.root, f"{i}.png"), 224, 224, seed=i))
+        return str(write_video(os.path.join(self.root, f"{i}.mp4"), 2.0, 4.0, 224, 224, seed=i))
+
+
+def messages(kind: str, media: Media, i: int) -> list[dict]:
     question = f"Question number {i}: what do you make of it?"
     if kind == "text":
         return [{"role": "user", "content": question}]
-    parts = [{"type": "image_url", "image_url": {"url": image}}, {"type": "text", "text": question}]
-    return [{"role": "user", "content": parts}]
+    part = {"type": f"{kind}_url", f"{kind}_url": {"url": media.path(kind, i)}}
+    return [{"role": "user", "content": [part, {"type": "text", "text": question}]}]
 
 
 class InProcess:
@@ -67,9 +80,9 @@ class InProcess:
         self.params = SamplingParams(temperature=0, max_tokens=tokens, min_tokens=tokens)
         self.loop = asyncio.new_event_loop()
 
-    def ask(self, kind: str, image: str, i: int) -> dict[str, float]:
+    def ask(self, kind: str, media: Media, i: int) -> dict[str, float]:
+        chat = messages(kind, media, i)
         start = time.perf_counter()
-        chat = messages(kind, image, i)
         media = self.decoder.decode_many(self.processor.media_refs(chat))
         inputs = self.processor.encode(chat, media)
         encoded = time.perf_counter()
@@ -115,11 +128,14 @@ class Served:
         self.url = f"http://127.0.0.1:{port}/v1/chat/completions"
         self.model, self.tokens = config.model_name, tokens
         self.client = httpx.Client(timeout=600)
+        # Ready as `areno serve` says it is: /health 200 (the first requests sent).
+        while self.client.get(f"http://127.0.0.1:{port}/health").status_code != 200:
+            time.sleep(0.1)
 
-    def ask(self, kind: str, image: str, i: int) -> dict[str, float]:
+    def ask(self, kind: str, media: Media, i: int) -> dict[str, float]:
         body = {
             "model": self.model,
-            "messages": messages(kind, image, i),
+            "messages": messages(kind, media, i),
             "max_tokens": self.tokens,
             "min_tokens": self.tokens,
             "temperature": 0,
@@ -189,27 +205,27 @@ def main() -> None:
         max_running_prompts=8, max_context_len=2048, kv_cache_gib=args.kv_cache_gib
     )
     media_dir = tempfile.mkdtemp(prefix="serve_timeline_")
-    image = os.path.join(media_dir, "image.png")
-    rng = np.random.default_rng(0)
-    Image.fromarray(rng.integers(0, 256, (224, 224, 3), dtype=np.uint8)).save(image)
+    media = Media(media_dir)
     local = InProcess(path, engine, args.tokens)
     served = None
     results = {(way, kind): [] for way in ("served", "in process") for kind in KINDS}
+    first = {}
     per_round = max(args.requests // args.rounds, 1)
     try:
         served = Served(path, engine, args.tokens, media_dir)
-        for kind in KINDS:  # warm-up: each modality's first request
-            for i in range(3):
-                local.ask(kind, image, 100_000 + i)
-                served.ask(kind, image, 200_000 + i)
+        for kind in KINDS:  # each kind's first request to the new server, then a warm-up
+            first[kind] = hops(served.ask(kind, media, 200_000))
+            for i in range(1, 3):
+                local.ask(kind, media, 100_000 + i)
+                served.ask(kind, media, 200_000 + i)
         for r in range(args.rounds):
             for kind in KINDS:
                 base = (r * len(KINDS) + KINDS.index(kind)) * 2 * per_round
                 for i in range(per_round):
-                    results["in process", kind].append(local.ask(kind, image, base + i))
+                    results["in process", kind].append(local.ask(kind, media, base + i))
                 for i in range(per_round):
                     question = base + per_round + i
-                    results["served", kind].append(hops(served.ask(kind, image, question)))
+                    results["served", kind].append(hops(served.ask(kind, media, question)))
     finally:
         local.close()
         if served is not None:
@@ -218,14 +234,17 @@ def main() -> None:
         f"{way}, {kind}": {name: statistics.median(row[name] for row in rows) for name in rows[0]}
         for (way, kind), rows in results.items()
     }
+    table |= {f"first, {kind}": first[kind] for kind in KINDS}
     model = args.model_path or f"tiny {args.family}"
     print(f"{model}, {args.tokens} tokens a reply, {args.requests} requests a kind and way, p50 ms")
-    print(f"{'':48}{'text':>9}{'image':>9}")
+    print(f"{'':48}" + "".join(f"{kind:>9}" for kind in KINDS))
     for name, label in ROWS:
         cells = [table[f"served, {kind}"].get(name) for kind in KINDS]
         if any(cell is not None for cell in cells):
             text = "".join("        -" if c is None else f"{c:>9.2f}" for c in cells)
             print(f"{label:48}{text}")
+    cells = [table[f"first, {kind}"]["client"] for kind in KINDS]
+    print(f"{'the first request of its kind, client':48}" + "".join(f"{c:>9.2f}" for c in cells))
     print("in process (decode, encode, generate_all in this process):")
     for name in ("total", "prompt", "generate", "engine-queue", "engine-prefill", "engine-decode"):
         cells = [table[f"in process, {kind}"][name] for kind in KINDS]

@@ -21,6 +21,7 @@ import contextlib
 import dataclasses
 import functools
 import hmac
+import logging
 import threading
 import time
 import uuid
@@ -31,6 +32,7 @@ from ray import serve
 from ray.serve.config import BackpressureConfig
 from starlette.exceptions import HTTPException
 
+from areno.engine.sampling import SamplingParams
 from areno.models.registry import adapter_for_checkpoint
 from areno.processing import Processor
 from areno.processing.encode import PromptLimits
@@ -58,11 +60,14 @@ from areno.serve.disconnects import QuietDisconnects
 from areno.serve.drain import Drain, DrainGate, DrainReport
 from areno.serve.errors import AuthenticationError, ModelNotFoundError, unwrap, user_error
 from areno.serve.fanout import PromptBatch
+from areno.serve.first_requests import first_messages
 from areno.serve.metrics import IngressMetrics
 from areno.serve.responses_api import ResponseEventWriter, build_reply
 from areno.serve.sampling import completion_sampling_params, sampling_params
 from areno.serve.timing import HopTimes
 from areno.tools import get_tool_parser
+
+log = logging.getLogger(__name__)
 
 # HTTP requests the Serve proxy queues for the Ingress once every Ingress replica has
 # INGRESS_MAX_ONGOING in flight; beyond that Serve itself answers 503 (plain text, with
@@ -139,6 +144,7 @@ class Ingress:
         self.tool_parser = get_tool_parser(adapter_for_checkpoint(config.model_path).tool_format)
         self.metrics = IngressMetrics()
         self.engine_ready = False
+        self._first_requests: asyncio.Future | None = None
         # NOTE: one Ingress replica a process, so the app's state is this replica's own.
         self.drain = api.state.drain = Drain()
 
@@ -154,7 +160,8 @@ class Ingress:
 
     @api.get("/health")
     async def health(self):
-        """200 once the engine has started; 503 before. The Ingress answers HTTP as soon as its
+        """200 once the engine has started and the first request of each kind has been sent
+        (areno/serve/first_requests.py); 503 before. The Ingress answers HTTP as soon as its
         own replica is up, while the Generator may still be loading the checkpoint and compiling
         its decode step (minutes for a 2B model on a GPU), so readiness asks the engine itself."""
         if not self.engine_ready:
@@ -171,8 +178,45 @@ class Ingress:
             except Exception as error:  # a replica that failed to start: say why, stay up
                 detail = f"the generation engine is unavailable: {error}"
                 return JSONResponse({"status": "unavailable", "detail": detail}, status_code=503)
+            if not self._first_requests_sent().done():
+                detail = "the server is sending its first request of each kind"
+                return JSONResponse({"status": "starting", "detail": detail}, status_code=503)
             self.engine_ready = True
         return {"status": "ok"}
+
+    async def check_health(self) -> None:
+        """Serve's periodic health check of this replica: it starts the first requests where
+        nothing asks `/health` (an app that `serve run` or a RayService deploys)."""
+        self._first_requests_sent()
+
+    def _first_requests_sent(self) -> asyncio.Future:
+        """The first requests' task, started on the first call (`_send_first_requests`)."""
+        if self._first_requests is None:
+            self._first_requests = asyncio.ensure_future(self._send_first_requests())
+        return self._first_requests
+
+    async def _send_first_requests(self) -> None:
+        """One request of one token per kind (text, streamed text, each modality the family
+        accepts) along a user's way; a kind that fails is logged and left to its first user."""
+        params = SamplingParams(max_tokens=1, temperature=0.0)
+        for kind, messages in first_messages(self.text_processor.adapter.modalities).items():
+            try:
+                if kind == "text":
+                    encode = functools.partial(self._encode_text, messages)
+                    loop = asyncio.get_running_loop()
+                    inputs = await loop.run_in_executor(self.encode_thread, encode)
+                    args = (inputs, params, uuid.uuid4().hex, None)
+                    unwrap(await self.generator_unary.generate_all.remote(*args))
+                    args = (inputs, params, uuid.uuid4().hex, None)
+                    async for item in self.generator.generate.remote(*args):
+                        unwrap(item)
+                    continue
+                media = self.decoder.decode_many.remote(self.text_processor.media_refs(messages))
+                stored = unwrap(await self.processor.encode.remote(messages, media, None, None, 1))
+                args = (stored.inputs, params, uuid.uuid4().hex, stored.ref)
+                unwrap(await self.generator_unary.generate_all.remote(*args))
+            except Exception as error:  # noqa: BLE001 - a warm-up; the server serves without it
+                log.warning("the first %s request before serving failed: %s", kind, error)
 
     @api.get("/v1/models")
     async def models(self, request: Request):
