@@ -38,13 +38,32 @@ from areno.protocol.responses import (
     Usage,
 )
 from areno.serve.structured import structured_output
-from areno.tools import ContentDelta, ParsedToolCalls, StreamEvent, ToolParser
+from areno.tools import (
+    ChoiceCall,
+    ContentDelta,
+    ParsedToolCalls,
+    StreamEvent,
+    ToolParser,
+    choice_call,
+)
 from areno.tools.reasoning import THINK_END, ReasoningStream, opens_reasoning, split_reasoning
 
 
 def tools_in_play(request: ChatCompletionRequest) -> bool:
     """Whether the model sees the request's tools and its output is parsed for calls."""
     return bool(request.tools) and request.tool_choice != "none"
+
+
+def forced_choice(request: ChatCompletionRequest, parser: ToolParser | None) -> ChoiceCall | None:
+    """The named forced call whose only freedom is one listed value (`choice_call`), or None:
+    the server writes the rest of that call, the model samples only the value's telling part."""
+    if parser is None or not tools_in_play(request):
+        return None
+    if not isinstance(request.tool_choice, NamedToolChoice):
+        return None
+    name = request.tool_choice.function.name
+    [fn] = [tool.function for tool in request.tools or () if tool.function.name == name]
+    return choice_call(parser, name, fn.parameters or {})
 
 
 def forced_reply_prefix(request: ChatCompletionRequest, parser: ToolParser | None) -> str:
@@ -57,7 +76,9 @@ def forced_reply_prefix(request: ChatCompletionRequest, parser: ToolParser | Non
     if request.tool_choice == "required":
         return parser.forced_prefix(None)
     if isinstance(request.tool_choice, NamedToolChoice):
-        return parser.forced_prefix(request.tool_choice.function.name)
+        choice = forced_choice(request, parser)
+        name = request.tool_choice.function.name
+        return choice.before if choice is not None else parser.forced_prefix(name)
     return ""
 
 
@@ -82,7 +103,8 @@ class PreparedChat:
     """A request as the Generator runs it and as its reply is read: `inputs` is the encoded
     prompt with the forced call opening's tokens appended; `parser` is None unless tools are in
     play; `prefix` is the forced call opening ("" when none, see forced_reply_prefix); `thinking`
-    says each choice's text starts inside a reasoning block (see reasoning_in_play)."""
+    says each choice's text starts inside a reasoning block (see reasoning_in_play); `choice`
+    is the forced call whose rest the server writes (see forced_choice), None for any other."""
 
     request: ChatCompletionRequest
     params: SamplingParams
@@ -90,6 +112,13 @@ class PreparedChat:
     parser: ToolParser | None = None
     prefix: str = ""
     thinking: bool = False
+    choice: ChoiceCall | None = None
+
+    def call_text(self, text: str) -> str:
+        """A sample's text as its tool calls are read: the forced call opening first, and for a
+        forced choice that the model made, the rest of the call after it."""
+        whole = self.choice.complete(text) if self.choice is not None else None
+        return whole if whole is not None else self.prefix + text
 
 
 def prepare(
@@ -103,15 +132,16 @@ def prepare(
     model family's tool parser (used only when the request's tools are in play)."""
     parser = tool_parser if tools_in_play(request) else None
     prefix = forced_reply_prefix(request, parser)
+    choice = forced_choice(request, parser)
     thinking = reasoning_in_play(encoded.prompt_text, prefix)
-    structured = structured_output(request, parser, prefix, thinking)
+    structured = structured_output(request, parser, prefix, thinking, choice)
     if structured is not None:
         params = dataclasses.replace(params, structured=structured)
     if parser is not None or thinking:
         # Tool-call and reasoning tags may be special tokens: keep them in the text.
         params = dataclasses.replace(params, skip_special_tokens=False)
     inputs = _force_prefix(encoded, prefix, tokenizer)
-    return PreparedChat(request, params, inputs, parser, prefix, thinking)
+    return PreparedChat(request, params, inputs, parser, prefix, thinking, choice)
 
 
 def _force_prefix(inputs: PromptInputs, prefix: str, tokenizer: Any) -> PromptInputs:
@@ -174,7 +204,7 @@ def parse_reply(prepared: PreparedChat, text: str) -> tuple[str, ParsedToolCalls
         reasoning, text = split_reasoning(text)
     if prepared.parser is None:
         return reasoning, ParsedToolCalls(text)
-    return reasoning, prepared.parser.parse(prepared.prefix + text, prepared.request.tools)
+    return reasoning, prepared.parser.parse(prepared.call_text(text), prepared.request.tools)
 
 
 def build_response(
@@ -190,8 +220,8 @@ def build_response(
         # NOTE: "abort" is never rewritten to "stop" (an aborted reply must not look complete);
         # the Generator replica answers an aborted request with RequestAbortedError instead.
         finish_reason = delta.finish_reason or "stop"
-        if parsed.tool_calls and finish_reason == "stop":
-            finish_reason = "tool_calls"
+        if parsed.tool_calls and (finish_reason == "stop" or _chose(prepared, delta.text)):
+            finish_reason = "tool_calls"  # a forced choice's call is whole once chosen
         choices.append(
             Choice(
                 index=delta.index,
@@ -207,6 +237,12 @@ def build_response(
         model=model, choices=choices, usage=usage, prompt_token_ids=_prompt_ids(prepared)
     )
     return response, num_malformed
+
+
+def _chose(prepared: PreparedChat, text: str) -> bool:
+    """Whether `text` is a forced choice's value: the server wrote the rest of its call, so
+    the call is whole even where the sampling stopped at max_tokens right after the value."""
+    return prepared.choice is not None and text in prepared.choice.choices
 
 
 def _prompt_ids(prepared: PreparedChat) -> list[int] | None:
@@ -243,6 +279,7 @@ class ChunkWriter:
         self._written: dict[int, tuple[list[str], list[StreamEvent]]] = {}
         self._finish_reasons: dict[int, str] = {}
         self._sent_prompt_ids = False
+        self._chosen: dict[int, str] = {}  # choice index -> a forced choice's text so far
 
     def chunks(self, output: RequestOutput) -> Iterator[str]:
         """SSE lines for one step's deltas."""
@@ -278,8 +315,10 @@ class ChunkWriter:
         self._written.setdefault(delta.index, ([], []))
         reasoning, content, calls = self._split(delta)
         finish = delta.finish_reason
-        if finish == "stop" and self._streams.get(delta.index) is not None:
-            finish = "tool_calls" if self._streams[delta.index].num_calls else finish
+        stream = self._streams.get(delta.index)
+        if finish in ("stop", "length") and stream is not None and stream.num_calls:
+            chose = _chose(self.prepared, self._chosen.get(delta.index, ""))
+            finish = "tool_calls" if finish == "stop" or chose else finish
         self._keep(delta.index, reasoning, content, calls, finish)
         return reasoning, content, calls, finish
 
@@ -316,7 +355,14 @@ class ChunkWriter:
         if parser is None:
             return reasoning, text, []
         stream = self._streams.get(delta.index)
-        if stream is None:
+        if self.prepared.choice is not None:  # the call is read whole, once chosen
+            tools = self.prepared.request.tools
+            stream = stream or self._streams.setdefault(delta.index, parser.stream(tools))
+            self._chosen[delta.index] = self._chosen.get(delta.index, "") + text
+            text = ""
+            if delta.finish_reason is not None:
+                text = self.prepared.call_text(self._chosen[delta.index])
+        elif stream is None:
             stream = self._streams[delta.index] = parser.stream(self.prepared.request.tools)
             text = self.prepared.prefix + text
         events = stream.feed(text)

@@ -4,7 +4,9 @@
 - Tool calls in the family's own syntax (`ToolParser.call_opening`, arguments in its
   `argument_style`, `call_closing`), arguments constrained to the tool's JSON Schema:
   - tool_choice "required" or named: the reply is calls only. The prompt already ends with the
-    forced call opening (serve/chat.py), so the grammar starts after it.
+    forced call opening (serve/chat.py), so the grammar starts after it. A named call whose
+    only freedom is one listed value (`areno.tools.choice_call`): the reply is that value's
+    telling part alone; the server writes the rest of the call around it.
   - tool_choice "auto" with `strict` tools, or `parallel_tool_calls: false`: free text in which
     every call that starts must be well formed (a strict tool's arguments follow its schema,
     another tool's are any object), and with parallel calls off nothing follows the first call.
@@ -24,7 +26,7 @@ from areno.engine.sampling import StructuredOutput
 from areno.protocol import ChatCompletionRequest
 from areno.protocol.chat import NamedToolChoice, ResponseFormat, check_enforceable
 from areno.protocol.errors import RequestValidationError
-from areno.tools import ToolParser
+from areno.tools import ChoiceCall, ToolParser
 from areno.tools.reasoning import THINK_END
 
 # Whitespace a constrained value may hold in a row. A JSON reply: enough for indented JSON, not
@@ -42,10 +44,15 @@ STYLE_UNENFORCED = {"gemma": ("minLength", "maxLength")}
 
 
 def structured_output(
-    request: ChatCompletionRequest, parser: ToolParser | None, prefix: str, thinking: bool
+    request: ChatCompletionRequest,
+    parser: ToolParser | None,
+    prefix: str,
+    thinking: bool,
+    choice: ChoiceCall | None = None,
 ) -> StructuredOutput | None:
     """The grammar of the request's reply (None: free text). `parser` is None unless tools are
-    in play; `prefix` is the forced call opening the prompt ends with ("" when none)."""
+    in play; `prefix` is the forced call opening the prompt ends with ("" when none); `choice`
+    the forced choice whose value is the whole reply (None when the call is not one)."""
     response_format = request.response_format
     if response_format is not None and response_format.type != "text":
         if parser is not None:
@@ -57,6 +64,9 @@ def structured_output(
         return json_output(response_format, thinking)
     if parser is None:
         return None
+    if choice is not None:
+        values = [{"type": "const_string", "value": c} for c in choice.choices]
+        return _structural(_one_of(values), False, "tools")
     calls = _tool_calls(request, parser, prefix)
     return None if calls is None else _structural(calls, thinking, "tools")
 

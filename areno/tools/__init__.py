@@ -6,22 +6,26 @@ splits a complete generation, `stream(tools)` gives a `ToolStreamParser` for del
 """
 
 from areno.tools.base import (
+    ChoiceCall,
     ContentDelta,
     ParsedToolCalls,
     StreamEvent,
     ToolParser,
     ToolStreamParser,
+    choice_call,
 )
 from areno.tools.reasoning import ReasoningStream, opens_reasoning, split_reasoning
 from areno.tools.registry import get_tool_parser, supported_tool_formats
 
 __all__ = [
+    "ChoiceCall",
     "ContentDelta",
     "ParsedToolCalls",
     "ReasoningStream",
     "StreamEvent",
     "ToolParser",
     "ToolStreamParser",
+    "choice_call",
     "get_tool_parser",
     "opens_reasoning",
     "split_reasoning",

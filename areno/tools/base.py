@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -174,6 +175,15 @@ class ToolParser(ABC):
         template does.
         """
 
+    @abstractmethod
+    def argument_layout(self, name: str, key: str) -> tuple[str, str]:
+        """A call of `name` with one argument `key` as the template writes it: its text before
+        the written value (from the start tag) and after it (up to and including the end tag)."""
+
+    def write_value(self, value: Any) -> str:
+        """An argument's value as the family writes it in a call (JSON by default)."""
+        return json.dumps(value, ensure_ascii=False)
+
     def could_open_call(self, body_prefix: str) -> bool:
         """Whether a body starting with `body_prefix` can still be a well-formed call."""
         text = body_prefix.lstrip()
@@ -189,6 +199,51 @@ class ToolParser(ABC):
     def stream(self, tools: Sequence[Tool] | None = None) -> ToolStreamParser:
         """A parser for one generation that arrives in pieces."""
         return ToolStreamParser(self, tools)
+
+
+@dataclass(frozen=True)
+class ChoiceCall:
+    """A forced call whose only freedom is one argument's value, picked from the values its
+    schema lists: the call's text before and after that choice (`before + choice + after` is
+    the whole call, as the template writes it) and each value's part that tells it apart."""
+
+    before: str
+    after: str
+    choices: tuple[str, ...]
+
+    def complete(self, text: str) -> str | None:
+        """The whole call when `text` (what the model wrote after `before`) is one of the
+        choices, else None."""
+        return self.before + text + self.after if text in self.choices else None
+
+
+def choice_call(parser: ToolParser, name: str, parameters: Mapping[str, Any]) -> ChoiceCall | None:
+    """The `ChoiceCall` of a forced call of `name` whose parameter schema takes exactly one
+    argument, required, nothing else allowed, with two or more listed scalar values (`enum`);
+    None for any other schema (the model writes such a call's arguments itself)."""
+    properties = parameters.get("properties")
+    if (
+        parameters.get("type") != "object"
+        or not isinstance(properties, Mapping)
+        or len(properties) != 1
+        or parameters.get("additionalProperties") is not False
+    ):
+        return None
+    [(key, schema)] = properties.items()
+    values = schema.get("enum") if isinstance(schema, Mapping) else None
+    if list(parameters.get("required") or ()) != [key] or not isinstance(values, list):
+        return None
+    if not all(isinstance(v, (str, int, bool)) for v in values) or len(set(values)) < 2:
+        return None
+    written = [parser.write_value(v) for v in values]
+    head = os.path.commonprefix(written)
+    tails = [w[len(head) :] for w in written]
+    tail = os.path.commonprefix([t[::-1] for t in tails])[::-1]
+    choices = tuple(t[: len(t) - len(tail)] for t in tails)
+    if not all(choices) or len(set(choices)) != len(choices):
+        return None  # one value is another's head or tail: keep the written values whole
+    before, after = parser.argument_layout(name, key)
+    return ChoiceCall(before + head, tail + after, choices)
 
 
 def partial_tag_len(text: str, tag: str) -> int:

@@ -7,6 +7,7 @@ both are read, so real checkpoints parse too.
 
 from __future__ import annotations
 
+import json
 import re
 from typing import Any
 
@@ -39,6 +40,14 @@ class Gemma4ToolParser(ToolParser):
     def call_opening(self, name: str) -> str:
         """`<|tool_call>call:NAME`; the arguments object follows at once."""
         return f"{self.start_tag}call:{name}"
+
+    def argument_layout(self, name: str, key: str) -> tuple[str, str]:
+        """`{KEY:VALUE}` in Google's notation: a bare key, no space."""
+        return f"{self.call_opening(name)}{{{key}:", f"}}{self.call_closing}"
+
+    def write_value(self, value: Any) -> str:
+        """A string fenced by `<|"|>`, anything else as JSON."""
+        return f"{_QUOTE}{value}{_QUOTE}" if isinstance(value, str) else json.dumps(value)
 
     def forced_prefix(self, name: str | None) -> str:
         """`<|tool_call>call:`, then the name when there is one (its arguments follow)."""

@@ -32,6 +32,10 @@ class HermesJsonToolParser(ToolParser):
         """`<tool_call>` and the object up to its arguments' value."""
         return f'<tool_call>\n{{"name": {json.dumps(name)}, "arguments": '
 
+    def argument_layout(self, name: str, key: str) -> tuple[str, str]:
+        """`{"KEY": VALUE}` as the arguments' value, written as `json.dumps` writes it."""
+        return f"{self.call_opening(name)}{{{json.dumps(key)}: ", f"}}{self.call_closing}"
+
     def forced_prefix(self, name: str | None) -> str:
         """`<tool_call>` and the object up to the name's opening quote, or with a name up to
         `"arguments":` (the template writes the name first)."""

@@ -17,6 +17,7 @@ whitespace, as a grammar-constrained call may lay it out.
 
 from __future__ import annotations
 
+import json
 import re
 from typing import Any
 
@@ -47,6 +48,15 @@ class Qwen3XmlToolParser(ToolParser):
     def call_opening(self, name: str) -> str:
         """`<tool_call>` and the `<function=NAME>` line."""
         return f"<tool_call>\n<function={name}>\n"
+
+    def argument_layout(self, name: str, key: str) -> tuple[str, str]:
+        """The value on its own line inside its `<parameter=KEY>` element."""
+        before = f"{self.call_opening(name)}<parameter={key}>\n"
+        return before, f"\n</parameter>\n{self.call_closing}"
+
+    def write_value(self, value: Any) -> str:
+        """A string as its text, anything else as JSON."""
+        return value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
 
     def forced_prefix(self, name: str | None) -> str:
         """`<tool_call>` up to `<function=`, or with a name its whole `<function=NAME>` line."""

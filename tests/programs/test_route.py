@@ -8,6 +8,7 @@ the leak guard on what a program sends."""
 from __future__ import annotations
 
 import asyncio
+import json
 from typing import Literal
 
 import openai
@@ -188,10 +189,11 @@ def test_the_example_agent_runs_its_tool_round_trip(env, tmp_path):
     assert isinstance(output[0], str) and len(second.token_ids) == 1
 
 
-def test_the_agents_sdk_example_runs_its_lookup_and_answer_on_the_route(env, tmp_path):
-    """examples/agent_program/sdk_agent.py on the route: the lookup agent's forced tool call
-    (run by the SDK), then the answer agent's call, which shows the image and the options it
-    looked up; a new conversation, so the episode trains as two transitions."""
+def test_the_agents_sdk_example_samples_only_its_letter_on_the_route(env, tmp_path):
+    """examples/agent_program/sdk_agent.py on the route: the agent's forced `answer` call shows
+    the image and the question; the model samples the letter alone (the server writes the rest
+    of the call: areno.tools.choice_call), the SDK runs the tool, and its letter is the final
+    output. One call, one trajectory, one trained token."""
     pytest.importorskip("agents", reason="the Agents SDK: pip install -e '.[agents]'")
     from areno.tasks.color_quiz import load
     from examples.agent_program.sdk_agent import run
@@ -202,14 +204,16 @@ def test_the_agents_sdk_example_runs_its_lookup_and_answer_on_the_route(env, tmp
     async def program(client, base_url, route):
         output.append(await run(sample, client))
 
-    episode = _on_route(env, RouteLimits(32, 4), program)
-    lookup, answer = episode.calls
-    assert [c["name"] for c in lookup.tool_calls] == ["list_options"]
-    [shown] = answer.messages
+    episode = _on_route(env, RouteLimits(1, 2), program)
+    [call] = episode.calls
+    [made] = call.tool_calls
+    assert made["name"] == "answer" and len(call.token_ids) == 1
+    assert output == [json.loads(made["arguments"])["letter"]] and output[0] in "ABCD"
+    [shown] = [m for m in call.messages if m["role"] == "user"]
     image, text = shown["content"]
-    assert image["type"] == "image_url" and text["text"].endswith('"C": "blue", "D": "yellow"}')
-    assert output == [answer.content]
-    assert len(trajectories_from_calls(sample.id, episode)) == 2
+    assert image["type"] == "image_url" and text["text"] == sample.messages[0]["content"][1]["text"]
+    [traj] = trajectories_from_calls(sample.id, episode)
+    assert sum(traj.loss_mask) == 1
 
 
 def test_the_docs_show_the_agents_sdk_example_as_it_is():

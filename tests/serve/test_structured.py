@@ -20,7 +20,7 @@ from areno.engine.generator import Generator
 from areno.models.registry import adapter_for_checkpoint
 from areno.processing import Processor
 from areno.protocol import RequestValidationError, parse_chat_request
-from areno.serve.chat import build_response, prepare, tools_in_play
+from areno.serve.chat import ChunkWriter, build_response, prepare, tools_in_play
 from areno.serve.sampling import sampling_params
 from areno.tools import get_tool_parser
 
@@ -85,8 +85,20 @@ class Family:
         )
         prepared = prepare(request, sampling_params(request), encoded, self.parser, self.tokenizer)
         self.last_params = prepared.params
+        if request.stream:
+            return asyncio.run(self._streamed(prepared))
         output = asyncio.run(self.generator.generate_all(prepared.inputs, prepared.params))
         return build_response(prepared, "tiny", output, self.tokenizer)[0]
+
+    async def _streamed(self, prepared):
+        """The streamed reply as the client accumulates it (the writer's summary) and its SSE
+        chunks."""
+        writer = ChunkWriter(prepared, "tiny", self.tokenizer)
+        lines = []
+        async for output in self.generator.generate(prepared.inputs, prepared.params):
+            lines += writer.chunks(output)
+        chunks = [json.loads(line.removeprefix("data: ")) for line in lines]
+        return writer.summary(), chunks
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -163,6 +175,48 @@ def test_a_named_choice_calls_that_tool_with_valid_arguments(family):
     [call] = choice.message.tool_calls
     assert call.function.name == "pan" and choice.finish_reason == "tool_calls"
     jsonschema.validate(json.loads(call.function.arguments), SCHEMAS["pan"])
+
+
+PICK = {
+    "name": "pick",
+    "parameters": {
+        "type": "object",
+        "properties": {"letter": {"enum": ["A", "B", "C", "D"]}},
+        "required": ["letter"],
+        "additionalProperties": False,
+    },
+}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_named_choice_samples_its_value_alone(family, stream):
+    """A forced call whose only freedom is one listed value (areno.tools.choice_call): the
+    model samples the value, one token here, and the server writes the rest of the call, so
+    the reply is the whole call, finished as a call although sampling stopped at max_tokens.
+    Without the limit, the grammar ends the reply after the value: one stop token more."""
+    tools = [{"type": "function", "function": PICK}]
+    named = {"type": "function", "function": {"name": "pick"}}
+    body = {"tools": tools, "tool_choice": named, "temperature": 1.0, "seed": 3, "n": 4}
+    response = family.chat(**body, max_tokens=1, stream=stream, return_token_ids=True)
+    if stream:
+        response, chunks = response
+        sampled = {i: 0 for i in range(4)}
+        for chunk in chunks:
+            for choice in chunk["choices"]:
+                sampled[choice["index"]] += len(choice.get("token_ids") or ())
+        assert sampled == {i: 1 for i in range(4)}
+    letters = []
+    for choice in response.choices:
+        [call] = choice.message.tool_calls
+        assert call.function.name == "pick" and choice.finish_reason == "tool_calls"
+        letters.append(json.loads(call.function.arguments)["letter"])
+        assert choice.message.content in (None, "")
+    assert set(letters) <= {"A", "B", "C", "D"}
+    if not stream:
+        assert response.usage.completion_tokens == 4
+        unlimited = family.chat(**body, max_tokens=16)
+        assert unlimited.usage.completion_tokens == 8
+        assert all(c.finish_reason == "tool_calls" for c in unlimited.choices)
 
 
 def test_auto_with_strict_tools_keeps_text_free_and_calls_valid(family):
