@@ -59,6 +59,40 @@ SETTINGS = {
     "partial": {"rollout.max_staleness": 1, "rollout.partial_rollouts": True},
 }
 PHASES = ("step_s", "rollout_s", "idle_s", "train_s", "weight_sync_s", "reward_s")
+# The timeline of a step on rank 0 (`time/*` metrics, in the order they run): from the end of
+# the step before (`time/cycle_s`, which holds the step before's record and checkpoint) to the
+# end of this one; what no phase covers is "unattributed".
+TIMELINE = (
+    ("record (step before)", "time/record_s"),
+    ("checkpoint (step before)", "time/checkpoint_s"),
+    ("evaluation", "time/eval_s"),
+    ("launch next rollouts", "time/launch_s"),
+    ("wait for rollout", "time/rollout_wait_s"),
+    ("reward", "time/reward_s"),
+    ("dynamic-sampling refill", "time/refill_s"),
+    ("advantages, metrics", "time/advantages_s"),
+    ("packing", "time/packing_s"),
+    ("scatter to ranks", "time/scatter_s"),
+    ("forward", "time/forward_s"),
+    ("backward", "time/backward_s"),
+    ("optimizer", "time/optimizer_s"),
+    ("train: loss, sums", None),  # time/train_s less forward, backward, optimizer
+    ("weight sync", "time/weight_sync_s"),
+    ("broadcast state", "time/broadcast_s"),
+)
+TRAIN_PARTS = ("time/forward_s", "time/backward_s", "time/optimizer_s")
+# The rollout workers' side: seconds of work per phase (summed over a step's concurrent
+# groups and episodes), and the engine's between two gathers.
+WORKER_TIMELINE = (
+    ("media decoding", "time/rollout/media_s"),
+    ("processing", "time/rollout/process_s"),
+    ("tower encoding (engine)", "time/rollout/media_encode_s"),
+    ("prefill steps (engine)", "time/rollout/prefill_s"),
+    ("decode steps (engine)", "time/rollout/decode_s"),
+    ("episodes waiting on the engine", "time/rollout/generate_s"),
+    ("tools", "time/rollout/tools_s"),
+    ("tool results into the prompt", "time/rollout/tool_inputs_s"),
+)
 # means over the steps, beside the phases
 MEANS = ("train_passes", "shared_fraction", "prefill_tokens_computed", "partial_episodes")
 MAXIMA = ("trajectories_per_pass", "padding_fraction", "staleness_max")  # maxima over the steps
@@ -143,7 +177,33 @@ def run(task: str, name: str, setting: dict, steps: int, data: Path, work: Path)
     row["reward_mean"] = sum(r["reward_mean"] for r in steady) / len(steady)
     row["run_wall_s"] = wall
     row["per_step"] = [{k: r.get(k, 0.0) for k in PHASES} for r in steady]
+    row["timeline"] = timeline(steady)
     return row
+
+
+def timeline(records: list[dict]) -> dict[str, float]:
+    """Mean seconds a step per `TIMELINE` and `WORKER_TIMELINE` phase, the cycle
+    (`time/cycle_s`: end of the step before to the end of this one) and what no rank-0 phase
+    covers of it; empty where the run's metrics have no `time/*` keys (an older tree)."""
+    timed = [r for r in records if "time/cycle_s" in r]
+    if not timed:
+        return {}
+
+    def mean(get) -> float:
+        return sum(get(r) for r in timed) / len(timed)
+
+    out = {}
+    for label, key in TIMELINE:
+        if key is None:
+            out[label] = mean(lambda r: r["time/train_s"] - sum(r.get(p, 0.0) for p in TRAIN_PARTS))
+        else:
+            out[label] = mean(lambda r, key=key: r.get(key, 0.0))
+    out["cycle"] = mean(lambda r: r["time/cycle_s"])
+    out["unattributed"] = out["cycle"] - sum(out[label] for label, _ in TIMELINE)
+    out["rollout (wall, on the workers)"] = mean(lambda r: r["rollout_s"])
+    for label, key in WORKER_TIMELINE:
+        out[label] = mean(lambda r, key=key: r.get(key, 0.0))
+    return out
 
 
 def overrides(text: str, flag: str, parser: argparse.ArgumentParser) -> dict:
@@ -177,9 +237,13 @@ def in_turns(settings: dict, repeats: int) -> list[str]:
 def mean_row(rows: list[dict]) -> dict:
     """The repeats' rows as one: numbers averaged (maxima where the row keeps a maximum)."""
     merged = {}
-    for key in [key for key in rows[0] if key != "per_step"]:
+    for key in [key for key in rows[0] if key not in ("per_step", "timeline")]:
         values = [row[key] for row in rows]
         merged[key] = max(values) if key in MAXIMA else sum(values) / len(values)
+    lines = [row["timeline"] for row in rows if row["timeline"]]
+    merged["timeline"] = (
+        {k: sum(line[k] for line in lines) / len(lines) for k in lines[0]} if lines else {}
+    )
     return merged
 
 
@@ -196,6 +260,24 @@ def print_table(results: dict) -> None:
                 f"{row['prefill_tokens_computed']:>11.0f} {row['partial_episodes']:>10.1f} "
                 f"{base / row['step_s']:>8.2f}x"
             )
+
+
+def print_timeline(results: dict) -> None:
+    """The `timeline` of each task and setting, phases as rows, settings as columns."""
+    for task, rows in results.items():
+        columns = {name: row["timeline"] for name, row in rows.items() if row.get("timeline")}
+        if not columns:
+            continue
+        width = max(12, *(len(name) for name in columns))
+        print(f"\n{task}: a step's timeline, seconds (means over the steps and repeats)")
+        print(f"{'phase':<32} " + " ".join(f"{name:>{width}}" for name in columns))
+        labels = [label for label, _ in TIMELINE] + ["unattributed", "cycle"]
+        labels += ["rollout (wall, on the workers)"] + [label for label, _ in WORKER_TIMELINE]
+        for label in labels:
+            if label == "rollout (wall, on the workers)":
+                print("rollout workers (seconds of work, concurrent):")
+            cells = " ".join(f"{column[label]:>{width}.3f}" for column in columns.values())
+            print(f"{label:<32} {cells}")
 
 
 def main() -> None:
@@ -240,6 +322,7 @@ def main() -> None:
                 name: {**settings[name], **mean_row(rows)} for name, rows in repeats[task].items()
             }
     print_table(results)
+    print_timeline(results)
     meta = {
         "steps": args.steps,
         "settings": settings,
