@@ -8,8 +8,9 @@ settings (`--settings`, the first the baseline of the speed-up column):
   `micro_batch_tokens` 4096: the AVE groups' episodes packed a group a row, their prompt once);
 - `drained` / `partial`: `max_staleness 1` with a weight update that waits for the episodes in
   flight to end, or one that lands at once and re-prefills them (`rollout.partial_rollouts`).
-`--also` adds settings as `--set` overrides, `--set` changes the workload of every setting (the
-AVE episodes' length, say); `--repeats N` runs the settings in turns N times, the order reversed
+`--also` adds settings as `--set` overrides, `--tree NAME=PATH` runs each setting with the code
+of another checkout too (before/after a change, in one run), `--set` changes the workload of
+every setting (the AVE episodes' length, say); `--repeats N` runs the settings in turns N times, the order reversed
 every other time (A B B A ...), so that the load of other jobs on a shared machine falls on
 each alike.
 
@@ -123,11 +124,11 @@ def warm_start(data: Path) -> Path:
     return out
 
 
-def task_args(task: str, data: Path) -> list[str]:
+def task_args(task: str, data: Path, tree: Path = REPO) -> list[str]:
     if task == "color_quiz":
         return [
             "--config",
-            str(REPO / "configs" / "color_quiz.yaml"),
+            str(tree / "configs" / "color_quiz.yaml"),
             "--model-path",
             str(warm_start(data)),
             "--set",
@@ -143,7 +144,7 @@ def task_args(task: str, data: Path) -> list[str]:
     path = str(data / "ave")
     return [
         "--config",
-        str(REPO / AVE / "grpo.yaml"),
+        str(tree / AVE / "grpo.yaml"),
         "--set",
         f"data.loader_kwargs.path={path}",
         "--set",
@@ -153,20 +154,24 @@ def task_args(task: str, data: Path) -> list[str]:
     ]
 
 
-def run(task: str, name: str, setting: dict, steps: int, data: Path, work: Path) -> dict:
+def run(
+    task: str, name: str, setting: dict, steps: int, data: Path, work: Path, tree: Path = REPO
+) -> dict:
+    """One `areno train` run of `setting`, with the code of the checkout `tree`."""
     work.mkdir(parents=True, exist_ok=True)
     run_dir = work / f"{task}-{''.join(c if c.isalnum() else '_' for c in name)}"
-    cmd = [sys.executable, "-m", "areno.cli", "train", "--no-progress", *task_args(task, data)]
+    cmd = [sys.executable, "-m", "areno.cli", "train", "--no-progress"]
+    cmd += task_args(task, data, tree)
     cmd += ["--run-dir", str(run_dir), "--max-steps", str(steps), "--eval-every", "0"]
     cmd += ["--set", "run.export_hf=false", "--set", "run.save_every=0"]
     for key, value in setting.items():
         cmd += ["--set", f"{key}={value}"]
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}  # a local Ray per run
-    env.update(PYTHONPATH=str(REPO), RAY_AUTH_MODE=env.get("RAY_AUTH_MODE", "disabled"))
+    env.update(PYTHONPATH=str(tree), RAY_AUTH_MODE=env.get("RAY_AUTH_MODE", "disabled"))
     start = time.perf_counter()
     log = work / f"{run_dir.name}.log"
     with log.open("w") as out:
-        result = subprocess.run(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
+        result = subprocess.run(cmd, cwd=tree, env=env, stdout=out, stderr=subprocess.STDOUT)
     wall = time.perf_counter() - start
     if result.returncode:
         raise SystemExit(f"{task} failed; see {log}:\n" + log.read_text()[-3000:])
@@ -226,6 +231,21 @@ def parse_settings(args: argparse.Namespace, parser: argparse.ArgumentParser) ->
         settings[extra] = overrides(extra, "--also", parser)
     workload = {k: v for text in args.set for k, v in overrides(text, "--set", parser).items()}
     return {name: {**setting, **workload} for name, setting in settings.items()}
+
+
+def parse_trees(
+    args: argparse.Namespace, parser: argparse.ArgumentParser, settings: dict
+) -> tuple[dict, dict[str, Path]]:
+    """With `--tree NAME=PATH`: every setting once a checkout, named `SETTING@NAME`, and the
+    checkout of each (else this one's)."""
+    if not args.tree:
+        return settings, dict.fromkeys(settings, REPO)
+    trees = overrides(",".join(args.tree), "--tree", parser)
+    for name, path in trees.items():
+        if not (Path(path) / "areno" / "cli.py").is_file():
+            parser.error(f"--tree {name}={path}: not an AReno checkout (no areno/cli.py there)")
+    named = {f"{s}@{t}": setting for s, setting in settings.items() for t in trees}
+    return named, {f"{s}@{t}": Path(p).resolve() for s in settings for t, p in trees.items()}
 
 
 def in_turns(settings: dict, repeats: int) -> list[str]:
@@ -303,10 +323,18 @@ def main() -> None:
         metavar="KEY=VALUE",
         help="an `areno train --set` override of every setting: the workload (repeatable)",
     )
+    parser.add_argument(
+        "--tree",
+        action="append",
+        default=[],
+        metavar="NAME=PATH",
+        help="run every setting with the code of the checkout PATH too, as SETTING@NAME "
+        "(repeatable; a before/after comparison in one run)",
+    )
     parser.add_argument("--repeats", type=int, default=1, help="runs of each setting, in turns")
     parser.add_argument("--out", default=str(REPO / "benchmarks/results/grpo_step.json"))
     args = parser.parse_args()
-    settings = parse_settings(args, parser)
+    settings, trees = parse_trees(args, parser, parse_settings(args, parser))
     results: dict[str, dict] = {}
     repeats: dict[str, dict] = {}
     with tempfile.TemporaryDirectory(prefix="grpo_step_") as tmp:
@@ -315,7 +343,9 @@ def main() -> None:
         for task in args.tasks.split(","):
             repeats[task] = {name: [] for name in settings}
             for turn, name in enumerate(in_turns(settings, args.repeats)):
-                row = run(task, name, settings[name], args.steps, data, work / str(turn))
+                row = run(
+                    task, name, settings[name], args.steps, data, work / str(turn), trees[name]
+                )
                 repeats[task][name].append(row)
                 print(task, name, json.dumps(row), flush=True)
             results[task] = {
@@ -326,6 +356,7 @@ def main() -> None:
     meta = {
         "steps": args.steps,
         "settings": settings,
+        "trees": {name: str(tree) for name, tree in trees.items()},
         "repeats": args.repeats,
         "mean_over": "steps 2..N, then the repeats",
     }
