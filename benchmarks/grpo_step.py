@@ -90,7 +90,7 @@ WORKER_TIMELINE = (
     ("tower encoding (engine)", "time/rollout/media_encode_s"),
     ("prefill steps (engine)", "time/rollout/prefill_s"),
     ("decode steps (engine)", "time/rollout/decode_s"),
-    ("episodes waiting on the engine", "time/rollout/generate_s"),
+    ("engine wait, per episode", "time/rollout/generate_s"),  # divided by the episodes
     ("tools", "time/rollout/tools_s"),
     ("tool results into the prompt", "time/rollout/tool_inputs_s"),
 )
@@ -207,7 +207,10 @@ def timeline(records: list[dict]) -> dict[str, float]:
     out["unattributed"] = out["cycle"] - sum(out[label] for label, _ in TIMELINE)
     out["rollout (wall, on the workers)"] = mean(lambda r: r["rollout_s"])
     for label, key in WORKER_TIMELINE:
-        out[label] = mean(lambda r, key=key: r.get(key, 0.0))
+        per = "per episode" in label
+        out[label] = mean(
+            lambda r, key=key, per=per: r.get(key, 0.0) / (r["episodes"] if per else 1)
+        )
     return out
 
 
