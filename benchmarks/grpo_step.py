@@ -166,7 +166,9 @@ def run(
     cmd += ["--set", "run.export_hf=false", "--set", "run.save_every=0"]
     for key, value in setting.items():
         cmd += ["--set", f"{key}={value}"]
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}  # a local Ray per run
+    # A new local Ray per run, even where another job's `ray start` cluster runs on the machine
+    # (`ray.init` would join it, or hang on it once it is gone).
+    env = {**os.environ, "RAY_ADDRESS": "local"}
     env.update(PYTHONPATH=str(tree), RAY_AUTH_MODE=env.get("RAY_AUTH_MODE", "disabled"))
     start = time.perf_counter()
     log = work / f"{run_dir.name}.log"
