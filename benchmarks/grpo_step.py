@@ -8,8 +8,9 @@ settings (`--settings`, the first the baseline of the speed-up column):
   `micro_batch_tokens` 4096: the AVE groups' episodes packed a group a row, their prompt once);
 - `drained` / `partial`: `max_staleness 1` with a weight update that waits for the episodes in
   flight to end, or one that lands at once and re-prefills them (`rollout.partial_rollouts`).
-`--also` adds settings as `--set` overrides, `--set` changes the workload of every setting (the
-AVE episodes' length, say); `--repeats N` runs the settings in turns N times, the order reversed
+`--also` adds settings as `--set` overrides, `--tree NAME=PATH` runs each setting with the code
+of another checkout too (before/after a change, in one run), `--set` changes the workload of
+every setting (the AVE episodes' length, say); `--repeats N` runs the settings in turns N times, the order reversed
 every other time (A B B A ...), so that the load of other jobs on a shared machine falls on
 each alike.
 
@@ -59,6 +60,40 @@ SETTINGS = {
     "partial": {"rollout.max_staleness": 1, "rollout.partial_rollouts": True},
 }
 PHASES = ("step_s", "rollout_s", "idle_s", "train_s", "weight_sync_s", "reward_s")
+# The timeline of a step on rank 0 (`time/*` metrics, in the order they run): from the end of
+# the step before (`time/cycle_s`, which holds the step before's record and checkpoint) to the
+# end of this one; what no phase covers is "unattributed".
+TIMELINE = (
+    ("record (step before)", "time/record_s"),
+    ("checkpoint (step before)", "time/checkpoint_s"),
+    ("evaluation", "time/eval_s"),
+    ("launch next rollouts", "time/launch_s"),
+    ("wait for rollout", "time/rollout_wait_s"),
+    ("reward", "time/reward_s"),
+    ("dynamic-sampling refill", "time/refill_s"),
+    ("advantages, metrics", "time/advantages_s"),
+    ("packing", "time/packing_s"),
+    ("scatter to ranks", "time/scatter_s"),
+    ("forward", "time/forward_s"),
+    ("backward", "time/backward_s"),
+    ("optimizer", "time/optimizer_s"),
+    ("train: loss, sums", None),  # time/train_s less forward, backward, optimizer
+    ("weight sync", "time/weight_sync_s"),
+    ("broadcast state", "time/broadcast_s"),
+)
+TRAIN_PARTS = ("time/forward_s", "time/backward_s", "time/optimizer_s")
+# The rollout workers' side: seconds of work per phase (summed over a step's concurrent
+# groups and episodes), and the engine's between two gathers.
+WORKER_TIMELINE = (
+    ("media decoding", "time/rollout/media_s"),
+    ("processing", "time/rollout/process_s"),
+    ("tower encoding (engine)", "time/rollout/media_encode_s"),
+    ("prefill steps (engine)", "time/rollout/prefill_s"),
+    ("decode steps (engine)", "time/rollout/decode_s"),
+    ("engine wait, per episode", "time/rollout/generate_s"),  # divided by the episodes
+    ("tools", "time/rollout/tools_s"),
+    ("tool results into the prompt", "time/rollout/tool_inputs_s"),
+)
 # means over the steps, beside the phases
 MEANS = ("train_passes", "shared_fraction", "prefill_tokens_computed", "partial_episodes")
 MAXIMA = ("trajectories_per_pass", "padding_fraction", "staleness_max")  # maxima over the steps
@@ -89,11 +124,11 @@ def warm_start(data: Path) -> Path:
     return out
 
 
-def task_args(task: str, data: Path) -> list[str]:
+def task_args(task: str, data: Path, tree: Path = REPO) -> list[str]:
     if task == "color_quiz":
         return [
             "--config",
-            str(REPO / "configs" / "color_quiz.yaml"),
+            str(tree / "configs" / "color_quiz.yaml"),
             "--model-path",
             str(warm_start(data)),
             "--set",
@@ -109,7 +144,7 @@ def task_args(task: str, data: Path) -> list[str]:
     path = str(data / "ave")
     return [
         "--config",
-        str(REPO / AVE / "grpo.yaml"),
+        str(tree / AVE / "grpo.yaml"),
         "--set",
         f"data.loader_kwargs.path={path}",
         "--set",
@@ -119,20 +154,26 @@ def task_args(task: str, data: Path) -> list[str]:
     ]
 
 
-def run(task: str, name: str, setting: dict, steps: int, data: Path, work: Path) -> dict:
+def run(
+    task: str, name: str, setting: dict, steps: int, data: Path, work: Path, tree: Path = REPO
+) -> dict:
+    """One `areno train` run of `setting`, with the code of the checkout `tree`."""
     work.mkdir(parents=True, exist_ok=True)
     run_dir = work / f"{task}-{''.join(c if c.isalnum() else '_' for c in name)}"
-    cmd = [sys.executable, "-m", "areno.cli", "train", "--no-progress", *task_args(task, data)]
+    cmd = [sys.executable, "-m", "areno.cli", "train", "--no-progress"]
+    cmd += task_args(task, data, tree)
     cmd += ["--run-dir", str(run_dir), "--max-steps", str(steps), "--eval-every", "0"]
     cmd += ["--set", "run.export_hf=false", "--set", "run.save_every=0"]
     for key, value in setting.items():
         cmd += ["--set", f"{key}={value}"]
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}  # a local Ray per run
-    env.update(PYTHONPATH=str(REPO), RAY_AUTH_MODE=env.get("RAY_AUTH_MODE", "disabled"))
+    # A new local Ray per run, even where another job's `ray start` cluster runs on the machine
+    # (`ray.init` would join it, or hang on it once it is gone).
+    env = {**os.environ, "RAY_ADDRESS": "local"}
+    env.update(PYTHONPATH=str(tree), RAY_AUTH_MODE=env.get("RAY_AUTH_MODE", "disabled"))
     start = time.perf_counter()
     log = work / f"{run_dir.name}.log"
     with log.open("w") as out:
-        result = subprocess.run(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
+        result = subprocess.run(cmd, cwd=tree, env=env, stdout=out, stderr=subprocess.STDOUT)
     wall = time.perf_counter() - start
     if result.returncode:
         raise SystemExit(f"{task} failed; see {log}:\n" + log.read_text()[-3000:])
@@ -143,7 +184,36 @@ def run(task: str, name: str, setting: dict, steps: int, data: Path, work: Path)
     row["reward_mean"] = sum(r["reward_mean"] for r in steady) / len(steady)
     row["run_wall_s"] = wall
     row["per_step"] = [{k: r.get(k, 0.0) for k in PHASES} for r in steady]
+    row["timeline"] = timeline(steady)
     return row
+
+
+def timeline(records: list[dict]) -> dict[str, float]:
+    """Mean seconds a step per `TIMELINE` and `WORKER_TIMELINE` phase, the cycle
+    (`time/cycle_s`: end of the step before to the end of this one) and what no rank-0 phase
+    covers of it; empty where the run's metrics have no `time/*` keys (an older tree)."""
+    timed = [r for r in records if "time/cycle_s" in r]
+    if not timed:
+        return {}
+
+    def mean(get) -> float:
+        return sum(get(r) for r in timed) / len(timed)
+
+    out = {}
+    for label, key in TIMELINE:
+        if key is None:
+            out[label] = mean(lambda r: r["time/train_s"] - sum(r.get(p, 0.0) for p in TRAIN_PARTS))
+        else:
+            out[label] = mean(lambda r, key=key: r.get(key, 0.0))
+    out["cycle"] = mean(lambda r: r["time/cycle_s"])
+    out["unattributed"] = out["cycle"] - sum(out[label] for label, _ in TIMELINE)
+    out["rollout (wall, on the workers)"] = mean(lambda r: r["rollout_s"])
+    for label, key in WORKER_TIMELINE:
+        per = "per episode" in label
+        out[label] = mean(
+            lambda r, key=key, per=per: r.get(key, 0.0) / (r["episodes"] if per else 1)
+        )
+    return out
 
 
 def overrides(text: str, flag: str, parser: argparse.ArgumentParser) -> dict:
@@ -168,6 +238,21 @@ def parse_settings(args: argparse.Namespace, parser: argparse.ArgumentParser) ->
     return {name: {**setting, **workload} for name, setting in settings.items()}
 
 
+def parse_trees(
+    args: argparse.Namespace, parser: argparse.ArgumentParser, settings: dict
+) -> tuple[dict, dict[str, Path]]:
+    """With `--tree NAME=PATH`: every setting once a checkout, named `SETTING@NAME`, and the
+    checkout of each (else this one's)."""
+    if not args.tree:
+        return settings, dict.fromkeys(settings, REPO)
+    trees = overrides(",".join(args.tree), "--tree", parser)
+    for name, path in trees.items():
+        if not (Path(path) / "areno" / "cli.py").is_file():
+            parser.error(f"--tree {name}={path}: not an AReno checkout (no areno/cli.py there)")
+    named = {f"{s}@{t}": setting for s, setting in settings.items() for t in trees}
+    return named, {f"{s}@{t}": Path(p).resolve() for s in settings for t, p in trees.items()}
+
+
 def in_turns(settings: dict, repeats: int) -> list[str]:
     """Each setting once a repeat, the order reversed every other repeat (A B B A ...)."""
     names = list(settings)
@@ -177,9 +262,13 @@ def in_turns(settings: dict, repeats: int) -> list[str]:
 def mean_row(rows: list[dict]) -> dict:
     """The repeats' rows as one: numbers averaged (maxima where the row keeps a maximum)."""
     merged = {}
-    for key in [key for key in rows[0] if key != "per_step"]:
+    for key in [key for key in rows[0] if key not in ("per_step", "timeline")]:
         values = [row[key] for row in rows]
         merged[key] = max(values) if key in MAXIMA else sum(values) / len(values)
+    lines = [row["timeline"] for row in rows if row["timeline"]]
+    merged["timeline"] = (
+        {k: sum(line[k] for line in lines) / len(lines) for k in lines[0]} if lines else {}
+    )
     return merged
 
 
@@ -196,6 +285,24 @@ def print_table(results: dict) -> None:
                 f"{row['prefill_tokens_computed']:>11.0f} {row['partial_episodes']:>10.1f} "
                 f"{base / row['step_s']:>8.2f}x"
             )
+
+
+def print_timeline(results: dict) -> None:
+    """The `timeline` of each task and setting, phases as rows, settings as columns."""
+    for task, rows in results.items():
+        columns = {name: row["timeline"] for name, row in rows.items() if row.get("timeline")}
+        if not columns:
+            continue
+        width = max(12, *(len(name) for name in columns))
+        print(f"\n{task}: a step's timeline, seconds (means over the steps and repeats)")
+        print(f"{'phase':<32} " + " ".join(f"{name:>{width}}" for name in columns))
+        labels = [label for label, _ in TIMELINE] + ["unattributed", "cycle"]
+        labels += ["rollout (wall, on the workers)"] + [label for label, _ in WORKER_TIMELINE]
+        for label in labels:
+            if label == "rollout (wall, on the workers)":
+                print("rollout workers (seconds of work, concurrent):")
+            cells = " ".join(f"{column[label]:>{width}.3f}" for column in columns.values())
+            print(f"{label:<32} {cells}")
 
 
 def main() -> None:
@@ -221,10 +328,18 @@ def main() -> None:
         metavar="KEY=VALUE",
         help="an `areno train --set` override of every setting: the workload (repeatable)",
     )
+    parser.add_argument(
+        "--tree",
+        action="append",
+        default=[],
+        metavar="NAME=PATH",
+        help="run every setting with the code of the checkout PATH too, as SETTING@NAME "
+        "(repeatable; a before/after comparison in one run)",
+    )
     parser.add_argument("--repeats", type=int, default=1, help="runs of each setting, in turns")
     parser.add_argument("--out", default=str(REPO / "benchmarks/results/grpo_step.json"))
     args = parser.parse_args()
-    settings = parse_settings(args, parser)
+    settings, trees = parse_trees(args, parser, parse_settings(args, parser))
     results: dict[str, dict] = {}
     repeats: dict[str, dict] = {}
     with tempfile.TemporaryDirectory(prefix="grpo_step_") as tmp:
@@ -233,16 +348,20 @@ def main() -> None:
         for task in args.tasks.split(","):
             repeats[task] = {name: [] for name in settings}
             for turn, name in enumerate(in_turns(settings, args.repeats)):
-                row = run(task, name, settings[name], args.steps, data, work / str(turn))
+                row = run(
+                    task, name, settings[name], args.steps, data, work / str(turn), trees[name]
+                )
                 repeats[task][name].append(row)
                 print(task, name, json.dumps(row), flush=True)
             results[task] = {
                 name: {**settings[name], **mean_row(rows)} for name, rows in repeats[task].items()
             }
     print_table(results)
+    print_timeline(results)
     meta = {
         "steps": args.steps,
         "settings": settings,
+        "trees": {name: str(tree) for name, tree in trees.items()},
         "repeats": args.repeats,
         "mean_over": "steps 2..N, then the repeats",
     }

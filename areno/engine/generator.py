@@ -441,13 +441,14 @@ class Generator:
         """The KV block pool (`KVPool`: blocks, block size, bytes; `describe()` for the log)."""
         return self.core.executor.pool
 
-    def stats(self) -> dict[str, int]:
+    def stats(self) -> dict[str, int | float]:
         """Queue depth, occupancy of slots and KV blocks, preemptions so far, and the prefix
         cache's blocks, saved states (held now; resumed from, saved and evicted so far), the
-        prompt tokens it held of those admitted and the media tower calls it answered (read
+        prompt tokens it held of those admitted, the media tower calls it answered, and the
+        seconds so far of steps that prefilled, decode-only steps and the towers' calls (read
         without locking: a snapshot for metrics)."""
         scheduler = self.core.scheduler
-        media_encodes, media_encodes_cached = self.core.executor.media_cache_stats()
+        media_encodes, media_encodes_cached, media_encode_s = self.core.executor.media_cache_stats()
         return {
             "num_waiting": scheduler.num_waiting,
             "num_running": scheduler.num_running,
@@ -465,6 +466,9 @@ class Generator:
             "num_media_encodes": media_encodes,
             "num_media_encodes_cached": media_encodes_cached,
             "policy_version": self.core.policy_version,
+            "prefill_s": self.core.prefill_s,
+            "decode_s": self.core.decode_s,
+            "media_encode_s": media_encode_s,
         }
 
     def shutdown(self) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import weakref
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -59,7 +60,9 @@ class PromptInputs:
     def __reduce__(self):
         """Pickled with its tensors as NumPy arrays, which Ray hands between processes out of
         band; torch's own pickling of even a (1, 32) token-type tensor costs ~0.2 ms a hop, and
-        a prompt crosses two (Processor or Ingress -> Generator, rollout worker actors)."""
+        a prompt crosses two (Processor or Ingress -> Generator, rollout worker actors).
+        A tensor that several prompts of one pickle share (a GRPO group's episodes share their
+        prompt's media) is pickled once, and unpickled as one tensor (`_SharedViews`)."""
         arrays = {key: _portable(value) for key, value in self.mm_inputs.items()}
         return (_rebuilt, (self.input_ids, arrays, self.mm_spans, self.prompt_text))
 
@@ -84,20 +87,49 @@ def _is_per_token(key: str, value: torch.Tensor, num_tokens: int) -> bool:
     return key.endswith("token_type_ids") and value.ndim == 2 and value.shape[-1] == num_tokens
 
 
+class _SharedViews:
+    """The view made of each object while both live: `_portable`'s array of a tensor, or
+    `_rebuilt`'s tensor of an array, the same object each time within one pickle (whose memo
+    keeps the view alive), so pickle writes, and reads back, a shared tensor once."""
+
+    def __init__(self, make) -> None:
+        self._make = make
+        self._views: dict[int, tuple[weakref.ref, weakref.ref]] = {}
+
+    def __call__(self, source):
+        entry = self._views.get(id(source))
+        if entry is not None and entry[0]() is source:
+            view = entry[1]()
+            if view is not None:
+                return view
+        view = self._make(source)
+        if len(self._views) >= 1024:
+            self._views = {k: v for k, v in self._views.items() if v[0]() is not None}
+        self._views[id(source)] = (weakref.ref(source), weakref.ref(view))
+        return view
+
+
+def _as_tensor(array: np.ndarray) -> torch.Tensor:
+    # copied where the buffer Ray read it into is read-only
+    return torch.from_numpy(array if array.flags.writeable else array.copy())
+
+
+_array_of = _SharedViews(lambda tensor: tensor.numpy())
+_tensor_of = _SharedViews(_as_tensor)
+
+
 def _portable(value: torch.Tensor):
     """A CPU tensor as a NumPy array where NumPy has its dtype (not bfloat16); else itself."""
     if value.device.type != "cpu" or value.requires_grad or value.dtype == torch.bfloat16:
         return value
-    return value.numpy()
+    return _array_of(value)
 
 
 def _rebuilt(input_ids, arrays, mm_spans, prompt_text) -> PromptInputs:
     """`PromptInputs.__reduce__`'s arrays back as tensors (copied where the buffer Ray read them
     into is read-only)."""
     mm_inputs = {
-        key: torch.from_numpy(value if value.flags.writeable else value.copy())
-        if isinstance(value, np.ndarray)
-        else value
+        key: _tensor_of(value) if isinstance(value, np.ndarray) else value
         for key, value in arrays.items()
     }
     return PromptInputs(input_ids, mm_inputs, mm_spans, prompt_text)

@@ -19,7 +19,7 @@ from areno.engine.sampling import SamplingParams
 from areno.programs.program import load_program, portable_output
 from areno.programs.route import EpisodeRoute, RouteLimits
 from areno.rollout.calls import ProgramEpisode, trajectories_from_calls
-from areno.rollout.worker import GroupResult, RolloutSpec, RolloutWorker
+from areno.rollout.worker import GroupResult, RolloutSpec, RolloutWorker, engine_seconds
 
 logger = logging.getLogger("areno.programs")
 
@@ -54,7 +54,7 @@ class ProgramWorker(RolloutWorker):
             why = next((e.error for e in episodes if e.error), "the program made no call")
             return GroupResult([], timings, f"no episode of the program made a call: {why}")
         trajectories = [t for e in episodes for t in trajectories_from_calls(sample_id, e)]
-        return GroupResult(trajectories, timings)
+        return GroupResult(trajectories, timings, engine=engine_seconds(self.env.generator))
 
     async def _run_program(
         self, sample: PublicSample, index: int, sampling: SamplingParams

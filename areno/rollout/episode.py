@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -60,12 +61,24 @@ def encode_prompt_for(
     messages: list[dict],
     tools: list[dict] | None = None,
     sample_id: str | None = None,
+    phases: dict[str, float] | None = None,
 ) -> PromptInputs:
     """The episode's first prompt: the agent's messages with its tools and the sample's own
-    `tools` (`Agent.prompt_tools`), decoded and encoded on the one path."""
+    `tools` (`Agent.prompt_tools`), decoded and encoded on the one path. `phases`: the seconds
+    of its media's decoding ("media_s") and of the processor ("process_s") are added to it."""
+    start = time.perf_counter()
     messages = agent.prompt_messages(messages)
     media = env.decoder.decode_many(env.processor.media_refs(messages))
-    return env.processor.encode(messages, media, tools=agent.prompt_tools(tools, sample_id))
+    decoded = time.perf_counter()
+    prompt = env.processor.encode(messages, media, tools=agent.prompt_tools(tools, sample_id))
+    if phases is not None:
+        _add(phases, "media_s", decoded - start)
+        _add(phases, "process_s", time.perf_counter() - decoded)
+    return prompt
+
+
+def _add(phases: dict[str, float], key: str, seconds: float) -> None:
+    phases[key] = phases.get(key, 0.0) + seconds
 
 
 async def run_episode(
@@ -75,9 +88,13 @@ async def run_episode(
     prompt: PromptInputs,
     sampling: SamplingParams,
     limits: EpisodeLimits,
+    phases: dict[str, float] | None = None,
 ) -> Trajectory:
     """Run one episode from an encoded prompt until a final answer, a turn limit or the context
-    limit, and return its Trajectory (reward not yet set)."""
+    limit, and return its Trajectory (reward not yet set). `phases`: the seconds its turns
+    waited for the generator ("generate_s"), its tools ran ("tools_s") and their results were
+    decoded and encoded into the next turn's prompt ("tool_inputs_s") are added to it."""
+    phases = {} if phases is None else phases
     inputs = prompt
     n = prompt.num_prompt_tokens
     traj = Trajectory(ctx.sample_id, ctx.episode_index, prompt, n, [0] * n, [0.0] * n, [])
@@ -88,7 +105,9 @@ async def run_episode(
             traj.finish = "context"
             break
         params = _turn_params(sampling, limits, room, ctx.episode_index, turn)
+        start = time.perf_counter()
         output = await env.generator.generate_all(inputs, params)
+        _add(phases, "generate_s", time.perf_counter() - start)
         sample = output.samples[0]
         generated = list(sample.token_ids)
         traj.policy_versions.append(output.policy_version)
@@ -125,10 +144,13 @@ async def run_episode(
             traj.rollout_logprobs.append(0.0)
         # NOTE: off the event loop, in a thread: a slow tool, its media's decoding and the
         # encoding of its results never stall the worker's other episodes.
+        start = time.perf_counter()
         results, final = await asyncio.to_thread(
             _run_tools, agent, ctx, parsed.tool_calls, turn, traj
         )
+        _add(phases, "tools_s", time.perf_counter() - start)
         _log_turn(ctx, turn, output, parsed, traj)
+        start = time.perf_counter()
         delta = await asyncio.to_thread(_encode_results, env, agent, results)
         if inputs.num_prompt_tokens + len(generated) + delta.num_prompt_tokens >= (
             limits.max_context_len
@@ -138,6 +160,7 @@ async def run_episode(
             break
         before = inputs.num_prompt_tokens + len(generated)
         inputs = await asyncio.to_thread(env.processor.extend, inputs, generated, delta)
+        _add(phases, "tool_inputs_s", time.perf_counter() - start)
         # NOTE: not delta.num_prompt_tokens: a family that numbers media per prompt (MiniCPM-V)
         # may renumber the delta's media, which can change its length by a digit.
         added = inputs.num_prompt_tokens - before

@@ -63,8 +63,23 @@ class GroupResult:
     """A group's episodes (`run_group`), or none and why its sample was skipped."""
 
     trajectories: list[Trajectory]
-    timings: dict[str, float]
+    timings: dict[str, float]  # the group's wall seconds: encode_s, then generate_s
     skipped: str | None = None  # the sample's error: "MediaNotFoundError: media file not found..."
+    # seconds of work per phase (its episodes' summed: they run concurrently): media_s,
+    # process_s, generate_s, tools_s, tool_inputs_s (`run_episode`)
+    phases: dict[str, float] = field(default_factory=dict)
+    # the engine's seconds so far when the group ended (`engine_seconds`)
+    engine: dict[str, float] = field(default_factory=dict)
+
+
+ENGINE_SECONDS = ("prefill_s", "decode_s", "media_encode_s")
+
+
+def engine_seconds(generator: Generator) -> dict[str, float]:
+    """The engine's seconds so far of steps that prefilled, decode-only steps and media tower
+    calls (`Generator.stats`)."""
+    stats = generator.stats()
+    return {key: float(stats[key]) for key in ENGINE_SECONDS}
 
 
 class EpisodeGate:
@@ -145,17 +160,18 @@ class RolloutWorker:
         trajectories and timings, or none when the sample's own content failed its prompt or
         an episode (SAMPLE_ERRORS: the group is skipped, the error says why)."""
         start = time.perf_counter()
+        phases: dict[str, float] = {}
         try:
             prompt = await asyncio.to_thread(
-                encode_prompt_for, self.env, self.agent, messages, tools, sample_id
+                encode_prompt_for, self.env, self.agent, messages, tools, sample_id, phases
             )
         except SAMPLE_ERRORS as error:
             return GroupResult(
-                [], {"encode_s": time.perf_counter() - start}, sample_error_text(error)
+                [], {"encode_s": time.perf_counter() - start}, sample_error_text(error), phases
             )
         encoded = time.perf_counter()
         episodes = [
-            self._episode(ToolContext(sample_id, messages, index), prompt, sampling)
+            self._episode(ToolContext(sample_id, messages, index), prompt, sampling, phases)
             for index in range(group_size)
         ]
         # Every episode ends before the group does, failed or not: none keeps running unseen.
@@ -164,15 +180,22 @@ class RolloutWorker:
         errors = [r for r in results if isinstance(r, BaseException)]
         if bad := [e for e in errors if not isinstance(e, SAMPLE_ERRORS)]:
             raise bad[0]
+        engine = engine_seconds(self.env.generator)
         if errors:
-            return GroupResult([], timings, sample_error_text(errors[0]))
-        return GroupResult(list(results), timings)
+            return GroupResult([], timings, sample_error_text(errors[0]), phases, engine)
+        return GroupResult(list(results), timings, phases=phases, engine=engine)
 
     async def _episode(
-        self, ctx: ToolContext, prompt: PromptInputs, sampling: SamplingParams
+        self,
+        ctx: ToolContext,
+        prompt: PromptInputs,
+        sampling: SamplingParams,
+        phases: dict[str, float],
     ) -> Trajectory:
         async with self.sampling_episode():
-            return await run_episode(self.env, self.agent, ctx, prompt, sampling, self.limits)
+            return await run_episode(
+                self.env, self.agent, ctx, prompt, sampling, self.limits, phases
+            )
 
     def sampling_episode(self) -> contextlib.AbstractAsyncContextManager:
         """Held while an episode samples: with drained updates (no partial rollouts) an update

@@ -31,7 +31,7 @@ from areno.train import rollouts
 from areno.train.batching import MiniBatch, plan_step
 from areno.train.config import GRPOConfig
 from areno.train.grpo import group_advantages
-from areno.train.metrics import MetricsWriter
+from areno.train.metrics import MetricsWriter, PhaseTimer
 from areno.train.weight_sync import WeightSync
 
 logger = logging.getLogger("areno.train")
@@ -107,6 +107,8 @@ class Controller:
         # The rollouts in flight, oldest first, and the next step whose rollout is to start.
         self._in_flight: collections.deque[_InFlight] = collections.deque()
         self._next_launch = start_step
+        # each rollout worker's engine seconds when its last gathered group ended
+        self._engine_seen: dict[int, dict[str, float]] = {}
         self._progress = None
         if config.run.progress:
             from tqdm import tqdm
@@ -122,26 +124,32 @@ class Controller:
         (counted per token: with rollout.partial_rollouts an episode's later tokens may be a
         newer policy's)."""
         cfg = self.config
+        timer = PhaseTimer()
         if cfg.run.eval_every and step % cfg.run.eval_every == 0:
-            self.writer.write(step, self.evaluate())
+            with timer("eval"):
+                self.writer.write(step, self.evaluate())
         last = min(step + cfg.rollout.max_staleness, cfg.run.max_steps - 1)
-        while self._next_launch <= last:
-            self._in_flight.append(self._launch(self._next_launch))
-            self._next_launch += 1
+        with timer("launch"):
+            while self._next_launch <= last:
+                self._in_flight.append(self._launch(self._next_launch))
+                self._next_launch += 1
         this = self._in_flight.popleft()
-        trajectories, adv, metrics = self._finish(this)
-        metrics.update(staleness_metrics(trajectories, step, cfg.rollout.max_staleness))
-        shares = plan_step(
-            list(zip(trajectories, adv.tolist(), strict=True)),
-            self.world_size,
-            cfg.grpo.mini_batches,
-            cfg.trainer.micro_batch_tokens,
-            batched_media=self.batched_media,
-            version=step,
-            packs=self.packs,
-        )
+        trajectories, adv, metrics = self._finish(this, timer)
+        with timer("advantages"):
+            metrics.update(staleness_metrics(trajectories, step, cfg.rollout.max_staleness))
+        with timer("packing"):
+            shares = plan_step(
+                list(zip(trajectories, adv.tolist(), strict=True)),
+                self.world_size,
+                cfg.grpo.mini_batches,
+                cfg.trainer.micro_batch_tokens,
+                batched_media=self.batched_media,
+                version=step,
+                packs=self.packs,
+            )
         learn = cfg.grpo.loss.kl_coef > 0 or bool(adv.ne(0).any())
         metrics["update_skipped"] = float(not learn)
+        metrics.update(timer.metrics())
         return StepBatch(shares, learn, metrics, this.data_position)
 
     def record(self, step: int, metrics: dict[str, Any]) -> None:
@@ -167,6 +175,7 @@ class Controller:
         sampling = dataclasses.replace(self.sampling, temperature=self.config.run.eval_temperature)
         per_prompt = self.config.run.eval_samples_per_prompt
         gathered, _ = self._gather("evaluation", self.eval_samples, per_prompt, sampling, EVAL_SEED)
+        self._engine_phases(gathered)  # the evaluation's engine seconds are no step's
         groups, samples = _kept("evaluation", gathered, self.eval_samples)
         score(self.reward_fn, groups, samples, self.config.reward_kwargs)
         metrics = rollout_metrics([t for g in groups for t in g], prefix="eval/")
@@ -184,32 +193,41 @@ class Controller:
         )
         return _InFlight(step, samples, seed, dispatched, self.stream.position)
 
-    def _finish(self, this: _InFlight) -> tuple[list[Trajectory], torch.Tensor, dict[str, Any]]:
+    def _finish(
+        self, this: _InFlight, timer: PhaseTimer
+    ) -> tuple[list[Trajectory], torch.Tensor, dict[str, Any]]:
         """Gather a launched rollout and score it (with `grpo.dynamic_sampling`, its groups
-        without signal replaced): the trajectories to train, their advantages, the metrics."""
+        without signal replaced): the trajectories to train, their advantages, the metrics
+        (`timer`: the phases' seconds on rank 0, the workers' as `time/rollout/*`)."""
         cfg = self.config
         what = f"step {this.step + 1}'s rollout"
         wait_start = time.perf_counter()
-        gathered, retries = self._gather(
-            what, this.samples, cfg.grpo.group_size, self.sampling, this.seed, this.dispatched
-        )
+        with timer("rollout_wait"):
+            gathered, retries = self._gather(
+                what, this.samples, cfg.grpo.group_size, self.sampling, this.seed, this.dispatched
+            )
         groups, samples = _kept(what, gathered, this.samples)
         reward_s = score(self.reward_fn, groups, samples, cfg.reward_kwargs)
+        timer.add("reward", reward_s)
         drawn = Drawn(
             list(groups), gathered.seconds, retries, len(gathered.skipped), this.samples[:]
         )
-        kept = self._fill(this, groups, samples, drawn) if cfg.grpo.dynamic_sampling else groups
+        kept = groups
+        if cfg.grpo.dynamic_sampling:
+            with timer("refill"):
+                kept = self._fill(this, groups, samples, drawn)
         # NOTE: a step that kept no group trains the groups it drew first (advantages all 0:
         # no update without a KL term), so that its metrics and versions move as any step's
         trained = kept or groups
         idle_s = time.perf_counter() - wait_start
-        adv = advantages(trained, cfg.grpo.normalize_std)
-        trajectories = [t for group in trained for t in group]
-        everything = [t for group in drawn.groups for t in group]
-        # NOTE: the reward and length metrics are the sampling policy's, over every group
-        # drawn: the trained ones alone (dynamic sampling) leave out the all-equal groups.
-        metrics: dict[str, Any] = rollout_metrics(everything)
-        metrics.update(prefill_metrics(everything))
+        with timer("advantages"):
+            adv = advantages(trained, cfg.grpo.normalize_std)
+            trajectories = [t for group in trained for t in group]
+            everything = [t for group in drawn.groups for t in group]
+            # NOTE: the reward and length metrics are the sampling policy's, over every group
+            # drawn: the trained ones alone (dynamic sampling) leave out the all-equal groups.
+            metrics: dict[str, Any] = rollout_metrics(everything)
+            metrics.update(prefill_metrics(everything))
         generated = sum(t.num_generated_tokens for t in everything)
         metrics.update(
             rollout_s=drawn.seconds,
@@ -221,9 +239,25 @@ class Controller:
             skipped_samples=float(drawn.skipped),
             sample_ids=[sample.id for sample in drawn.samples],  # the data the step consumed
         )
+        metrics.update({f"time/rollout/{k}": v for k, v in gathered.phases.items()})
+        metrics.update(self._engine_phases(gathered))
         if cfg.grpo.dynamic_sampling:
             metrics.update(drawn.metrics(len(kept), cfg.grpo.prompts_per_step))
         return trajectories, adv, metrics
+
+    def _engine_phases(self, gathered: rollouts.Gathered) -> dict[str, float]:
+        """The rollout workers' engine seconds (`time/rollout/prefill_s`, `decode_s`,
+        `media_encode_s`) between the ends of the last groups of this batch and of the one
+        gathered before: the step's episodes', and any later step's run meanwhile."""
+        totals: dict[str, float] = {}
+        for worker, now in gathered.engine.items():
+            seen = self._engine_seen.get(worker, {})
+            for key, value in now.items():
+                before = seen.get(key, 0.0)
+                # a restarted worker counts from 0 again
+                totals[key] = totals.get(key, 0.0) + (value - before if value >= before else value)
+            self._engine_seen[worker] = dict(now)
+        return {f"time/rollout/{k}": v for k, v in totals.items()}
 
     def _fill(
         self, this: _InFlight, groups: list[list[Trajectory]], samples: list[Sample], drawn: Drawn

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from typing import Any
 
 import torch
@@ -55,6 +56,9 @@ def deepspeed_config(config: GRPOConfig, world_size: int, dtype: torch.dtype) ->
 SUM_KEYS = ("tokens", "abs_diff", "max_abs", "clip", "kl", "loss", "ratio_max", "steps")
 SUM_KEYS += ("passes", "rows", "padded", "packed", "real", "fresh", "ratio", "tis")
 SUM_KEYS += ("capped", "masked")
+# seconds of the step's forward passes (logprobs: the policy's, the reference's, the recomputed
+# old ones), backward passes and optimizer steps (`Learner.timed`)
+PHASE_KEYS = ("forward_s", "backward_s", "optimizer_s")
 
 # Media features a trainer rank keeps within one step (frozen towers: `Learner.features`).
 TRAINER_FEATURE_BYTES = 1 << 30
@@ -111,6 +115,7 @@ class Learner:
         # A group's episodes share a row, their prompt once (`areno.train.packing`); None:
         # one trajectory a row.
         self.layout = pack_layout(self.module, self.device)
+        self._sums: dict[str, float] | None = None  # the step's (`train_step`), for `timed`
         # The KL term's reference: the initial weights, a model of their own; under LoRA the
         # base model itself, its adapters disabled for the pass (`_reference`).
         self.kl = config.grpo.loss.kl_coef > 0
@@ -137,7 +142,8 @@ class Learner:
         """This rank's part of a step: for each of `grpo.epochs` passes over the rollout batch,
         each mini-batch's micro-batches accumulated, then one optimizer step."""
         set_train_mode(self.module, self.frozen)
-        sums = dict.fromkeys(SUM_KEYS, 0.0)
+        sums = dict.fromkeys(SUM_KEYS + PHASE_KEYS, 0.0)
+        self._sums = sums
         if not learn:
             # NOTE: every advantage is 0 and there is no KL term, so the loss has no gradient;
             # an optimizer step would still move the weights along Adam's momentum.
@@ -150,12 +156,26 @@ class Learner:
             for _ in range(cfg.epochs):
                 for mini in share:
                     self.accumulate(mini, sums, fixed)
-                    self.deepspeed.step()
+                    with self.timed("optimizer_s"):
+                        self.deepspeed.step()
                     sums["steps"] += 1
         finally:
             if self.features is not None:
                 self.features.clear()
         return sums
+
+    @contextlib.contextmanager
+    def timed(self, key: str):
+        """Adds the block's seconds to this step's `key` (PHASE_KEYS); on a GPU to the end of
+        the device work it queued."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            if self.device.startswith("cuda"):
+                torch.cuda.synchronize()
+            if self._sums is not None:
+                self._sums[key] += time.perf_counter() - start
 
     def accumulate(
         self,
@@ -193,6 +213,10 @@ class Learner:
         features looked up around its own forward to the stack; media tensors of two
         trajectories are never concatenated), or, where the trainer does not pack, padded rows
         of one trajectory each."""
+        with self.timed("forward_s"):
+            return self._forward(model, trajs, sizes, temperature)
+
+    def _forward(self, model, trajs: list[Trajectory], sizes: list[int], temperature) -> list:
         if self.layout is None or len(trajs) == 1:
             starts = [t.num_prompt_tokens for t in trajs]
             inputs = [t.inputs for t in trajs]
@@ -236,7 +260,8 @@ class Learner:
         """A backward pass that adds nothing (`MiniBatch.num_fillers`): this rank's gradient
         reduction meets the other ranks' for a mini-batch it has fewer trajectories of."""
         rows = self._logprobs(self.module, [traj for traj, _ in micro], sizes, 1.0)
-        self.deepspeed.backward(sum(row.sum() for row in rows) * 0.0)
+        with self.timed("backward_s"):
+            self.deepspeed.backward(sum(row.sum() for row in rows) * 0.0)
 
     def _learn(self, micro, sizes: list[int], mini: MiniBatch, sums: dict, fixed: dict) -> None:
         """One micro-batch's forward (rows of `sizes` consecutive trajectories), its
@@ -305,7 +330,8 @@ class Learner:
         sums["real"] += sum(t.num_tokens for t in trajs)
         # DeepSpeed averages the gradient over the ranks; undo it so the summed gradient is
         # that of the mini-batch's aggregate.
-        self.deepspeed.backward(total * self.world_size)
+        with self.timed("backward_s"):
+            self.deepspeed.backward(total * self.world_size)
 
 
 def _rows(mini: MiniBatch, index: int) -> list[int]:
@@ -372,4 +398,6 @@ def reduce_sums(sums: dict[str, float]) -> dict[str, float]:
         # the trained tokens whose TIS weight hit tis_cap, and those the mask weighted 0
         "tis_capped_fraction": sum(s["capped"] for s in gathered) / tokens,
         "masked_fraction": sum(s["masked"] for s in gathered) / tokens,
+        # the slowest rank's (the others wait for it at each backward's reduction)
+        **{f"time/{key}": max(s.get(key, 0.0) for s in gathered) for key in PHASE_KEYS},
     }

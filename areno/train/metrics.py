@@ -7,6 +7,7 @@ the W&B and MLflow ones need their packages (the `wandb` / `mlflow` extras), whi
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import json
 import logging
@@ -64,6 +65,28 @@ def check_trackers(trackers: list[str]) -> None:
             "mlflow package installed; file:PATH with MLFLOW_ALLOW_FILE_STORE=true)",
             param="loggers",
         )
+
+
+class PhaseTimer:
+    """Seconds per named phase of a GRPO step, as its `time/<phase>_s` metrics (a phase timed
+    twice adds up)."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def __call__(self, phase: str):
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.add(phase, time.perf_counter() - start)
+
+    def add(self, phase: str, seconds: float) -> None:
+        self.seconds[phase] = self.seconds.get(phase, 0.0) + seconds
+
+    def metrics(self) -> dict[str, float]:
+        return {f"time/{phase}_s": seconds for phase, seconds in self.seconds.items()}
 
 
 class MetricsWriter:

@@ -131,11 +131,16 @@ def dispatch(
 @dataclass
 class Gathered:
     """A batch's groups in sample order (a skipped sample's is empty), the seconds its slowest
-    group took on its worker, and why each skipped sample was skipped (by its index)."""
+    group took on its worker, and why each skipped sample was skipped (by its index).
+    `phases`: the seconds of work per phase on the workers, summed over the groups
+    (`GroupResult.phases`); `engine`: each worker's engine seconds so far when its last
+    group of the batch ended (by the worker's index)."""
 
     groups: list[list[Trajectory]]
     seconds: float
     skipped: dict[int, str]
+    phases: dict[str, float] = dataclasses.field(default_factory=dict)
+    engine: dict[int, dict[str, float]] = dataclasses.field(default_factory=dict)
 
 
 def gather(dispatched: Dispatched) -> Gathered:
@@ -144,4 +149,12 @@ def gather(dispatched: Dispatched) -> Gathered:
     results = wait_all(dispatched.refs, dispatched.indices)
     seconds = max((sum(r.timings.values()) for r in results), default=0.0)
     skipped = {i: r.skipped for i, r in enumerate(results) if r.skipped is not None}
-    return Gathered([r.trajectories for r in results], seconds, skipped)
+    phases: dict[str, float] = {}
+    engine: dict[int, dict[str, float]] = {}
+    for result, worker in zip(results, dispatched.indices, strict=True):
+        for key, value in result.phases.items():
+            phases[key] = phases.get(key, 0.0) + value
+        latest = engine.setdefault(worker, dict(result.engine))
+        for key, value in result.engine.items():
+            latest[key] = max(latest.get(key, 0.0), value)
+    return Gathered([r.trajectories for r in results], seconds, skipped, phases, engine)

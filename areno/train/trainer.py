@@ -17,17 +17,25 @@ from areno.train.config import GRPOConfig
 from areno.train.controller import Controller, StepBatch
 from areno.train.learner import Learner, reduce_sums
 from areno.train.lora import export_adapter, is_lora
+from areno.train.metrics import PhaseTimer
 from areno.train.weight_sync import WeightSync, gathered, trainable_named
 
 logger = logging.getLogger("areno.train")
 
 
-def _scatter(batch: StepBatch | None, rank: int) -> tuple[list, bool]:
-    """Each rank receives its own mini-batches of the step (and whether the step learns)."""
+def _scatter(batch: StepBatch | None, rank: int, world_size: int) -> tuple[list, bool]:
+    """Each rank receives its own mini-batches of the step (and whether the step learns).
+    Rank 0 keeps its own share as it is: pickled, a share's trajectories carry their media
+    tensors, each episode its own copy (1.9 s of the AVE agent's 3.5 s step on CPU, with one
+    rank; docs/performance.md). Only the other ranks' shares are sent."""
+    if world_size == 1:
+        return batch.shares[0], batch.learn
     received: list[Any] = [None]
-    inputs = [(share, batch.learn) for share in batch.shares] if rank == 0 else None
+    inputs = None
+    if rank == 0:
+        inputs = [None] + [(share, batch.learn) for share in batch.shares[1:]]
     dist.scatter_object_list(received, inputs, src=0)
-    return received[0]
+    return (batch.shares[0], batch.learn) if rank == 0 else received[0]
 
 
 def _broadcast(obj: Any, rank: int) -> Any:
@@ -121,12 +129,17 @@ def run_steps(
     launch_id: str | None = None,
 ) -> checkpoint.TrainState:
     """The steps from `state.step` to `run.max_steps`: batch (rank 0) -> scatter -> train ->
-    sync -> metrics -> checkpoint (`step_s` leaves the checkpoint's save out). Returns the
-    state after the last."""
+    sync -> metrics -> checkpoint (`step_s` leaves the metrics' writing and the checkpoint's
+    save out: they are the next step's `time/record_s` and `time/checkpoint_s`, and its
+    `time/cycle_s` runs from this step's end to its own). Returns the state after the last."""
+    ended = None  # when the step before's `step_s` was taken
+    carried: dict[str, float] = {}  # the step before's record and checkpoint seconds
     while state.step < config.run.max_steps:
         step_start = time.perf_counter()
+        timer = PhaseTimer()
         batch = controller.batch(state.step) if controller is not None else None
-        share, learn = _scatter(batch, rank)
+        with timer("scatter"):
+            share, learn = _scatter(batch, rank, learner.world_size)
         train_start = time.perf_counter()
         train_metrics = reduce_sums(learner.train_step(share, learn))
         train_s = time.perf_counter() - train_start
@@ -138,23 +151,35 @@ def run_steps(
         if batch is not None:
             # the samples of rollouts still running are drawn again by a run resumed from here
             state.data_position = batch.data_position
-        state = _broadcast(state, rank)
+        with timer("broadcast"):
+            state = _broadcast(state, rank)
         # The step's metrics are written before its checkpoint: a run killed in between redoes
         # the step when resumed, and no checkpointed step lacks them.
+        start = time.perf_counter()
         if controller is not None:
-            metrics = {**batch.metrics, **train_metrics}
+            metrics = {**batch.metrics, **train_metrics, **timer.metrics(), **carried}
             metrics.update(
                 train_s=train_s,
                 weight_sync_s=sync_s,
-                step_s=time.perf_counter() - step_start,
+                step_s=start - step_start,
                 train_tokens_per_s=train_metrics["trained_tokens"] / max(train_s, 1e-9),
                 data_position=state.data_position,
                 trainable_params=learner.num_trainable,
             )
+            metrics["time/train_s"] = train_s
+            metrics["time/weight_sync_s"] = sync_s
+            if ended is not None:
+                metrics["time/cycle_s"] = start - ended
             controller.record(state.step, metrics)
+        ended = start
+        recorded = time.perf_counter()
         saved = config.run.save_every and state.step % config.run.save_every == 0
         if saved or state.step == config.run.max_steps:
             checkpoint.save(
                 learner.deepspeed, config.run.run_dir, state, rank=rank, launch_id=launch_id
             )
+        carried = {
+            "time/record_s": recorded - start,
+            "time/checkpoint_s": time.perf_counter() - recorded,
+        }
     return state

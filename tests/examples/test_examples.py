@@ -130,6 +130,12 @@ def test_example_trains_two_steps(name, ray_head, tiny_path, datasets, tmp_path)
     if name == "ave":
         evals = [r for r in records if "eval/reward_mean" in r]
         assert [(r["step"], r["eval/episodes"]) for r in evals] == [(0, 4.0), (2, 4.0)]
+        # the step's timeline: step 1 ran the evaluation at step 0; step 2's cycle holds it all
+        assert steps[0]["time/eval_s"] >= evals[0]["eval_s"] > 0
+        assert steps[1]["time/cycle_s"] >= steps[1]["step_s"] > steps[1]["time/train_s"]
+        assert steps[1]["time/rollout/media_s"] > 0
+        # the engine's seconds between two gathers: overlapped, step 1's may hold step 2's
+        assert sum(r["time/rollout/prefill_s"] for r in steps) > 0
         # ARENO_LOG_COMPLETIONS=1 reached the rollout workers of the running cluster: a line per
         # turn (the scripted episodes of tests/rollout show calls parsed and executed in it)
         logged = [

@@ -238,3 +238,31 @@ def test_an_encoded_prompt_crosses_processes_whole(tiny_path, media, family):
         assert back.mm_inputs[key].dtype == value.dtype and torch.equal(back.mm_inputs[key], value)
         back.mm_inputs[key].add_(1)  # writable, and not the sender's memory
         assert not torch.equal(back.mm_inputs[key], value)
+
+
+def test_a_groups_prompts_cross_processes_with_their_media_once(tiny_path, media):
+    """A GRPO group's episodes share their prompt's media tensors: a pickle of them (a rollout
+    worker's group, through Ray) holds each once, out of band as Ray sends it, and reads back
+    one tensor the episodes share, copied out of the read-only buffer once."""
+    import pickle
+
+    processor, decoder = worker(tiny_path, "gemma4")
+    messages = user(video(media["video"]), {"type": "text", "text": "hi"})
+    prompt = process_messages(processor, decoder, messages)
+    episodes = [prompt.with_tokens(prompt.input_ids + [i + 1]) for i in range(4)]
+    buffers: list = []
+    data = pickle.dumps(episodes, protocol=5, buffer_callback=buffers.append)
+    alone: list = []
+    pickle.dumps(prompt, protocol=5, buffer_callback=alone.append)
+    per_token = sum(key.endswith("token_type_ids") for key in prompt.mm_inputs)
+    # each media tensor once; the per-token ones, each episode's own
+    assert len(buffers) == len(alone) + (len(episodes) - 1) * per_token
+    back = pickle.loads(data, buffers=[buffer.raw().toreadonly() for buffer in buffers])
+    for key, value in prompt.mm_inputs.items():
+        if key.endswith("token_type_ids"):  # per token: each episode's own, one longer
+            assert back[0].mm_inputs[key] is not back[1].mm_inputs[key]
+            continue
+        assert all(item.mm_inputs[key] is back[0].mm_inputs[key] for item in back), key
+        assert torch.equal(back[0].mm_inputs[key], value)
+        back[0].mm_inputs[key].add_(1)  # writable: a copy of the read-only buffer
+    assert [item.input_ids for item in back] == [item.input_ids for item in episodes]

@@ -388,6 +388,7 @@ def test_ray_job_submit_runs_training_and_private_data_stays_private(
     assert 0 <= last["prefill_tokens_computed"] <= last["prefill_tokens_requested"]
     assert 0 <= last["prefix_hit_rate"] <= 1
     assert records[-1]["kl"] > 0 and records[-1]["logprob_mismatch_mean_abs"] <= 1e-4
+    _assert_timeline(records[-1])
     _assert_serving_classes_load(run_dir / "hf")
     # the canary reached the reward (it raises otherwise) and nothing else
     leaks = [
@@ -397,6 +398,43 @@ def test_ray_job_submit_runs_training_and_private_data_stays_private(
         if path.is_file() and not path.is_symlink() and _contains(path, CANARY)
     ]
     assert not leaks and CANARY not in submitted.stdout + submitted.stderr
+
+
+# A step's phases on rank 0, in the order they run (`time/*` metrics; the record and checkpoint
+# are the step before's).
+RANK0_PHASES = (
+    "record",
+    "checkpoint",
+    "launch",
+    "rollout_wait",
+    "reward",
+    "advantages",
+    "packing",
+    "scatter",
+    "train",
+    "weight_sync",
+    "broadcast",
+)
+WORKER_PHASES = ("media", "process", "generate", "prefill", "decode", "media_encode")
+
+
+def _assert_timeline(record: dict) -> None:
+    """A step's timeline: every phase timed, none negative, and together no longer than the
+    step's cycle (the step before's end to this step's end); the trainer's forward, backward
+    and optimizer within its train time; the rollout workers' phases reported."""
+    phases = [record[f"time/{name}_s"] for name in RANK0_PHASES]
+    assert all(seconds >= 0 for seconds in phases), phases
+    assert record["step_s"] <= record["time/cycle_s"]
+    assert sum(phases) <= record["time/cycle_s"] + 1e-3
+    parts = [record[f"time/{name}_s"] for name in ("forward", "backward", "optimizer")]
+    assert all(seconds > 0 for seconds in parts), parts
+    assert sum(parts) <= record["time/train_s"] + 1e-3
+    assert record["time/train_s"] == record["train_s"]
+    workers = [record[f"time/rollout/{name}_s"] for name in WORKER_PHASES]
+    assert all(seconds >= 0 for seconds in workers), workers
+    # every step processes and prefills prompts (one-token answers: maybe no decode-only step;
+    # an image seen before is answered by the decoder's and the towers' caches)
+    assert min(record[f"time/rollout/{name}_s"] for name in ("process", "prefill")) > 0
 
 
 def _assert_serving_classes_load(checkpoint: Path) -> None:

@@ -52,6 +52,11 @@ class EngineCore:
         self._freed_seq_ids: list[int] = []
         # The launched step whose tokens the host has not read: its rows' sequences, in order.
         self._in_flight: tuple[list[Sequence], PendingStep] | None = None
+        # Host seconds in `step`: steps that prefilled (their decode rows with them) and
+        # decode-only steps (a timeline's prefill and decode; on a GPU, with `overlap`, a
+        # step's device work is paid in the next step's wait).
+        self.prefill_s = 0.0
+        self.decode_s = 0.0
 
     @property
     def has_work(self) -> bool:
@@ -130,28 +135,39 @@ class EngineCore:
         While a grammar-bound sequence runs, steps are not overlapped: its matcher must see each
         token before it masks the next (areno/engine/outputs/grammar.py).
         """
+        start = time.perf_counter()
+        outputs, prefilled = self._step()
+        if prefilled:
+            self.prefill_s += time.perf_counter() - start
+        else:
+            self.decode_s += time.perf_counter() - start
+        return outputs
+
+    def _step(self) -> tuple[list[RequestOutput], bool]:
+        """`step`'s work; also whether it prefilled."""
         early = []
         overlap = self.overlap and not self.outputs.has_grammars
         if self._in_flight is not None and (not overlap or self.scheduler.would_preempt()):
             early = self.flush()  # only a sequence without a token in flight is preempted
         scheduled = self.scheduler.schedule()
         if scheduled.is_empty:
-            return early + self.flush()
+            return early + self.flush(), False
         # Decode rows in slot order: running slots are mostly a packed range, which the runner
         # reads through views instead of gathering copies.
         decode = sorted(scheduled.decode, key=lambda seq: seq.slot)
+        prefills = bool(scheduled.prefill)
         step = self._step_input(scheduled.prefill, decode, overlap)
         step.state_saves = scheduled.state_saves
         seqs = [seq for item in scheduled.prefill if item.is_final for seq in item.seqs] + decode
         if not overlap:
-            return early + self._update(seqs, self.executor.execute(step))
+            return early + self._update(seqs, self.executor.execute(step)), prefills
         pending = self.executor.launch(step)
         outputs = self.flush()
         if pending is not None:  # None: only chunks that do not end their prompts ran
             for seq in seqs:
                 seq.num_in_flight += 1
             self._in_flight = (seqs, pending)
-        return early + outputs
+        return early + outputs, prefills
 
     def flush(self) -> list[RequestOutput]:
         """Wait for the step in flight, if any, and return its news."""

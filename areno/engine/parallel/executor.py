@@ -97,7 +97,7 @@ class Executor(abc.ABC):
         """`score` under LoRA adapter `adapter` (tp_size 1, as `load_adapter`)."""
         return self.worker.score(inputs, adapter, num_top_logprobs)
 
-    def media_cache_stats(self) -> tuple[int, int]:
+    def media_cache_stats(self) -> tuple[int, int, float]:
         return self.worker.media_cache_stats()
 
     def compiled_paths(self) -> CompiledPaths:

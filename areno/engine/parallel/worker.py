@@ -379,10 +379,11 @@ class Worker:
             num_blocks=runner.num_blocks,
         )
 
-    def media_cache_stats(self) -> tuple[int, int]:
-        """Media tower calls made and answered from the encoder cache."""
+    def media_cache_stats(self) -> tuple[int, int, float]:
+        """Media tower calls made and answered from the encoder cache, and the seconds the
+        calls made took."""
         encoders = self.runner.encoders
-        return encoders.num_misses, encoders.num_hits
+        return encoders.num_misses, encoders.num_hits, encoders.encode_s
 
     @property
     def caches_prefixes(self) -> bool:

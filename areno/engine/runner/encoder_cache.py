@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import time
 from typing import Any
 
 import torch
@@ -38,6 +39,8 @@ class EncoderCache:
         self.max_bytes = max_bytes
         self.num_bytes = 0
         self.num_hits = self.num_misses = 0
+        # host seconds spent in the towers' missed calls (on a GPU: to their launch's return)
+        self.encode_s = 0.0
         self._encoding = False  # inside a missed call's own encoding
         self._entries: collections.OrderedDict[tuple, tuple[Any, int]] = collections.OrderedDict()
 
@@ -81,10 +84,12 @@ class EncoderCache:
                 return entry[0]
             self.num_misses += 1
             self._encoding = True
+            start = time.perf_counter()
             try:
                 output = encode(*args, **kwargs)
             finally:
                 self._encoding = False
+                self.encode_s += time.perf_counter() - start
             self._put(key, output)
             return output
 
