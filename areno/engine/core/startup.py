@@ -70,10 +70,12 @@ def _batched_prefill(core: Any, num_blocks: int) -> None:
 def _parts_prefill(core: Any, num_blocks: int) -> None:
     """Prompts prefilled in two parts each, as a long prompt's chunks and a resumption from the
     prefix cache are (`ModelRunner.prefill_parts`): two prompts together, then one alone (the
-    compiled text stack specializes a batch of one). The parts' widths and starts do not
-    recompile it (their sizes stay symbolic, a part's width is never one)."""
+    compiled text stack specializes a batch of one). Each part reads more than one block, as
+    every size the compile sees is more than one: it then stays generic in the parts' widths
+    and starts and in their keys' length (a part's width is never one)."""
     block_size = core.scheduler.config.block_size
-    num_tokens = 4
+    num_tokens = 2 * block_size + 2
+    cut = block_size + 1
     per_slot = blocks_for(num_tokens, block_size)
     for num_rows in (2, 1) if core.scheduler.config.max_running_prompts > 1 else (1,):
         prompts = [PromptInputs([0] * num_tokens, {}) for _ in range(num_rows)]
@@ -82,7 +84,7 @@ def _parts_prefill(core: Any, num_blocks: int) -> None:
             [min(1 + slot * per_slot + i, num_blocks) for i in range(per_slot)]
             for slot in range(num_rows)
         ]
-        for start, end in ((0, 2), (2, num_tokens)):
+        for start, end in ((0, cut), (cut, num_tokens)):
             items = [
                 PrefillItem(p, [slot], [tables[slot]], start=start, end=end)
                 for slot, p in enumerate(prompts)

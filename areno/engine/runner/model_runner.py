@@ -665,6 +665,10 @@ class ModelRunner:
         starts_B1 = torch.tensor([p.start for p in parts])[:, None]
         pos_BQ = (starts_B1 + torch.arange(width)).clamp(max=last_position)
         kv_len = int(pos_BQ.max()) + 1
+        if compiled:
+            # NOTE: keys of more than one block, for the same reason: parts whose keys fit in
+            # one block would compile again. The keys past every row's last position are masked.
+            kv_len = max(kv_len, min(self.block_size + 1, last_position + 1))
         pos_BQ = to_device(pos_BQ, self.device)
         slots_B = to_device(torch.tensor(slots), self.device)
         lengths_B = to_device(torch.tensor(lengths), self.device)
