@@ -73,11 +73,13 @@ def _parts_prefill(core: Any, num_blocks: int) -> None:
     compiled text stack specializes a batch of one). Each part reads more than one block, as
     every size the compile sees is more than one: it then stays generic in the parts' widths
     and starts and in their keys' length (a part's width is never one)."""
-    block_size = core.scheduler.config.block_size
-    num_tokens = 2 * block_size + 2
-    cut = block_size + 1
-    per_slot = blocks_for(num_tokens, block_size)
-    for num_rows in (2, 1) if core.scheduler.config.max_running_prompts > 1 else (1,):
+    config = core.scheduler.config
+    num_tokens = min(2 * config.block_size + 2, config.max_context_len)
+    cut = num_tokens // 2
+    if cut < 2:
+        return  # no part of a prompt this short is two tokens wide
+    per_slot = blocks_for(num_tokens, config.block_size)
+    for num_rows in (2, 1) if config.max_running_prompts > 1 else (1,):
         prompts = [PromptInputs([0] * num_tokens, {}) for _ in range(num_rows)]
         # Blocks past the sink, or the sink for a small pool: nobody reads them after.
         tables = [
