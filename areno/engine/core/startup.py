@@ -2,8 +2,8 @@
 
 `run_steps` allocates the cache and compiles the decode step, the batched prefill and the
 prefill of parts of prompts now rather than in a request's time (a minute or more each for a 2B
-model on an H200); `prefill_and_drop`
-is also how `Generator.warm_up` gives each media tower its first forward. The phases a
+model on an H200); `prefill_and_drop` is also how `Generator.warm_up` gives each media tower its
+first forward. The phases a
 Generator records (`Generator.start_up`): load (tokenizer, weights), cache (allocation),
 compile (the compiled steps and, on CUDA, their first graph captures; absent when nothing is
 compiled), warm-up (media towers). What compiling produces is kept for the next start in the
@@ -28,13 +28,13 @@ _DROPPED_ROW = RowSampling(seq_id=-1, params=SamplingParams(temperature=0, max_t
 def run_steps(core: Any, times: dict[str, float]) -> None:
     """A one-token prefill into slot 0 allocates the cache (raising CacheMemoryError where it
     does not fit, areno/engine/layers/cache.py); where they are compiled, a batched prefill of two
-    prompts of unequal lengths into slots 0 and 1, prefills of parts of prompts (`_parts_prefill`),
-    then a decode step of the smallest row bucket and one of the next. The compiles are generic in the row count and lengths (see
-    areno/engine/runner/compiled.py); should a model's code still pin a size it first saw, the second
-    decode step makes that recompile happen here, and a batched prefill of one prompt the
-    compile of that batch size. Outputs are dropped; the slots are free again
-    after, and their next prefills overwrite what these wrote. Records "cache" and "compile"
-    seconds in `times`."""
+    prompts of unequal lengths into slots 0 and 1, prefills of parts of prompts
+    (`_parts_prefill`), then a decode step of the smallest row bucket and one of the next. The
+    compiles are generic in the row count and lengths (see areno/engine/runner/compiled.py);
+    should a model's code still pin a size it first saw, the second decode step makes that
+    recompile happen here, and a batched prefill of one prompt (a part of one) the compile of
+    that batch size. Outputs are dropped; the slots are free again after, and their next
+    prefills overwrite what these wrote. Records "cache" and "compile" seconds in `times`."""
     paths = core.executor.compiled_paths()
     start = time.perf_counter()
     prefill_and_drop(core, PromptInputs([0], {}))
