@@ -12,6 +12,7 @@ twice, cache off then on (`EngineConfig.enable_prefix_caching`).
 
     python benchmarks/chat_prefix.py [--chats 8] [--turns 4]
     python benchmarks/chat_prefix.py --workload shared-system --family qwen3_5 [--users 64]
+        [--prefill-compile inductor]
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 from engine_workloads import write_results  # noqa: E402
 
-from areno.engine.config import EngineConfig  # noqa: E402
+from areno.engine.config import COMPILE_MODES, EngineConfig  # noqa: E402
 from areno.media.samples import write_image  # noqa: E402
 from areno.models.tiny import tiny_checkpoint  # noqa: E402
 
@@ -118,7 +119,9 @@ def served(path: str, images: list[str], args, caching: bool) -> tuple[list[list
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    engine = EngineConfig(max_running_prompts=4, enable_prefix_caching=caching)
+    engine = EngineConfig(
+        max_running_prompts=4, enable_prefix_caching=caching, prefill_compile=args.prefill_compile
+    )
     config = ServeConfig(model_path=path, port=port, engine=engine)
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     ray.init(include_dashboard=False, log_to_driver=False)
@@ -158,6 +161,12 @@ def main() -> None:
     parser.add_argument("--users", type=int, default=64, help="shared-system: users")
     parser.add_argument(
         "--system-tokens", type=int, default=1000, help="shared-system: its prompt's tokens"
+    )
+    parser.add_argument(
+        "--prefill-compile",
+        default="auto",
+        choices=COMPILE_MODES,
+        help="EngineConfig.prefill_compile (auto: off on CPU, inductor on CUDA)",
     )
     parser.add_argument("--image-size", type=int, default=448)
     parser.add_argument("--out", default="benchmarks/results/chat_prefix.json")

@@ -73,6 +73,7 @@ def child(args: argparse.Namespace) -> dict:
             "backend_s": timed.get(BACKEND, 0.0),
             "captures_s": sum(captures),
             "captures": len(captures),
+            "frames": counters["frames"]["ok"],
             "cache_counters": {
                 key: {name: n for name, n in values.items() if "cache" in name or "bypass" in name}
                 for key, values in caches.items()
@@ -141,7 +142,10 @@ def main() -> None:
         cells = "".join(f"{row.get(key, 0.0):>10.1f}s" for _, key in COLUMNS)
         print(f"{row['start']:<28}{cells}")
     for row in rows:
-        print(f"{row['start']}: {row['captures']} captures; caches {row['cache_counters']}")
+        print(
+            f"{row['start']}: {row['frames']} frames compiled, {row['captures']} captures; "
+            f"caches {row['cache_counters']}"
+        )
     result = {
         "benchmark": "engine_startup",
         "model_path": args.model_path,

@@ -87,11 +87,14 @@ class Generator:
                 block_size=pool.block_size,
                 enable_prefix_caching=(config.enable_prefix_caching and executor.caches_prefixes),
                 num_state_rows=executor.num_state_rows,
-                # NOTE: not where whole prompts prefill compiled: a save splits the prefill into
-                # parts, which run eagerly (57 ms of host time for a 256-token prompt of the
-                # 1.7B shape on an H100, docs/performance.md); there text prompts resume only
-                # from what their turns and groups saved.
-                saves_text_prompts=not executor.compiled_paths().batched_prefill,
+                # NOTE: not where whole prompts prefill compiled and parts of prompts do not: a
+                # save splits the prefill into parts, which eagerly cost the host what the
+                # compiled whole prompt saves (57 ms of host time for a 256-token prompt of
+                # the 1.7B shape on an H100, docs/performance.md); there text prompts would
+                # resume only from what their turns and groups saved.
+                saves_text_prompts=(
+                    not (paths := executor.compiled_paths()).batched_prefill or paths.prefill_parts
+                ),
                 checkpoint_blocks=config.prefix_checkpoint_blocks,
             )
         except BaseException:

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 
+import torch
+
 from areno.engine.config import EngineConfig
 from areno.engine.generator import Generator
 from areno.engine.sampling import SamplingParams
@@ -37,6 +39,10 @@ class Setup:
 
     def generator(self, **config) -> Generator:
         config = {"max_running_prompts": 4, "max_context_len": 1024} | config
+        if config.get("prefill_compile", "off") != "off":
+            # Every engine of the process compiles the same text-stack code, and dynamo keeps
+            # a limited number of compiles per code: earlier tests' would crowd out this one's.
+            torch._dynamo.reset()
         return Generator.from_model(self.model, self.processor.tokenizer, EngineConfig(**config))
 
     def reference(self, inputs, max_new_tokens: int) -> list[int]:
@@ -49,6 +55,13 @@ class Setup:
             if token in eos:
                 return tokens[: i + 1]
         return tokens
+
+
+def frames_compiled() -> int:
+    """The frames torch.compile has compiled in this process so far (dynamo's count)."""
+    from torch._dynamo.utils import counters
+
+    return counters["frames"]["ok"]
 
 
 def run(coro):

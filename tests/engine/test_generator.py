@@ -154,8 +154,8 @@ def test_text_prompts_of_unequal_lengths_arriving_together_equal_generate(
     """Prompts admitted in one step share a padded prefill (`runner/prefills.py::prefill_groups`); each gives
     what transformers' generate gives it alone, also when that prefill runs compiled (dynamo's
     trace, as inductor gets it; compiled during the engine's warm-up). Prefix caching off:
-    with it on an uncompiled engine saves a text prompt's states midway, and such prompts
-    share a forward of parts instead (test_prefix_cache.py)."""
+    with it on an engine saves a text prompt's states midway, and such prompts share a
+    forward of parts instead (test_prefix_cache.py)."""
     setup = setups(family)
     inputs = [
         setup.encode(text(t))
@@ -191,10 +191,11 @@ def test_a_lone_text_prompt_runs_the_compiled_batched_prefill_where_there_is_one
 ):
     """A prompt alone in its step takes the compiled text stack where prefills are compiled
     (eager, its launches cost the host more than the GPU's work); uncompiled, the model's own
-    forward. Either way it gives what transformers' generate gives."""
+    forward. Either way it gives what transformers' generate gives. Prefix caching off (with
+    it on, the prompt's state saves split it into parts, test_prefix_cache.py)."""
     setup = setups("qwen3_5")
     x = setup.encode(text("Name a color you like a lot."))
-    gen = setup.generator(prefill_compile=prefill_compile)
+    gen = setup.generator(prefill_compile=prefill_compile, enable_prefix_caching=False)
     runner = gen.core.executor.runner
     batched: list[int] = []
     prefill_batch = runner.prefill_batch

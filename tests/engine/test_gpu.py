@@ -119,11 +119,16 @@ def test_a_padded_prefill_equals_one_at_a_time_on_cuda(tiny_path, family, prefil
     decode_alike(alone, together, prompts, want.argmax(-1).tolist())
 
 
-@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_vl"])
-def test_parts_of_prompts_in_one_forward_equal_whole_prefills_on_cuda(tiny_path, family):
+@pytest.mark.parametrize(
+    ("family", "prefill_compile"),
+    [("qwen3_5", "off"), ("qwen3_vl", "off"), ("qwen3_5", "inductor"), ("gemma4", "inductor")],
+)
+def test_parts_of_prompts_in_one_forward_equal_whole_prefills_on_cuda(
+    tiny_path, family, prefill_compile
+):
     """Parts of prompts of unequal lengths in one forward over their slots' cached keys
-    (`prefill_parts`; the Triton gated-delta kernel continuing each row's state) give each
-    prompt's own last logits and decode steps."""
+    (`prefill_parts`; the Triton gated-delta kernel continuing each row's state), also with the
+    text stack compiled by inductor, give each prompt's own last logits and decode steps."""
     from areno.engine.runner.batched_prefill import PromptPart
     from areno.models import get_adapter
     from areno.models.registry import read_model_type
@@ -134,7 +139,10 @@ def test_parts_of_prompts_in_one_forward_equal_whole_prefills_on_cuda(tiny_path,
     prompts = [PromptInputs(torch.randint(5, 500, (n,)).tolist(), {}) for n in (9, 40, 17, 300, 3)]
     cuts = [4, 33, 17, 100, 1]
     alone = ModelRunner(model, num_slots=8, max_len=512, graphs="off")
-    together = ModelRunner(model, num_slots=8, max_len=512, graphs="off")
+    together = ModelRunner(
+        model, num_slots=8, max_len=512, graphs="off", prefill_compile=prefill_compile
+    )
+    together.prefill(prompts[0], [SLOTS[0]])  # the cache allocates uncompiled, as the engine's
     want = torch.stack([alone.prefill(p, [s]) for p, s in zip(prompts, SLOTS, strict=True)])
     together.prefill_batch([prompts[1]] * len(SLOTS), [[s] for s in SLOTS])  # earlier states
     first = [
@@ -148,6 +156,7 @@ def test_parts_of_prompts_in_one_forward_equal_whole_prefills_on_cuda(tiny_path,
     ]
     have = together.prefill_parts(rest)
     assert torch.allclose(have, want[[0, 1, 3, 4]], atol=1e-3)
+    assert together.parts_compiled == (prefill_compile != "off")
     decode_alike(alone, together, prompts, want.argmax(-1).tolist())
 
 
@@ -368,6 +377,51 @@ def test_update_weights_by_cuda_ipc(tiny_path):
     finally:
         done.set()
         gen.shutdown()
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "gemma4"])
+def test_questions_after_a_shared_system_prompt_resume_with_prefills_compiled_on_cuda(
+    tiny_path, family
+):
+    """On CUDA (float32) with the prefill compiled by inductor, decode graphs captured: text
+    prompts save their states at checkpoints in compiled parts, so questions after one shared
+    system prompt resume where they part (>= 90% cached from the third) and a prompt sent again
+    at its last full block; every reply is the cold engine's, and nothing compiles after
+    start-up."""
+    from tests.engine.generating import frames_compiled
+
+    setup = Setup(tiny_path(family))
+    setup.model.cuda()
+    system = "You are a careful assistant who answers about rivers and seas. " * 10
+    questions = ["where does the river go?", "why is the sea salty?", "name a long river."]
+    prompts = [
+        setup.encode([{"role": "system", "content": system}, *text(f"Question {i}: {q}")])
+        for i, q in enumerate(questions, start=1)
+    ]
+    prompts.append(prompts[0])
+    greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    results = {}
+    for cache in (False, True):
+        gen = setup.generator(
+            block_size=4,
+            enable_prefix_caching=cache,
+            prefix_checkpoint_blocks=8,
+            decode_compile="off",
+            prefill_compile="inductor" if cache else "off",
+        )
+        compiled_at_start = frames_compiled()
+        try:
+            outputs = [asyncio.run(gen.generate_all(x, greedy)) for x in prompts]
+        finally:
+            gen.shutdown()
+        results[cache] = [(o.samples[0].token_ids, o.num_cached_tokens) for o in outputs]
+    assert gen.core.executor.runner.parts_compiled
+    assert frames_compiled() == compiled_at_start
+    assert [t for t, _ in results[True]] == [t for t, _ in results[False]]
+    cached = [c for _, c in results[True]]
+    assert cached[0] == 0 and cached[1] > 0, cached
+    for count, x in zip(cached[2:], prompts[2:], strict=True):
+        assert count >= 0.9 * x.num_prompt_tokens, cached
 
 
 @pytest.mark.parametrize("family", ["qwen3_5", "qwen3_vl", "gemma4"])

@@ -15,6 +15,7 @@ from tests.engine.generating import (
     FAMILIES,
     GREEDY,
     arrive_together,
+    frames_compiled,
     mixed_requests,
     run,
     run_chunked,
@@ -75,13 +76,19 @@ def test_samples_beyond_the_slots_run_later_and_equal_separate_requests(setups, 
         assert samples[i].token_ids == one.samples[0].token_ids
 
 
+@pytest.mark.parametrize(
+    ("overlap", "prefill_compile"),
+    [("off", "off"), ("on", "off"), ("on", "eager")],
+    ids=["steps", "overlapped", "overlapped-compiled"],
+)
 @pytest.mark.parametrize("family", FAMILIES)
 def test_long_text_prompts_prefilled_in_chunks_beside_decodes_equal_generate(
-    setups, family, overlap
+    setups, family, overlap, prefill_compile
 ):
     """A budget of 16 prompt tokens a step: the long prompts (past Gemma 4's 64-token sliding
     window) are prefilled in chunks over several steps while the short request decodes, and
-    every request gets transformers' greedy tokens."""
+    every request gets transformers' greedy tokens; also where prefills run compiled (the
+    chunks' forwards compiled at start-up, never after)."""
     setup = setups(family)
     inputs = [
         setup.encode(text("Hi.")),
@@ -90,11 +97,16 @@ def test_long_text_prompts_prefilled_in_chunks_beside_decodes_equal_generate(
     ]
     assert all(x.num_prompt_tokens > 64 for x in inputs[1:])
     expected = [setup.reference(x, GREEDY.max_tokens) for x in inputs]
-    gen = setup.generator(max_num_batched_tokens=16, overlap_steps=overlap)
+    gen = setup.generator(
+        max_num_batched_tokens=16, overlap_steps=overlap, prefill_compile=prefill_compile
+    )
+    compiled_at_start = frames_compiled()
     outputs, chunks = run_chunked(gen, inputs)
     for i, (want, output) in enumerate(zip(expected, outputs, strict=True)):
         assert output.samples[0].token_ids == want, (i, output.samples[0].token_ids, want)
     assert len(chunks) >= 8 and max(end - start for _, start, end in chunks) <= 16
+    assert gen.core.executor.runner.parts_compiled == (prefill_compile != "off")
+    assert frames_compiled() == compiled_at_start
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -22,7 +22,15 @@ from areno.engine.sampling import SamplingParams
 from areno.errors import ConfigError
 from areno.media.samples import write_audio, write_image, write_video
 from areno.train.policy import sequence_logprobs
-from tests.engine.generating import FAMILIES, GREEDY, arrive_together, run, text, with_media
+from tests.engine.generating import (
+    FAMILIES,
+    GREEDY,
+    arrive_together,
+    frames_compiled,
+    run,
+    text,
+    with_media,
+)
 
 TOKENS = list(range(100, 140))  # 2 full blocks of 16 and 8 tokens more
 
@@ -552,11 +560,15 @@ def test_turns_that_resume_together_share_forwards_and_keep_the_cold_tokens(
     assert max(warm_shared) == len(questions)  # a later turn's four resumptions, one forward
 
 
+@pytest.mark.parametrize("prefill_compile", ["off", "eager"])
 @pytest.mark.parametrize("family", FAMILIES)
-def test_a_text_prompt_sent_again_resumes_from_the_cache_on_every_family(setups, family):
+def test_a_text_prompt_sent_again_resumes_from_the_cache_on_every_family(
+    setups, family, prefill_compile
+):
     """A text prompt's prefill saves the layer states (linear attention, sliding windows) at
     its last full block, so the same prompt again finds all of it but its last partial block
-    cached, and answers as the cold engine does."""
+    cached, and answers as the cold engine does; also where prefills run compiled (the parts
+    a save splits a prefill into, and the resumption, compiled at start-up, never after)."""
     setup = setups(family)
     x = setup.encode(text("Tell me a story about a river that ran to the sea, " * 6))
     params = SamplingParams(temperature=0, max_tokens=6, logprobs=True, ignore_eos=True)
@@ -565,7 +577,8 @@ def test_a_text_prompt_sent_again_resumes_from_the_cache_on_every_family(setups,
         (expected,) = run(arrive_together(cold, [x], params))
     finally:
         cold.shutdown()
-    gen = setup.generator(block_size=4, enable_prefix_caching=True)
+    gen = setup.generator(block_size=4, enable_prefix_caching=True, prefill_compile=prefill_compile)
+    compiled_at_start = frames_compiled()
     try:
         first, _ = _cached_tokens(gen, x, params)
         again, cached = _cached_tokens(gen, x, params)
@@ -574,14 +587,21 @@ def test_a_text_prompt_sent_again_resumes_from_the_cache_on_every_family(setups,
     n = x.num_prompt_tokens
     assert cached >= 0.9 * n and cached == (n - 1) // 4 * 4, (cached, n)
     assert first == again == expected.samples[0].token_ids
+    assert gen.core.executor.runner.parts_compiled == (prefill_compile != "off")
+    assert frames_compiled() == compiled_at_start
 
 
+@pytest.mark.parametrize("prefill_compile", ["off", "eager"])
 @pytest.mark.parametrize("family", FAMILIES)
-def test_questions_after_a_shared_system_prompt_resume_near_where_they_part(setups, family):
+def test_questions_after_a_shared_system_prompt_resume_near_where_they_part(
+    setups, family, prefill_compile
+):
     """Four questions after one long system prompt, one at a time: the second resumes at the
     first's deepest checkpoint within the shared tokens (every `prefix_checkpoint_blocks`
-    blocks below its last full block's save), and saves the state where it parts from the first; the third and fourth resume
-    exactly there (>= 90% of their prompts). Every reply is the cache-off engine's."""
+    blocks below its last full block's save), and saves the state where it parts from the
+    first; the third and fourth resume exactly there (>= 90% of their prompts). Every reply is
+    the cache-off engine's, also where the cached engine's prefills run compiled (compiled at
+    start-up, never after)."""
     setup = setups(family)
     system = "You are a careful assistant who answers about rivers and seas. " * 10
     questions = ["where does the river go?", "why is the sea salty?", "name a long river.",
@@ -600,11 +620,19 @@ def test_questions_after_a_shared_system_prompt_resume_near_where_they_part(setu
     params = SamplingParams(temperature=0, max_tokens=6, logprobs=True, ignore_eos=True)
     replies = {}
     for cache in (False, True):
-        gen = setup.generator(block_size=4, enable_prefix_caching=cache, prefix_checkpoint_blocks=8)
+        gen = setup.generator(
+            block_size=4,
+            enable_prefix_caching=cache,
+            prefix_checkpoint_blocks=8,
+            prefill_compile=prefill_compile if cache else "off",
+        )
+        compiled_at_start = frames_compiled()
         try:
             replies[cache] = [_cached_tokens(gen, x, params) for x in prompts]
         finally:
             gen.shutdown()
+    assert gen.core.executor.runner.parts_compiled == (prefill_compile != "off")
+    assert frames_compiled() == compiled_at_start
     assert [tokens for tokens, _ in replies[True]] == [tokens for tokens, _ in replies[False]]
     cached = [count for _, count in replies[True]]
     assert cached[0] == 0 and shared >= 200, (cached, shared)

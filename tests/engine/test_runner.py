@@ -342,6 +342,48 @@ def test_a_compiled_batched_prefill_is_one_graph_for_every_shape(tiny_path, fami
     assert counters["stats"]["unique_graphs"] == 1
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_compiled_prefill_of_parts_is_two_graphs_for_every_shape(tiny_path, family):
+    """The text stack of a forward of parts (`prefill_parts`: chunks, resumptions) compiles
+    without breaks into one graph for several rows and one for a row alone, whatever the
+    parts' widths (one token included), starts (0 or past cached keys) and row counts; it
+    gives the uncompiled runner's logits and cache (the decode step after). Past Gemma 4's
+    64-token window, rows read each its own ring window."""
+    from torch._dynamo.utils import counters
+
+    _, _, model = load(tiny_path, family)
+    plain = ModelRunner(model, num_slots=6, max_len=256, block_size=4)
+    compiled = ModelRunner(model, num_slots=6, max_len=256, block_size=4, prefill_compile="eager")
+    for runner in (plain, compiled):  # the cache allocates, uncompiled (as the engine starts)
+        runner.prefill(PromptInputs([5, 9, 11], {}), [5])
+    torch._dynamo.reset()  # an earlier test's compile of this family would be reused, unseen
+    counters.clear()
+    lengths = [150, 97, 40, 9]
+    prompts = [
+        PromptInputs([(7 * i + j) % 50 + 3 for j in range(n)], {}) for i, n in enumerate(lengths)
+    ]
+    # Each step's parts: (prompt, start, end); prompt i runs in slot i.
+    steps = [
+        [(0, 0, 70), (1, 0, 33), (2, 0, 17)],
+        [(0, 70, 71), (1, 33, 60)],  # one token beside 27
+        [(3, 0, 9)],  # a row alone
+        [(0, 71, 150)],
+        [(1, 60, 97), (2, 17, 40)],
+    ]
+    for parts in steps:
+        parts = [PromptPart(prompts[i], i, None, a, b, first=a == 0) for i, a, b in parts]
+        want = plain.prefill_parts(parts)
+        assert torch.allclose(compiled.prefill_parts(parts), want, atol=1e-5)
+    rows = list(range(len(prompts)))
+    tokens = [7, 8, 9, 10]
+    assert torch.allclose(
+        compiled.decode(rows, lengths, tokens), plain.decode(rows, lengths, tokens), atol=1e-5
+    )
+    assert compiled.parts_compiled
+    assert dict(counters["graph_break"]) == {}
+    assert counters["stats"]["unique_graphs"] == 2
+
+
 def test_the_compiled_steps_keep_the_cache_sizes_static(tiny_path):
     """Only the batch's sizes are symbols in the compiled decode step and batched prefill, not
     the cache storage's: with a slot-count and a length symbol for every layer's tensors,

@@ -1,8 +1,9 @@
 """What an engine runs before its first request, and how long each phase took.
 
-`run_steps` allocates the cache and compiles the decode step and the batched prefill now rather
-than in a request's time (a minute or more each for a 2B model on an H200); `prefill_and_drop`
-is also how `Generator.warm_up` gives each media tower its first forward. The phases a
+`run_steps` allocates the cache and compiles the decode step, the batched prefill and the
+prefill of parts of prompts now rather than in a request's time (a minute or more each for a 2B
+model on an H200); `prefill_and_drop` is also how `Generator.warm_up` gives each media tower its
+first forward. The phases a
 Generator records (`Generator.start_up`): load (tokenizer, weights), cache (allocation),
 compile (the compiled steps and, on CUDA, their first graph captures; absent when nothing is
 compiled), warm-up (media towers). What compiling produces is kept for the next start in the
@@ -27,23 +28,25 @@ _DROPPED_ROW = RowSampling(seq_id=-1, params=SamplingParams(temperature=0, max_t
 def run_steps(core: Any, times: dict[str, float]) -> None:
     """A one-token prefill into slot 0 allocates the cache (raising CacheMemoryError where it
     does not fit, areno/engine/layers/cache.py); where they are compiled, a batched prefill of two
-    prompts of unequal lengths into slots 0 and 1, then a decode step of the smallest row bucket
-    and one of the next. The compiles are generic in the row count and lengths (see
-    areno/engine/runner/compiled.py); should a model's code still pin a size it first saw, the second
-    decode step makes that recompile happen here, and a batched prefill of one prompt the
-    compile of that batch size. Outputs are dropped; the slots are free again
-    after, and their next prefills overwrite what these wrote. Records "cache" and "compile"
-    seconds in `times`."""
+    prompts of unequal lengths into slots 0 and 1, prefills of parts of prompts
+    (`_parts_prefill`), then a decode step of the smallest row bucket and one of the next. The
+    compiles are generic in the row count and lengths (see areno/engine/runner/compiled.py);
+    should a model's code still pin a size it first saw, the second decode step makes that
+    recompile happen here, and a batched prefill of one prompt (a part of one) the compile of
+    that batch size. Outputs are dropped; the slots are free again after, and their next
+    prefills overwrite what these wrote. Records "cache" and "compile" seconds in `times`."""
     paths = core.executor.compiled_paths()
     start = time.perf_counter()
     prefill_and_drop(core, PromptInputs([0], {}))
     times["cache"] = time.perf_counter() - start
-    if not (paths.batched_prefill or paths.decode_buckets):
+    if not (paths.batched_prefill or paths.prefill_parts or paths.decode_buckets):
         return
     start = time.perf_counter()
     try:
         if paths.batched_prefill:
             _batched_prefill(core, paths.num_blocks)
+        if paths.prefill_parts:
+            _parts_prefill(core, paths.num_blocks)
         if paths.decode_buckets:
             _decode_steps(core, paths.decode_buckets)
     finally:
@@ -62,6 +65,34 @@ def _batched_prefill(core: Any, num_blocks: int) -> None:
             rows=[_DROPPED_ROW] * len(prompts),
         )
         core.executor.execute(step)
+
+
+def _parts_prefill(core: Any, num_blocks: int) -> None:
+    """Prompts prefilled in two parts each, as a long prompt's chunks and a resumption from the
+    prefix cache are (`ModelRunner.prefill_parts`): two prompts together, then one alone (the
+    compiled text stack specializes a batch of one). Each part reads more than one block, as
+    every size the compile sees is more than one: it then stays generic in the parts' widths
+    and starts and in their keys' length (a part's width is never one)."""
+    config = core.scheduler.config
+    num_tokens = min(2 * config.block_size + 2, config.max_context_len)
+    cut = num_tokens // 2
+    if cut < 2:
+        return  # no part of a prompt this short is two tokens wide
+    per_slot = blocks_for(num_tokens, config.block_size)
+    for num_rows in (2, 1) if config.max_running_prompts > 1 else (1,):
+        prompts = [PromptInputs([0] * num_tokens, {}) for _ in range(num_rows)]
+        # Blocks past the sink, or the sink for a small pool: nobody reads them after.
+        tables = [
+            [min(1 + slot * per_slot + i, num_blocks) for i in range(per_slot)]
+            for slot in range(num_rows)
+        ]
+        for start, end in ((0, cut), (cut, num_tokens)):
+            items = [
+                PrefillItem(p, [slot], [tables[slot]], start=start, end=end)
+                for slot, p in enumerate(prompts)
+            ]
+            rows = [_DROPPED_ROW] * num_rows if end == num_tokens else []
+            core.executor.execute(StepInput(prefill=items, rows=rows))
 
 
 def _decode_steps(core: Any, buckets: list[int]) -> None:

@@ -168,10 +168,9 @@ class PrefixCache:
         `matched_blocks` it found cached past its resume point, where it parts from an earlier
         prompt (a third one with that beginning resumes exactly there). Its prefill runs in
         parts around the saves (`runner/prefills.py`). Prompts with media always; text prompts
-        where `saves_text_prompts` (whole prompts prefill uncompiled there, so the parts cost
-        about what one forward does; a compiled batched prefill runs whole). The deepest saves
-        are planned first, at most half the saved-state rows; one no row can be had for is
-        skipped."""
+        where `saves_text_prompts` (the parts run as a whole prompt does, compiled or not; not
+        where only a whole prompt's forward is compiled). The deepest saves are planned first,
+        at most half the saved-state rows; one no row can be had for is skipped."""
         size = self.block_size
         last = (seq.num_tokens - 1) // size * size
         saves = group.media_keys() or self.saves_text_prompts

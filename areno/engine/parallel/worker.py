@@ -49,12 +49,15 @@ class WeightUpdateError(ArenoError):
 
 @dataclass(frozen=True)
 class CompiledPaths:
-    """The compiled forwards a worker runs: batched prefills, and the decode graphs' row
-    buckets (None: decodes are not compiled); the pool's block count for their tables."""
+    """The compiled forwards a worker runs: batched prefills, prefills of parts of prompts
+    (resumptions from the prefix cache, chunks, the rounds a state save splits a prefill into),
+    and the decode graphs' row buckets (None: decodes are not compiled); the pool's block count
+    for their tables."""
 
     batched_prefill: bool
     decode_buckets: list[int] | None
     num_blocks: int
+    prefill_parts: bool = False
 
 
 class Worker:
@@ -377,6 +380,7 @@ class Worker:
             batched_prefill=runner.prefill_compiled and runner.num_slots > 1,
             decode_buckets=list(graphs.buckets) if compiled else None,
             num_blocks=runner.num_blocks,
+            prefill_parts=runner.parts_compiled and self.shares_part_prefills,
         )
 
     def media_cache_stats(self) -> tuple[int, int, float]:

@@ -170,10 +170,12 @@ class ModelRunner:
         graphs, compile, prefill_compile = resolve_step_modes(
             graphs, compile, prefill_compile, self.device.type
         )
+        backend = None if prefill_compile == "off" else prefill_compile
         self._prefill_stack = CompiledForward(
-            self._text_stack.forward,
-            None if prefill_compile == "off" else prefill_compile,
-            "the batched prefill",
+            self._text_stack.forward, backend, "the batched prefill"
+        )
+        self._parts_stack = CompiledForward(
+            self._text_stack.forward, backend, "the prefill of parts"
         )
         self.lora = None
         if max_loras:
@@ -488,6 +490,12 @@ class ModelRunner:
         """Whether batched prefills run the text stack compiled."""
         return self._prefill_stack.compiled
 
+    @property
+    def parts_compiled(self) -> bool:
+        """Whether prefills of parts of prompts without staged media run the text stack
+        compiled (`prefill_parts`)."""
+        return self._parts_stack.compiled
+
     @torch.inference_mode()
     def decode(
         self,
@@ -600,8 +608,9 @@ class ModelRunner:
         states. Parts past all of their prompt's media run the model on their tokens, at
         positions offset by the prompt's rope delta (`_at_text_stack` finds it); the others run
         the text stack on their share of the stack inputs their prompt staged (`StagedPrompt`),
-        in a forward of their own. The forwards run eagerly: their shapes vary with every
-        step's parts."""
+        in a forward of their own. The text-only forward runs the text stack compiled where
+        `prefill_compile` asks (dynamic in the rows and widths, at least two columns wide); a
+        forward over staged inputs runs eagerly."""
         staged: list[StagedPrompt | None] = []
         for part in parts:
             self.set_tables(
@@ -643,7 +652,12 @@ class ModelRunner:
         """One forward of `prefill_parts`: the text stack on each part's share of its
         prompt's `staged` inputs, or (None) the model on the parts' tokens."""
         lengths = [p.end - p.start for p in parts]
-        width = max(lengths)
+        compiled = staged is None and self._parts_stack.compiled
+        # NOTE: compiled, at least two columns: torch.compile specializes a size-1 dimension,
+        # and a one-token part (a prompt sent again, past its last full block) would compile
+        # the text stack again for that width alone. The pad column is a pad as in any padded
+        # row (its key past the row's last real one, its state never reached).
+        width = max(*lengths, 2 if compiled else 1)
         slots = [p.slot for p in parts]
         # A pad's position stays within the table's columns (the last one's block is the row's
         # own or the sink).
@@ -651,6 +665,10 @@ class ModelRunner:
         starts_B1 = torch.tensor([p.start for p in parts])[:, None]
         pos_BQ = (starts_B1 + torch.arange(width)).clamp(max=last_position)
         kv_len = int(pos_BQ.max()) + 1
+        if compiled:
+            # NOTE: keys of more than one block, for the same reason: parts whose keys fit in
+            # one block would compile again. The keys past every row's last position are masked.
+            kv_len = max(kv_len, min(self.block_size + 1, last_position + 1))
         pos_BQ = to_device(pos_BQ, self.device)
         slots_B = to_device(torch.tensor(slots), self.device)
         lengths_B = to_device(torch.tensor(lengths), self.device)
@@ -677,6 +695,9 @@ class ModelRunner:
 
         def run_stack(*args, **kwargs):
             return stack_class(self._text_stack, *args, **(kwargs | inputs))
+
+        if compiled:
+            run_stack = self._parts_stack
 
         last = last_real_positions(self._text_stack, run_stack, lengths_B - 1)
         with self._engine_context(), last:
