@@ -4,7 +4,7 @@
 # checkout's .venv's.
 #
 #   bash scripts/offline_bundle.sh OUT_DIR          # everything (benchmarks/gpu_e2e.py: Ray, Serve,
-#                                                   # DeepSpeed): OUT_DIR/site.tar.xz (~61 MiB) and
+#                                                   # DeepSpeed): OUT_DIR/site.tar.xz (~59 MiB) and
 #                                                   # the DeepSpeed sdist (it builds there)
 #   bash scripts/offline_bundle.sh OUT_DIR engine   # the engine alone (`pytest -m gpu`, engine
 #                                                   # benchmarks): OUT_DIR/site.tar.xz (~36 MiB)
@@ -75,6 +75,26 @@ if [ "$part" = all ]; then
     strip --strip-unneeded "$work/site/ray/_raylet.so" "$work/site/ray/core/src/ray/gcs/gcs_server" \
         "$work/site/ray/core/src/ray/raylet/raylet"
 fi
+# transformers' model code is most of its wheel: keep the families' (and the benchmarks' shapes')
+# subpackages and every one they import, drop the rest (~40 MB before compression).
+python3 - "$work/site/transformers/models" <<'PY'
+import os, re, shutil, sys
+os.chdir(sys.argv[1])
+names = {d for d in os.listdir(".") if os.path.isdir(d) and d != "__pycache__"}
+seeds = r"(qwen|gemma|minicpm|llama|mistral|siglip|whisper|auto$|gpt2$|clip$|bert$|t5$)"
+keep = {d for d in names if re.match(seeds, d)}
+todo = list(keep)
+while todo:
+    d = todo.pop()
+    for f in (os.path.join(d, n) for n in os.listdir(d) if n.endswith(".py")):
+        text = open(f, encoding="utf-8").read()
+        imported = re.findall(r"from \.\.(\w+)", text) + re.findall(r"transformers\.models\.(\w+)", text)
+        for m in set(imported) & (names - keep):
+            keep.add(m)
+            todo.append(m)
+for d in names - keep:
+    shutil.rmtree(d)
+PY
 find "$work/site" -name __pycache__ -prune -exec rm -rf {} +
 
 mkdir -p "$out"
