@@ -214,7 +214,7 @@ def test_agents_sdk_program_learns_the_color_quiz(ray_head, warm_start, tmp_path
     if os.environ.get("ARENO_SDK_LEARNING") != "1":
         pytest.skip(
             "not yet reliable at the shipped config (held-out 0.25 -> 0.75 in three runs, "
-            "0.25 -> 0.25 in a fourth: docs/agent-programs.md); ARENO_SDK_LEARNING=1 runs it"
+            "0.25 -> 0.25 in two: docs/agent-programs.md); ARENO_SDK_LEARNING=1 runs it"
         )
     records, steps = _learn_from_warm_start(
         ray_head, SDK_CONFIG, warm_start, tmp_path, SDK_STEPS, "Agents SDK"
