@@ -67,7 +67,8 @@ from areno.serve.sampling import completion_sampling_params, sampling_params
 from areno.serve.timing import HopTimes
 from areno.tools import get_tool_parser
 
-log = logging.getLogger(__name__)
+# Under Serve's logger: its lines land in the Ingress replica's log file.
+log = logging.getLogger("ray.serve.areno.ingress")
 
 # HTTP requests the Serve proxy queues for the Ingress once every Ingress replica has
 # INGRESS_MAX_ONGOING in flight; beyond that Serve itself answers 503 (plain text, with
@@ -199,6 +200,7 @@ class Ingress:
         """One request of one token per kind (text, streamed text, each modality the family
         accepts) along a user's way; a kind that fails is logged and left to its first user."""
         params = SamplingParams(max_tokens=1, temperature=0.0)
+        sent = []
         for kind, messages in first_messages(self.text_processor.adapter.modalities).items():
             try:
                 if kind == "text":
@@ -210,13 +212,16 @@ class Ingress:
                     args = (inputs, params, uuid.uuid4().hex, None)
                     async for item in self.generator.generate.remote(*args):
                         unwrap(item)
+                    sent.append(kind)
                     continue
                 media = self.decoder.decode_many.remote(self.text_processor.media_refs(messages))
                 stored = unwrap(await self.processor.encode.remote(messages, media, None, None, 1))
                 args = (stored.inputs, params, uuid.uuid4().hex, stored.ref)
                 unwrap(await self.generator_unary.generate_all.remote(*args))
+                sent.append(kind)
             except Exception as error:  # noqa: BLE001 - a warm-up; the server serves without it
                 log.warning("the first %s request before serving failed: %s", kind, error)
+        log.info("sent the first request of each kind before serving: %s", ", ".join(sent))
 
     @api.get("/v1/models")
     async def models(self, request: Request):

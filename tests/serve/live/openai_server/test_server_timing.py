@@ -1,8 +1,16 @@
 """The Server-Timing header on the open Gemma 4 app, read through the official client's raw
 response: every hop of a text and an image request, parts within the hops that hold them, and a
-stream's header with what is known before its first byte."""
+stream's header with what is known before its first byte; and the first request of each kind,
+which the Ingress sent itself before it said it was ready."""
 
 from __future__ import annotations
+
+import glob
+import time
+from pathlib import Path
+
+import httpx
+import ray
 
 from areno.serve.timing import parse_header
 
@@ -59,3 +67,23 @@ def test_a_stream_reports_the_hops_before_its_first_byte(server):
     laps = ["read", "parse", "encode", "first-token"]
     assert set(timing) == {*laps, "total"}
     _laps_fill_the_total(timing, laps)
+
+
+def test_the_ingress_sent_the_first_request_of_each_kind_before_serving(server):
+    base = str(server.base_url).rstrip("/").removesuffix("/v1")
+    deadline = time.monotonic() + 120
+    while httpx.get(f"{base}/health").status_code != 200:  # 503 until they are sent
+        assert time.monotonic() < deadline, "/health never answered 200"
+        time.sleep(0.2)
+    session = ray._private.worker._global_node.get_session_dir_path()
+    sent = "sent the first request of each kind before serving: text, audio, image, video"
+    for _ in range(50):  # the replica's log file is written a moment later
+        logs = "".join(
+            Path(p).read_text(errors="replace")
+            for p in glob.glob(f"{session}/logs/serve/replica_areno_Ingress_*.log")
+        )
+        if sent in logs:
+            break
+        time.sleep(0.2)
+    assert sent in logs
+    assert "before serving failed" not in logs
