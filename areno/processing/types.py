@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import threading
 import weakref
 from dataclasses import dataclass, field
 
@@ -95,18 +96,21 @@ class _SharedViews:
     def __init__(self, make) -> None:
         self._make = make
         self._views: dict[int, tuple[weakref.ref, weakref.ref]] = {}
+        # A Ray actor's threads pickle at once (a worker's calls, its object transfers).
+        self._lock = threading.Lock()
 
     def __call__(self, source):
-        entry = self._views.get(id(source))
-        if entry is not None and entry[0]() is source:
-            view = entry[1]()
-            if view is not None:
-                return view
-        view = self._make(source)
-        if len(self._views) >= 1024:
-            self._views = {k: v for k, v in self._views.items() if v[0]() is not None}
-        self._views[id(source)] = (weakref.ref(source), weakref.ref(view))
-        return view
+        with self._lock:
+            entry = self._views.get(id(source))
+            if entry is not None and entry[0]() is source:
+                view = entry[1]()
+                if view is not None:
+                    return view
+            view = self._make(source)
+            if len(self._views) >= 1024:
+                self._views = {k: v for k, v in self._views.items() if v[0]() is not None}
+            self._views[id(source)] = (weakref.ref(source), weakref.ref(view))
+            return view
 
 
 def _as_tensor(array: np.ndarray) -> torch.Tensor:
