@@ -376,6 +376,7 @@ def reduce_sums(sums: dict[str, float]) -> dict[str, float]:
     padded = sum(s["padded"] for s in gathered)
     packed = sum(s["packed"] for s in gathered)
     real = sum(s["real"] for s in gathered)
+    slowest = max(gathered, key=lambda s: sum(s.get(key, 0.0) for key in PHASE_KEYS))
     return {
         # the mean over the step's optimizer steps of each mini-batch's loss
         "loss": sum(s["loss"] for s in gathered) / max(steps, 1),
@@ -398,6 +399,7 @@ def reduce_sums(sums: dict[str, float]) -> dict[str, float]:
         # the trained tokens whose TIS weight hit tis_cap, and those the mask weighted 0
         "tis_capped_fraction": sum(s["capped"] for s in gathered) / tokens,
         "masked_fraction": sum(s["masked"] for s in gathered) / tokens,
-        # the slowest rank's (the others wait for it at each backward's reduction)
-        **{f"time/{key}": max(s.get(key, 0.0) for s in gathered) for key in PHASE_KEYS},
+        # the slowest rank's, whole (the others wait for it at each backward's reduction): a
+        # maximum per phase would add up to more than any rank spent
+        **{f"time/{key}": slowest.get(key, 0.0) for key in PHASE_KEYS},
     }

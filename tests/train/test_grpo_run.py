@@ -430,7 +430,9 @@ def _assert_timeline(record: dict) -> None:
     assert sum(phases) <= record["time/cycle_s"] + 1e-3
     parts = [record[f"time/{name}_s"] for name in ("forward", "backward", "optimizer")]
     assert all(seconds > 0 for seconds in parts), parts
-    assert sum(parts) <= record["time/train_s"] + 1e-3
+    # the slowest rank's three phases, timed in its own process: within rank 0's train time
+    # but for the scatter's hand-over between the two processes
+    assert sum(parts) <= record["time/train_s"] + 0.01
     assert record["time/train_s"] == record["train_s"]
     workers = [record[f"time/rollout/{name}_s"] for name in WORKER_PHASES]
     assert all(seconds >= 0 for seconds in workers), workers
