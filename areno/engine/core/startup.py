@@ -120,7 +120,10 @@ def prefill_and_drop(core: Any, prompt: PromptInputs) -> None:
 
 
 def describe(
-    times: dict[str, float], cache: Path | None, cache_files: int, traces: Mapping[str, int] | None = None
+    times: dict[str, float],
+    cache: Path | None,
+    cache_files: int,
+    traces: Mapping[str, int] | None = None,
 ) -> str:
     """The phases with their seconds, and the compile cache where something was compiled: how
     many files it held, and how many of Dynamo's traces it gave (`traces`: "loaded", "traced")."""

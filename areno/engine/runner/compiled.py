@@ -25,6 +25,10 @@ from areno.engine.runner.saved_traces import (
 
 log = logging.getLogger(__name__)
 
+# The backends whose compiled graphs torch saves with a trace (AOTAutograd's, Inductor's);
+# "eager" hands back the traced graph module itself, which it does not.
+SAVED_BACKENDS = ("inductor", "aot_eager")
+
 
 class CompiledForward:
     """`forward` compiled with `backend` (a torch.compile backend, by name or callable; None:
@@ -78,11 +82,12 @@ class CompiledForward:
 
 def _saved_traces(forward: Callable, backend: str | Callable, what: str) -> SavedTraces | None:
     """The saved traces of `forward` in the compile cache; None without a compile cache, for a
-    backend given as a callable (a test's recorder: nothing names it across processes), or where
-    a saved trace could not stand for a call (`traced_method`)."""
+    backend whose graphs torch cannot save (`SAVED_BACKENDS`; a test's recorder, which nothing
+    names across processes), or where a saved trace could not stand for a call
+    (`traced_method`)."""
     root = compile_cache.current()
     method = traced_method(forward)
-    if root is None or not isinstance(backend, str) or method is None:
+    if root is None or backend not in SAVED_BACKENDS or method is None:
         return None
     return SavedTraces(method, backend, root / TRACES_DIR / trace_key(what, method, backend))
 
