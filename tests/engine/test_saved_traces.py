@@ -113,3 +113,34 @@ def test_a_trace_keeps_no_guard_another_process_cannot_rebuild():
         entry("L['self'].forward.__func__.__closure__[1].cell_contents.active", "CONSTANT_MATCH"),
     ]
     assert _reusable_guards(entries) == [True, True] + [False] * 5
+
+
+class _Breaking(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        x = self.linear(x)
+        torch._dynamo.graph_break()
+        return x.relu()
+
+
+def test_a_forward_that_breaks_compiles_unsaved_and_later_starts_do_not_try(tmp_path, monkeypatch):
+    """A graph break leaves no whole graph to save: the call runs through torch.compile, and the
+    forward's directory says so, so that the next start compiles it unsaved at once."""
+    from areno.engine import compile_cache
+    from areno.engine.runner.compiled import CompiledForward
+
+    (tmp_path / ".areno").touch()
+    monkeypatch.delenv(compile_cache.ENV, raising=False)
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    module = _Breaking()
+    x = torch.randn(3, 4)
+    forward = CompiledForward(module, "aot_eager", "a breaking forward")
+    assert forward.saved is not None
+    assert torch.allclose(forward(x), module(x))
+    assert forward.compiled and forward.saved is None
+    (unsaved,) = tmp_path.glob("traces/*/unsaved")
+    assert "graph_break" in unsaved.read_text() or "Unsupported" in unsaved.read_text()
+    assert CompiledForward(module, "aot_eager", "a breaking forward").saved is None

@@ -21,6 +21,7 @@ from areno.engine.runner.saved_traces import (
     SavedTraces,
     trace_key,
     traced_method,
+    unsaved_reason,
 )
 
 log = logging.getLogger(__name__)
@@ -89,7 +90,11 @@ def _saved_traces(forward: Callable, backend: str | Callable, what: str) -> Save
     method = traced_method(forward)
     if root is None or backend not in SAVED_BACKENDS or method is None:
         return None
-    return SavedTraces(method, backend, root / TRACES_DIR / trace_key(what, method, backend))
+    directory = root / TRACES_DIR / trace_key(what, method, backend)
+    if (reason := unsaved_reason(directory)) is not None:
+        log.info("%s compiles unsaved, as a start found (%s): %s", what, directory, reason)
+        return None
+    return SavedTraces(method, backend, directory)
 
 
 @contextlib.contextmanager

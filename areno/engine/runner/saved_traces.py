@@ -13,8 +13,10 @@ its inputs; a call none accepts is traced, saved and kept (as Dynamo recompiles)
 A trace's directory is `<compile cache>/traces/<key>`: the key names what changes the traced
 code and what its saved guards cannot check (`trace_key`). torch saves only the guards it can
 rebuild in another process (`_reusable_guards` says which are left out and why). A file that
-fails to load (another torch, a changed source, a missing reference) is removed and its forward
-traced again, with one log line naming why."""
+fails to load (another torch, a changed source, a missing reference) is removed with the
+forward's others, which are traced again, with one log line naming why. A forward whose trace
+cannot be saved (a graph break, an object torch cannot serialize) compiles as torch.compile does,
+and its directory's `unsaved` file says why, so that later starts do not try again."""
 
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ import importlib
 import inspect
 import json
 import logging
+import os
 import types
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -38,6 +41,8 @@ from areno.engine import compile_cache
 log = logging.getLogger(__name__)
 
 TRACES_DIR = "traces"
+# In a forward's directory: why its traces cannot be saved, so that later starts do not try.
+UNSAVED = "unsaved"
 
 # Dynamo's marks of a tensor's dimensions (torch._dynamo.mark_static and its kin), which its
 # guards compare with the marks at trace time.
@@ -85,7 +90,10 @@ class SavedTraces:
         try:
             trace = self._trace(args, kwargs)
         except Exception as error:
-            raise NotSaved(f"{type(error).__name__}: {str(error)[:500]}") from error
+            reason = f"{type(error).__name__}: {_first_line(error)}"
+            self.directory.mkdir(parents=True, exist_ok=True)
+            (self.directory / UNSAVED).write_text(reason + "\n")
+            raise NotSaved(reason) from error
         return trace(owner, *args, **kwargs)
 
     def __reduce__(self):
@@ -126,7 +134,10 @@ class SavedTraces:
             if instruction.opname == "LOAD_GLOBAL"
             and isinstance(func_globals.get(instruction.argval), types.ModuleType)
         }
-        (self.directory / f"{index}.json").write_text(json.dumps(modules))
+        names = self.directory / f"{index}.json"
+        partial = names.with_suffix(f".{os.getpid()}.tmp")
+        partial.write_text(json.dumps(modules))
+        partial.replace(names)
         trace.save_compiled_function(
             str(self.directory / f"{index}.bin"), external_data=self._external_data()
         )
@@ -139,7 +150,7 @@ class SavedTraces:
             except Exception as error:  # noqa: BLE001 - any failure means: trace it again
                 log.warning(
                     "the saved trace %s could not be used, tracing again: %s: %s",
-                    path, type(error).__name__, str(error).splitlines()[0] if str(error) else "",
+                    path, type(error).__name__, _first_line(error),
                 )  # fmt: skip
                 for stale in self.directory.iterdir():
                     stale.unlink(missing_ok=True)
@@ -188,14 +199,19 @@ def traced_method(forward: Callable) -> types.MethodType | None:
 
 def trace_key(what: str, method: types.MethodType, backend: str) -> str:
     """A short name for what a forward's traces depend on beyond torch's saved guards: which
-    forward (`what`) and backend; the model's configuration and structure (each module's path,
-    class and its own patched forward, each parameter's and buffer's name, shape, dtype and
-    device); and AReno's source. The versions of Python, torch and transformers and the device
+    forward (`what`) and backend; the rank of a tensor-parallel group (whose shards have the same
+    shapes); the model's configuration and structure (each module's path, class and its own
+    patched forward, each parameter's and buffer's name, shape, dtype and device); and the source
+    of AReno's engine and models. The versions of Python, torch and transformers and the device
     kind are the compile cache directory's own key."""
     module = method.__self__
+    rank = "0/1"
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        rank = f"{torch.distributed.get_rank()}/{torch.distributed.get_world_size()}"
     parts = [
         what,
         backend,
+        rank,
         f"{type(module).__module__}.{type(module).__qualname__}.{method.__func__.__qualname__}",
         _config_json(module),
         _structure(module),
@@ -223,10 +239,12 @@ def _structure(module: torch.nn.Module) -> str:
 
 @functools.cache
 def _areno_source_hash() -> str:
-    """AReno's Python source, hashed: its version alone does not change with an edit."""
+    """The source of AReno's engine and models (what a forward runs), hashed: AReno's version
+    alone does not change with an edit. The functions a trace inlined are checked again as it
+    loads (`_check_sources`), wherever they live."""
     digest = hashlib.sha256()
     root = Path(areno.__file__).parent
-    for path in sorted(root.rglob("*.py")):
+    for path in sorted([*(root / "engine").rglob("*.py"), *(root / "models").rglob("*.py")]):
         digest.update(str(path.relative_to(root)).encode())
         digest.update(path.read_bytes())
     return digest.hexdigest()
@@ -268,6 +286,16 @@ def _check_sources(trace: Any) -> None:
             raise RuntimeError(
                 f"{source.module} changed (lines {source.firstlineno}-{source.lastlineno})"
             )
+
+
+def unsaved_reason(directory: Path) -> str | None:
+    """Why a previous start could not save the traces kept in `directory`; None if it could."""
+    path = directory / UNSAVED
+    return path.read_text().strip() if path.is_file() else None
+
+
+def _first_line(error: BaseException) -> str:
+    return str(error).splitlines()[0][:300] if str(error) else ""
 
 
 def _first_failure(trace: Any, owner: Any, args: tuple, kwargs: dict) -> str:
