@@ -144,3 +144,36 @@ def test_a_forward_that_breaks_compiles_unsaved_and_later_starts_do_not_try(tmp_
     (unsaved,) = tmp_path.glob("traces/*/unsaved")
     assert "graph_break" in unsaved.read_text() or "Unsupported" in unsaved.read_text()
     assert CompiledForward(module, "aot_eager", "a breaking forward").saved is None
+
+
+class _Small(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 4)
+
+    def forward(self, x, scale: float = 1.0):
+        return self.linear(x).relu() * scale
+
+
+def test_a_loaded_trace_reads_the_weights_the_model_has_now(tmp_path):
+    """The weights are the trace's inputs, not its constants: a weight update (copied in place,
+    as `update_weights` does) reaches a trace loaded before it; other shapes get a trace of
+    their own, saved beside the first."""
+    from areno.engine.runner.saved_traces import SavedTraces
+
+    module = _Small()
+    x = torch.randn(3, 4)
+    first = SavedTraces(module.forward, "aot_eager", tmp_path)
+    with torch.no_grad():
+        assert torch.equal(first(x), module(x))
+    loaded = SavedTraces(module.forward, "aot_eager", tmp_path)
+    with torch.no_grad():
+        module.linear.weight.mul_(-2.0)
+        assert torch.equal(loaded(x), module(x))
+        assert loaded.num_loaded == 1 and loaded.num_traced == 0
+        y = torch.randn(2, 5, 4)
+        assert torch.equal(loaded(y), module(y))
+    assert loaded.num_traced == 1 and sorted(p.name for p in tmp_path.glob("*.bin")) == [
+        "0.bin",
+        "1.bin",
+    ]

@@ -82,11 +82,11 @@ class SavedTraces:
             self._load()
         owner = self.method.__self__
         for trace in self.traces:
-            if trace.guard_check(owner, *args, **kwargs):
+            if _accepts(trace, owner, args, kwargs):
                 return trace(owner, *args, **kwargs)
         if self.traces:
-            log.info("%s: no saved trace accepts this call (%s); tracing it", self.directory.name,
-                     _first_failure(self.traces[0], owner, args, kwargs))  # fmt: skip
+            reason = _first_failure(self.traces[0], owner, args, kwargs)
+            log.info("%s: no trace accepts this call (%s), tracing it", self.directory, reason)
         try:
             trace = self._trace(args, kwargs)
         except Exception as error:
@@ -296,6 +296,15 @@ def unsaved_reason(directory: Path) -> str | None:
 
 def _first_line(error: BaseException) -> str:
     return str(error).splitlines()[0][:300] if str(error) else ""
+
+
+def _accepts(trace: Any, owner: Any, args: tuple, kwargs: dict) -> bool:
+    """Whether the trace's guards accept the call; a guard that cannot even be evaluated on
+    these inputs does not."""
+    try:
+        return trace.guard_check(owner, *args, **kwargs)
+    except Exception:  # noqa: BLE001 - a guard that fails to evaluate rejects the call
+        return False
 
 
 def _first_failure(trace: Any, owner: Any, args: tuple, kwargs: dict) -> str:
