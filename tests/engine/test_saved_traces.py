@@ -150,7 +150,10 @@ def test_a_forward_that_breaks_compiles_unsaved_and_later_starts_do_not_try(tmp_
     assert forward.compiled and forward.saved is None
     (unsaved,) = tmp_path.glob("traces/*/unsaved")
     assert "graph_break" in unsaved.read_text() or "Unsupported" in unsaved.read_text()
-    assert CompiledForward(module, "aot_eager", "a breaking forward").saved is None
+    traced = compile_cache.traces["traced"]
+    again = CompiledForward(module, "aot_eager", "a breaking forward")
+    assert torch.allclose(again(x), module(x))
+    assert again.saved is None and compile_cache.traces["traced"] == traced
 
 
 class _Small(torch.nn.Module):
@@ -170,17 +173,15 @@ def test_a_loaded_trace_reads_the_weights_the_model_has_now(tmp_path):
 
     module = _Small()
     x = torch.randn(3, 4)
-    first = SavedTraces(module.forward, "aot_eager", tmp_path)
+    first = SavedTraces(module.forward, "aot_eager", tmp_path, "a small forward")
     with torch.no_grad():
         assert torch.equal(first(x), module(x))
-    loaded = SavedTraces(module.forward, "aot_eager", tmp_path)
+    loaded = SavedTraces(module.forward, "aot_eager", tmp_path, "a small forward")
     with torch.no_grad():
         module.linear.weight.mul_(-2.0)
         assert torch.equal(loaded(x), module(x))
         assert loaded.num_loaded == 1 and loaded.num_traced == 0
         y = torch.randn(2, 5, 4)
         assert torch.equal(loaded(y), module(y))
-    assert loaded.num_traced == 1 and sorted(p.name for p in tmp_path.glob("*.bin")) == [
-        "0.bin",
-        "1.bin",
-    ]
+    assert loaded.num_traced == 1
+    assert sorted(p.name for p in loaded.directory.glob("*.bin")) == ["0.bin", "1.bin"]

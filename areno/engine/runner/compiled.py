@@ -15,14 +15,7 @@ import torch.fx.experimental._config as fx_config
 from torch._dynamo.exc import TorchDynamoException
 
 from areno.engine import compile_cache
-from areno.engine.runner.saved_traces import (
-    TRACES_DIR,
-    NotSaved,
-    SavedTraces,
-    trace_key,
-    traced_method,
-    unsaved_reason,
-)
+from areno.engine.runner.saved_traces import NotSaved, SavedTraces, traced_method
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +69,7 @@ class CompiledForward:
         try:
             return self.saved(*args, **kwargs)
         except NotSaved as error:
-            log.warning("saving the trace of %s failed, compiling it unsaved: %s", self.what, error)
+            log.warning("the trace of %s is not saved, compiling it unsaved: %s", self.what, error)
             self.saved = None
             return self._compiled(*args, **kwargs)
 
@@ -90,11 +83,7 @@ def _saved_traces(forward: Callable, backend: str | Callable, what: str) -> Save
     method = traced_method(forward)
     if root is None or backend not in SAVED_BACKENDS or method is None:
         return None
-    directory = root / TRACES_DIR / trace_key(what, method, backend)
-    if (reason := unsaved_reason(directory)) is not None:
-        log.info("%s compiles unsaved, as a start found (%s): %s", what, directory, reason)
-        return None
-    return SavedTraces(method, backend, directory)
+    return SavedTraces(method, backend, root, what)
 
 
 @contextlib.contextmanager

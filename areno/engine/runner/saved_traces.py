@@ -61,24 +61,32 @@ class NotSaved(Exception):
 
 
 class SavedTraces:
-    """The saved traces of `method` (a model's bound forward) compiled with `backend` and dynamic
-    sizes, in `directory`: those there are loaded at the first call (in the engine's compile
-    phase), new ones are saved as they are traced.
+    """The saved traces of `method` (a model's bound forward, `what` it is) compiled with
+    `backend` and dynamic sizes, under the compile cache `root`. At the first call (in the
+    engine's compile phase, when the runner has put its layers into the model) the key is taken
+    and the traces there are loaded; new ones are saved as they are traced.
 
     Calling it runs the first trace whose guards accept the call (tracing one when none does).
-    Tracing or saving one that fails raises `NotSaved`; the caller then compiles the way
-    torch.compile does."""
+    Where a trace cannot be made or saved, now or at a previous start (its `unsaved` file), it
+    raises `NotSaved`; the caller then compiles the way torch.compile does."""
 
-    def __init__(self, method: types.MethodType, backend: str, directory: Path):
+    def __init__(self, method: types.MethodType, backend: str, root: Path, what: str):
         self.method = method
         self.backend = backend
-        self.directory = directory
+        self.root = root
+        self.what = what
+        self.directory: Path | None = None
         self.traces: list[Any] | None = None
         self.num_loaded = 0
         self.num_traced = 0
 
     def __call__(self, *args, **kwargs):
         if self.traces is None:
+            self.directory = (
+                self.root / TRACES_DIR / trace_key(self.what, self.method, self.backend)
+            )
+            if (reason := unsaved_reason(self.directory)) is not None:
+                raise NotSaved(f"a start before could not save it ({self.directory}): {reason}")
             self._load()
         owner = self.method.__self__
         for trace in self.traces:
