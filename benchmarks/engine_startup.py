@@ -29,6 +29,9 @@ STARTED = time.perf_counter()
 # Dynamo's timed sections (torch._dynamo.utils.compile_times) this table reads, by their names.
 TRACE = "_compile.compile_inner"  # a frame's whole compile, the backend's included
 BACKEND = "OutputGraph.call_user_compiler"
+# A graph traced to be saved (torch's aot_compile, areno/engine/runner/saved_traces.py): its
+# whole compile, the backend's included, in place of TRACE.
+AOT_COMPILE = "fullgraph_capture"
 
 
 def child(args: argparse.Namespace) -> dict:
@@ -37,6 +40,7 @@ def child(args: argparse.Namespace) -> dict:
     import transformers  # noqa: F401
     from torch._dynamo.utils import compile_times, counters
 
+    from areno.engine import compile_cache
     from areno.engine.config import EngineConfig
     from areno.engine.generator import Generator
     from areno.engine.runner.cuda_graphs import DecodeGraphs
@@ -70,10 +74,14 @@ def child(args: argparse.Namespace) -> dict:
             "imports": imported,
             **generator.start_up,
             "dynamo_frames_s": timed.get(TRACE, 0.0),
+            "aot_compile_s": timed.get(AOT_COMPILE, 0.0),
+            "compile_times": timed,
             "backend_s": timed.get(BACKEND, 0.0),
             "captures_s": sum(captures),
             "captures": len(captures),
             "frames": counters["frames"]["ok"],
+            "traces_loaded": compile_cache.traces["loaded"],
+            "traces_traced": compile_cache.traces["traced"],
             "cache_counters": {
                 key: {name: n for name, n in values.items() if "cache" in name or "bypass" in name}
                 for key, values in caches.items()
@@ -107,6 +115,7 @@ COLUMNS = (
     ("cache", "cache"),
     ("compile", "compile"),
     ("  dynamo", "dynamo_frames_s"),
+    ("  aot_compile", "aot_compile_s"),
     ("  backend", "backend_s"),
     ("  captures", "captures_s"),
     ("warm-up", "warm-up"),
@@ -137,13 +146,15 @@ def main() -> None:
             name = "first start (empty cache)" if index == 0 else f"start {index + 1} (warm)"
             rows.append({"start": name, **start_once(args, cache)})
             print(f"{name}: {rows[-1]['wall_s']} s", flush=True)
-    print(f"\n{'start':<28}" + "".join(f"{title:>11}" for title, _ in COLUMNS))
+    print(f"\n{'start':<28}" + "".join(f"{title:>13}" for title, _ in COLUMNS))
     for row in rows:
-        cells = "".join(f"{row.get(key, 0.0):>10.1f}s" for _, key in COLUMNS)
+        cells = "".join(f"{row.get(key, 0.0):>12.1f}s" for _, key in COLUMNS)
         print(f"{row['start']:<28}{cells}")
     for row in rows:
         print(
-            f"{row['start']}: {row['frames']} frames compiled, {row['captures']} captures; "
+            f"{row['start']}: {row['frames']} frames compiled, Dynamo traces "
+            f"{row.get('traces_loaded', 0)} loaded and {row.get('traces_traced', 0)} traced, "
+            f"{row['captures']} captures; "
             f"caches {row['cache_counters']}"
         )
     result = {

@@ -7,7 +7,9 @@ The directory is `<root>/<key>`: the root is `ARENO_COMPILE_CACHE` if set, else
 change invalidates the artifacts (Python, torch, Triton, transformers, AReno) and the device kind
 (the GPU's name and compute capability). Inside it, Inductor keys each compiled graph by its code,
 input shapes and dtypes and its own configuration, so models of different shapes or dtypes share
-the directory without sharing entries. `ARENO_COMPILE_CACHE=off` leaves torch's default (a
+the directory without sharing entries. Dynamo's traces of the engine's compiled forwards are
+kept in its `traces/` folder, under keys of their own (areno/engine/runner/saved_traces.py).
+`ARENO_COMPILE_CACHE=off` leaves torch's default (a
 directory under the temporary directory); a `TORCHINDUCTOR_CACHE_DIR` the user set is kept, unless
 it names torch's default itself: importing torch._dynamo writes that default into the variable,
 so it cannot tell a user's choice from torch's.
@@ -20,6 +22,7 @@ import hashlib
 import logging
 import os
 import sys
+from collections import Counter
 from importlib import metadata
 from pathlib import Path
 
@@ -29,6 +32,9 @@ log = logging.getLogger(__name__)
 
 ENV = "ARENO_COMPILE_CACHE"
 _INDUCTOR_ENV = "TORCHINDUCTOR_CACHE_DIR"
+
+# This process's Dynamo traces of compiled forwards: "loaded" from the cache, "traced" (and saved).
+traces: Counter[str] = Counter()
 
 
 def default_root() -> Path:
@@ -82,6 +88,18 @@ def use(device: torch.device) -> Path | None:
     os.environ[_INDUCTOR_ENV] = str(path)
     log.info("compile cache: %s", path)
     return path
+
+
+def current() -> Path | None:
+    """The directory `use` chose in this process; None where compiled artifacts are not AReno's
+    to keep (no `use` yet, ARENO_COMPILE_CACHE=off, the user's own TORCHINDUCTOR_CACHE_DIR)."""
+    chosen = os.environ.get(_INDUCTOR_ENV)
+    root = os.environ.get(ENV)
+    if root is not None and root.lower() in ("off", "0", "none", ""):
+        return None
+    if chosen is None or not _ours(Path(chosen)):
+        return None
+    return Path(chosen)
 
 
 def _ours(path: Path) -> bool:

@@ -415,7 +415,9 @@ class Generator:
     def describe_start_up(self) -> str:
         """The start-up phases with their seconds and the compile cache, one line (see
         areno/engine/core/startup.py)."""
-        return startup.describe(self.start_up, self.compile_cache, self.compile_cache_files)
+        return startup.describe(
+            self.start_up, self.compile_cache, self.compile_cache_files, compile_cache.traces
+        )
 
     def add_adapters(self, adapters: Mapping[str, str | os.PathLike]) -> None:
         """Load LoRA adapters (name -> PEFT adapter directory) before serving; blocks until

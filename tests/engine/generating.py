@@ -58,10 +58,13 @@ class Setup:
 
 
 def frames_compiled() -> int:
-    """The frames torch.compile has compiled in this process so far (dynamo's count)."""
+    """The frames torch.compile has compiled in this process so far (dynamo's count), and the
+    graphs traced to be saved in the compile cache (areno/engine/runner/saved_traces.py)."""
     from torch._dynamo.utils import counters
 
-    return counters["frames"]["ok"]
+    from areno.engine import compile_cache
+
+    return counters["frames"]["ok"] + compile_cache.traces["traced"]
 
 
 def run(coro):

@@ -13,6 +13,7 @@ compile cache (areno/engine/compile_cache.py).
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -118,11 +119,19 @@ def prefill_and_drop(core: Any, prompt: PromptInputs) -> None:
     core.executor.execute(step)
 
 
-def describe(times: dict[str, float], cache: Path | None, cache_files: int) -> str:
-    """The phases with their seconds, and the compile cache where something was compiled."""
+def describe(
+    times: dict[str, float],
+    cache: Path | None,
+    cache_files: int,
+    traces: Mapping[str, int] | None = None,
+) -> str:
+    """The phases with their seconds, and the compile cache where something was compiled: how
+    many files it held, and how many of Dynamo's traces it gave (`traces`: "loaded", "traced")."""
     phases = ", ".join(f"{name} {seconds:.1f} s" for name, seconds in times.items())
     line = f"{phases} (total {sum(times.values()):.1f} s)"
     if "compile" in times and cache is not None:
         warmth = f"{cache_files} files" if cache_files else "empty"
         line += f"; compile cache {cache} ({warmth} at start)"
+        if traces:
+            line += f"; Dynamo traces {traces['loaded']} loaded, {traces['traced']} traced"
     return line

@@ -1,0 +1,187 @@
+"""Dynamo's traces of the compiled forwards saved in the compile cache
+(areno/engine/runner/saved_traces.py): a second start in a fresh process loads them instead of
+tracing, and generates what the first start and the uncompiled engine do."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from areno.engine.runner.saved_traces import _reusable_guards
+from tests.engine.generating import FAMILIES
+
+# One engine start in a fresh process, as `areno serve` builds it: greedy outputs of a few
+# prompts, the start-up line and the trace counts, as one JSON line.
+START = """
+import asyncio, json, sys
+from areno.engine import compile_cache
+from areno.engine.config import EngineConfig
+from areno.engine.generator import Generator
+from areno.engine.sampling import SamplingParams
+from areno.processing.types import PromptInputs
+
+path, compile = sys.argv[1], sys.argv[2]
+config = EngineConfig(
+    max_running_prompts=4, max_context_len=128, device="cpu",
+    decode_compile=compile, prefill_compile=compile,
+)
+generator = Generator.from_config(path, config)
+greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+prompts = [[5, 9, 11, 13], [7, 3], [2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30, 32, 34]]
+
+async def main():
+    outs = await asyncio.gather(*(generator.generate_all(PromptInputs(p, {}), greedy) for p in prompts))
+    return [out.samples[0].token_ids for out in outs]
+
+try:
+    tokens = asyncio.run(main())
+    line = generator.describe_start_up()
+finally:
+    generator.shutdown()
+traces = {key: compile_cache.traces[key] for key in ("loaded", "traced")}
+print(json.dumps({"tokens": tokens, "traces": traces, "line": line}))
+"""
+
+
+def start(path, compile: str, cache) -> dict:
+    env = dict(os.environ, ARENO_COMPILE_CACHE=str(cache))
+    env.pop("TORCHINDUCTOR_CACHE_DIR", None)
+    done = subprocess.run(
+        [sys.executable, "-c", START, str(path), compile],
+        env=env, capture_output=True, text=True, check=False, timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1]) | {"log": done.stderr}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_second_start_loads_the_traces_and_generates_the_same(tiny_path, tmp_path, family):
+    path = tiny_path(family)
+    eager = start(path, "off", tmp_path / "eager-cache")
+    first = start(path, "aot_eager", tmp_path / "cache")
+    second = start(path, "aot_eager", tmp_path / "cache")
+
+    assert first["traces"]["loaded"] == 0 and first["traces"]["traced"] > 0
+    # Every graph the first start traced, the second loaded, and it traced none.
+    assert second["traces"] == {"loaded": first["traces"]["traced"], "traced": 0}
+    assert f"Dynamo traces {first['traces']['traced']} loaded, 0 traced" in second["line"]
+    assert first["tokens"] == eager["tokens"]
+    assert second["tokens"] == eager["tokens"]
+    assert not list((tmp_path / "eager-cache").glob("*/traces/*"))
+
+
+@pytest.mark.slow
+def test_a_saved_trace_that_does_not_load_is_traced_again(tiny_path, tmp_path):
+    """A damaged file: the start says so once, traces that forward again and generates what
+    the start that saved it did."""
+    path = tiny_path("qwen3_5")
+    first = start(path, "aot_eager", tmp_path / "cache")
+    (saved,) = (tmp_path / "cache").glob("*/traces/the-decode-step-*/0.bin")
+    saved.write_bytes(saved.read_bytes()[:100])
+    second = start(path, "aot_eager", tmp_path / "cache")
+    assert second["traces"] == {"loaded": first["traces"]["traced"] - 1, "traced": 1}
+    assert second["log"].count("could not be used, tracing again") == 1
+    assert second["tokens"] == first["tokens"]
+
+
+def test_no_trace_is_saved_with_the_compile_cache_off(tiny_path, tmp_path, monkeypatch):
+    """ARENO_COMPILE_CACHE=off: the forwards compile as torch.compile does, nothing saved."""
+    from areno.engine import compile_cache
+    from areno.engine.runner.compiled import CompiledForward
+
+    monkeypatch.setenv(compile_cache.ENV, "off")
+    module = torch.nn.Linear(2, 2)
+    forward = CompiledForward(module, "aot_eager", "a linear")
+    assert forward.compiled and forward.saved is None
+
+
+def test_a_trace_keeps_no_guard_another_process_cannot_rebuild():
+    from torch._dynamo.types import GuardFilterEntry
+
+    def entry(name: str, guard_type: str, is_global: bool = False, derived=()) -> object:
+        return GuardFilterEntry(
+            name=name, has_value=False, value=None, guard_type=guard_type,
+            derived_guard_types=derived, is_global=is_global, orig_guard=None,
+        )  # fmt: skip
+
+    entries = [
+        entry("L['input_ids']", "TENSOR_MATCH"),
+        entry("L['self'].config.hidden_size", "CONSTANT_MATCH"),
+        entry("G['torch'].x", "CONSTANT_MATCH", is_global=True),
+        entry("L['self'].__class__", "CLASS_MATCH", derived=("ID_MATCH",)),
+        entry("L['func'].__code__", "CONSTANT_MATCH", derived=("ID_MATCH",)),
+        entry("L['func'].__defaults__", "SEQUENCE_LENGTH"),
+        entry("L['self'].forward.__func__.__closure__[1].cell_contents.active", "CONSTANT_MATCH"),
+    ]
+    assert _reusable_guards(entries) == [True, True] + [False] * 5
+
+
+class _Breaking(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        x = self.linear(x)
+        torch._dynamo.graph_break()
+        return x.relu()
+
+
+def test_a_forward_that_breaks_compiles_unsaved_and_later_starts_do_not_try(tmp_path, monkeypatch):
+    """A graph break leaves no whole graph to save: the call runs through torch.compile, and the
+    forward's directory says so, so that the next start compiles it unsaved at once."""
+    from areno.engine import compile_cache
+    from areno.engine.runner.compiled import CompiledForward
+
+    (tmp_path / ".areno").touch()
+    monkeypatch.delenv(compile_cache.ENV, raising=False)
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    module = _Breaking()
+    x = torch.randn(3, 4)
+    forward = CompiledForward(module, "aot_eager", "a breaking forward")
+    assert forward.saved is not None
+    assert torch.allclose(forward(x), module(x))
+    assert forward.compiled and forward.saved is None
+    (unsaved,) = tmp_path.glob("traces/*/unsaved")
+    assert "graph_break" in unsaved.read_text() or "Unsupported" in unsaved.read_text()
+    traced = compile_cache.traces["traced"]
+    again = CompiledForward(module, "aot_eager", "a breaking forward")
+    assert torch.allclose(again(x), module(x))
+    assert again.saved is None and compile_cache.traces["traced"] == traced
+
+
+class _Small(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 4)
+
+    def forward(self, x, scale: float = 1.0):
+        return self.linear(x).relu() * scale
+
+
+def test_a_loaded_trace_reads_the_weights_the_model_has_now(tmp_path):
+    """The weights are the trace's inputs, not its constants: a weight update (copied in place,
+    as `update_weights` does) reaches a trace loaded before it; other shapes get a trace of
+    their own, saved beside the first."""
+    from areno.engine.runner.saved_traces import SavedTraces
+
+    module = _Small()
+    x = torch.randn(3, 4)
+    first = SavedTraces(module.forward, "aot_eager", tmp_path, "a small forward")
+    with torch.no_grad():
+        assert torch.equal(first(x), module(x))
+    loaded = SavedTraces(module.forward, "aot_eager", tmp_path, "a small forward")
+    with torch.no_grad():
+        module.linear.weight.mul_(-2.0)
+        assert torch.equal(loaded(x), module(x))
+        assert loaded.num_loaded == 1 and loaded.num_traced == 0
+        y = torch.randn(2, 5, 4)
+        assert torch.equal(loaded(y), module(y))
+    assert loaded.num_traced == 1
+    assert sorted(p.name for p in loaded.directory.glob("*.bin")) == ["0.bin", "1.bin"]
