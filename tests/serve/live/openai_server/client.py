@@ -31,17 +31,24 @@ def guarded_client(server, key: str | None = API_KEY) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{base}/guarded/v1", api_key=key or "wrong", max_retries=0)
 
 
-def completion_log(response_id: str) -> dict:
-    """The ARENO_LOG_COMPLETIONS record of a response, read from the Ingress replica's log."""
+def ingress_log(waiting_for: str) -> str:
+    """The Ingress replica's log, read again for up to 10 s until it holds `waiting_for` (the
+    replica writes its log file a moment after it logs)."""
     session = ray._private.worker._global_node.get_session_dir_path()
     for _ in range(50):
         logs = "".join(
             Path(p).read_text(errors="replace")
             for p in glob.glob(f"{session}/logs/serve/replica_areno_Ingress_*.log")
         )
-        if response_id in logs:
+        if waiting_for in logs:
             break
         time.sleep(0.2)
+    return logs
+
+
+def completion_log(response_id: str) -> dict:
+    """The ARENO_LOG_COMPLETIONS record of a response, read from the Ingress replica's log."""
+    logs = ingress_log(response_id)
     line = next(x for x in logs.splitlines() if response_id in x)
     record, _ = json.JSONDecoder().raw_decode(line, line.index("completion {") + len("completion "))
     return record

@@ -5,14 +5,12 @@ which the Ingress sent itself before it said it was ready."""
 
 from __future__ import annotations
 
-import glob
 import time
-from pathlib import Path
 
 import httpx
-import ray
 
 from areno.serve.timing import parse_header
+from tests.serve.live.openai_server.client import ingress_log
 
 # Entries are rounded to a microsecond each; sums allow for it.
 SLACK_MS = 0.01
@@ -75,15 +73,7 @@ def test_the_ingress_sent_the_first_request_of_each_kind_before_serving(server):
     while httpx.get(f"{base}/health").status_code != 200:  # 503 until they are sent
         assert time.monotonic() < deadline, "/health never answered 200"
         time.sleep(0.2)
-    session = ray._private.worker._global_node.get_session_dir_path()
     sent = "sent the first request of each kind before serving: text, audio, image, video"
-    for _ in range(50):  # the replica's log file is written a moment later
-        logs = "".join(
-            Path(p).read_text(errors="replace")
-            for p in glob.glob(f"{session}/logs/serve/replica_areno_Ingress_*.log")
-        )
-        if sent in logs:
-            break
-        time.sleep(0.2)
+    logs = ingress_log(sent)
     assert sent in logs
     assert "before serving failed" not in logs
