@@ -76,12 +76,15 @@ if [ "$part" = all ]; then
         "$work/site/ray/core/src/ray/raylet/raylet"
 fi
 # transformers' model code is most of its wheel: keep the families' (and the benchmarks' shapes')
-# subpackages and every one they import, drop the rest (~40 MB before compression).
+# subpackages and every one they import, drop the rest (~40 MB before compression). Every other
+# model keeps its package's small files (`__init__`, configuration, tokenization): the auto
+# classes import each model named in their tables while looking a class up (Gemma 4's tokenizer
+# reaches diffusion_gemma's). peft imports Bloom's model classes.
 python3 - "$work/site/transformers/models" <<'PY'
 import os, re, shutil, sys
 os.chdir(sys.argv[1])
 names = {d for d in os.listdir(".") if os.path.isdir(d) and d != "__pycache__"}
-seeds = r"(qwen|gemma|minicpm|llama|mistral|siglip|whisper|auto$|gpt2$|clip$|bert$|t5$)"
+seeds = r"(qwen|gemma|minicpm|llama|mistral|siglip|whisper|bloom$|auto$|gpt2$|clip$|bert$|t5$)"
 keep = {d for d in names if re.match(seeds, d)}
 todo = list(keep)
 while todo:
@@ -92,8 +95,14 @@ while todo:
         for m in set(imported) & (names - keep):
             keep.add(m)
             todo.append(m)
+small = re.compile(r"(__init__|configuration_\w+|tokenization_\w+)\.py$")
 for d in names - keep:
-    shutil.rmtree(d)
+    for entry in os.listdir(d):
+        path = os.path.join(d, entry)
+        if os.path.isdir(path):
+            shutil.rmtree(path)
+        elif not small.match(entry):
+            os.remove(path)
 PY
 find "$work/site" -name __pycache__ -prune -exec rm -rf {} +
 

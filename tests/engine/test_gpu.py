@@ -196,7 +196,10 @@ def test_media_prompts_prefilled_in_chunks_on_cuda(tiny_path, tmp_path, family):
     ]
     expected = [setup.reference(x, GREEDY.max_tokens) for x in inputs]
     gen = setup.generator(max_num_batched_tokens=8, block_size=4)
-    outputs, chunks = run_chunked(gen, inputs)
+    try:
+        outputs, chunks = run_chunked(gen, inputs)
+    finally:
+        gen.shutdown()
     assert [o.samples[0].token_ids for o in outputs] == expected
     (span,) = inputs[1].mm_spans
     assert sum(1 for _, start, end in chunks if start < span.end and span.start < end) >= 4

@@ -188,6 +188,13 @@ def gather_keys(storage_NHPD: torch.Tensor, block_tables_BT: torch.Tensor, kv_le
     """Rows' keys (or values) in position order, (B, H, kv_len, D), copied out of block storage
     (num_blocks, H, page, D) through their block tables (B, T >= kv_len / page)."""
     _, heads, page, dim = storage_NHPD.shape
+    if torch.compiler.is_compiling():
+        # NOTE: by token, where compiled: the block-wise copy's last slice is a view of all it
+        # gathered exactly when kv_len is a multiple of the page, and the compiled graph
+        # guarded on which, so a length of the other kind compiled it again. Eager, block-wise
+        # is 10-25% faster on CPU.
+        pos_K = torch.arange(kv_len, device=storage_NHPD.device)
+        return storage_NHPD[block_tables_BT[:, pos_K // page], :, pos_K % page].transpose(1, 2)
     num = -(-kv_len // page)
     blocks = storage_NHPD[block_tables_BT[:, :num]]  # (B, num, H, page, D)
     batch = block_tables_BT.shape[0]

@@ -162,7 +162,7 @@ class CacheAllocator:
         if free is not None and num_bytes > free:
             raise self._error(what, num_bytes, free, like.device)
         try:
-            storage = torch.zeros(shape, dtype=dtype, device=like.device)
+            storage = _zeros_or_retry(shape, dtype, like.device)
         except torch.OutOfMemoryError:
             raise self._error(what, num_bytes, free, like.device) from None
         self.num_bytes += num_bytes
@@ -180,6 +180,19 @@ class CacheAllocator:
             "or --kv-cache-memory-fraction",
             param="kv_cache_gib",
         )
+
+
+def _zeros_or_retry(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device):
+    """torch.zeros; on a GPU that is out of memory, again once after PyTorch's allocator gave
+    back what it holds unused: `available_bytes` counts that memory, but in blocks a tensor
+    larger than each cannot take (an earlier engine's pool, freed in this process)."""
+    try:
+        return torch.zeros(shape, dtype=dtype, device=device)
+    except torch.OutOfMemoryError:
+        if device.type != "cuda":
+            raise
+        torch.cuda.empty_cache()
+        return torch.zeros(shape, dtype=dtype, device=device)
 
 
 @torch.library.custom_op("areno::write_kv_", mutates_args=("keys", "values"))

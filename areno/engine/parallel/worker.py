@@ -200,6 +200,9 @@ class Worker:
             cache_bytes = int(options.kv_cache_gib * (1 << 30))
         elif self.device.type == "cuda":
             measured = True
+            # What an earlier engine of this process freed goes back to the device first: the
+            # budget counts it, and the pool's tensors are larger than its blocks.
+            torch.cuda.empty_cache()
             tokens = min(options.profile_tokens, runner.max_len)
             activation, row_bytes = runner.measure_prefill_memory(tokens)
             reserved = self.reserved_bytes(activation, row_bytes * runner.num_slots)

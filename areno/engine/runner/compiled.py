@@ -15,7 +15,7 @@ import torch.fx.experimental._config as fx_config
 from torch._dynamo.exc import TorchDynamoException
 
 from areno.engine import compile_cache
-from areno.engine.runner.saved_traces import NotSaved, SavedTraces, traced_method
+from areno.engine.runner.saved_traces import NotSaved, SavedTraces, supported, traced_method
 
 log = logging.getLogger(__name__)
 
@@ -77,11 +77,11 @@ class CompiledForward:
 def _saved_traces(forward: Callable, backend: str | Callable, what: str) -> SavedTraces | None:
     """The saved traces of `forward` in the compile cache; None without a compile cache, for a
     backend whose graphs torch cannot save (`SAVED_BACKENDS`; a test's recorder, which nothing
-    names across processes), or where a saved trace could not stand for a call
-    (`traced_method`)."""
+    names across processes), where a saved trace could not stand for a call
+    (`traced_method`), or where this torch cannot save one (`supported`)."""
     root = compile_cache.current()
     method = traced_method(forward)
-    if root is None or backend not in SAVED_BACKENDS or method is None:
+    if root is None or backend not in SAVED_BACKENDS or method is None or not supported():
         return None
     return SavedTraces(method, backend, root, what)
 

@@ -93,7 +93,10 @@ class SavedTraces:
             if _accepts(trace, owner, args, kwargs):
                 return trace(owner, *args, **kwargs)
         if self.traces:
-            reason = _first_failure(self.traces[0], owner, args, kwargs)
+            reason = " | ".join(
+                f"{i}: {_first_failure(trace, owner, args, kwargs)}"
+                for i, trace in enumerate(self.traces)
+            )
             log.info("%s: no trace accepts this call (%s), tracing it", self.directory, reason)
         try:
             trace = self._trace(args, kwargs)
@@ -189,6 +192,18 @@ class SavedTraces:
         return {"self": self.method.__self__} | {
             f"cell{i}": cell.cell_contents for i, cell in enumerate(cells)
         }
+
+
+@functools.cache
+def supported() -> bool:
+    """Whether this torch traces a forward to save it and loads it back (`aot_compile`,
+    `torch.compiler.load_compiled_function`); logs once where it does not."""
+    can = callable(getattr(torch.compile(_nothing), "aot_compile", None)) and hasattr(
+        torch.compiler, "load_compiled_function"
+    )
+    if not can:
+        log.info("torch %s does not save Dynamo traces: each start traces again", torch.__version__)
+    return can
 
 
 def traced_method(forward: Callable) -> types.MethodType | None:
@@ -319,7 +334,7 @@ def _first_failure(trace: Any, owner: Any, args: tuple, kwargs: dict) -> str:
     try:
         f_locals = trace.prepare_f_locals(owner, *args, **kwargs)
         debug = trace._artifacts.guard_manager.check_verbose(f_locals)
-        return "; ".join(debug.verbose_code_parts)[:300]
+        return "; ".join(debug.verbose_code_parts)[:200]
     except Exception as error:  # noqa: BLE001 - only for the log line
         return type(error).__name__
 
