@@ -97,7 +97,9 @@ def main() -> None:
         f"\ngated delta rule, forward + backward: {args.rows} x {args.tokens} tokens, "
         f"{args.heads} heads of {args.head_dim}, {args.dtype}, {device}"
     )
-    print(f"{'implementation':<34} {'ms a layer':>11} {f'x {args.layers} layers':>14} {'max diff':>10}")
+    print(
+        f"{'implementation':<34} {'ms a layer':>11} {f'x {args.layers} layers':>14} {'max diff':>10}"
+    )
     for name, row in results.items():
         diff = max(row.get("max_abs_diff_out", 0.0), row.get("max_abs_diff_grad", 0.0))
         print(f"{name:<34} {row['layer_ms']:>11.2f} {row['layers_ms']:>14.1f} {diff:>10.3g}")
