@@ -1,5 +1,5 @@
-"""Prefix-aware routing against round robin: multi-turn chats through `areno serve` with two
-Generator replicas (`--world-size 2`, `--routing prefix` / `round_robin`).
+"""Prefix-aware routing against round robin: multi-turn chats through `areno serve` with
+`--replicas` Generator replicas (`--world-size`, default 2; `--routing prefix` / `round_robin`).
 
 `--chats` chats run at once, each `--turns` user turns one after the other, streamed through
 the official `openai` client over loopback HTTP; every request carries the whole history (the
@@ -10,7 +10,7 @@ tokens the replicas admitted, those their prefix caches held (reused), and the m
 first token of all requests and of the later turns. Counters come from each replica
 (`GeneratorServer.replica_stats`).
 
-    python benchmarks/route_prefix.py [--chats 32] [--turns 4] [--rounds 1]
+    python benchmarks/route_prefix.py [--chats 32] [--turns 4] [--rounds 1] [--replicas 2]
 """
 
 from __future__ import annotations
@@ -140,7 +140,7 @@ def one_run(path: str, port: int, policy: str, args) -> dict:
         model_path=path,
         port=port,
         engine=engine,
-        world_size=2,
+        world_size=args.replicas,
         routing=policy,
         num_cpus_per_deployment=0.1,
     )
@@ -153,7 +153,7 @@ def one_run(path: str, port: int, policy: str, args) -> dict:
         )
         model = config.model_name
         # Every replica's first requests, outside the counts.
-        warm = [[f"Warm-up {i}: " + " ".join(WORDS)] for i in range(4)]
+        warm = [[f"Warm-up {i}: " + " ".join(WORDS)] for i in range(2 * args.replicas)]
         await asyncio.gather(*(run_chat(client, model, "Hi.", turns, args) for turns in warm))
         before = await asyncio.to_thread(replica_counts)
         start = time.perf_counter()
@@ -190,6 +190,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--family", default="qwen3_vl")
     parser.add_argument("--size", default="small", help="tiny checkpoint size (tiny, small)")
+    parser.add_argument("--replicas", type=int, default=2, help="Generator replicas")
     parser.add_argument("--chats", type=int, default=32)
     parser.add_argument("--turns", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=32)
@@ -228,7 +229,7 @@ def main() -> None:
         ray.shutdown()
 
     print(
-        f"\n{Path(path).name}: 2 replicas, {args.chats} chats x {args.turns} turns at once, "
+        f"\n{Path(path).name}: {args.replicas} replicas, {args.chats} chats x {args.turns} turns at once, "
         f"{args.max_tokens} tokens a reply"
     )
     head = ("policy", "prompt tok", "reused", "reused %", "TTFT p50 ms", "later p50", "wall s")
