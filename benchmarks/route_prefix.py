@@ -217,8 +217,8 @@ def main() -> None:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    # Logical CPUs: two Generator replicas (one each) beside the other deployments.
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    # Logical CPUs: a Generator replica takes one, the other deployments a tenth each.
+    ray.init(num_cpus=2 + args.replicas, include_dashboard=False, log_to_driver=False)
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         runs = [
