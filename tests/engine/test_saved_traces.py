@@ -101,6 +101,35 @@ def test_no_trace_is_saved_with_the_compile_cache_off(tiny_path, tmp_path, monke
     assert forward.compiled and forward.saved is None
 
 
+def test_a_torch_that_cannot_save_traces_compiles_as_torch_compile_does(
+    tmp_path, monkeypatch, caplog
+):
+    """A torch without `torch.compiler.load_compiled_function` (the GPU machines' 2.11 has no
+    `aot_compile` either): the forward compiles unsaved from the start, nothing is written
+    under the compile cache, and the engine says why once."""
+    from areno.engine import compile_cache
+    from areno.engine.runner import saved_traces
+    from areno.engine.runner.compiled import CompiledForward
+
+    (tmp_path / ".areno").touch()
+    monkeypatch.delenv(compile_cache.ENV, raising=False)
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    monkeypatch.delattr(torch.compiler, "load_compiled_function")
+    saved_traces.supported.cache_clear()
+    try:
+        with caplog.at_level("INFO", logger=saved_traces.__name__):
+            module = _Breaking()
+            forward = CompiledForward(module, "aot_eager", "a forward")
+            again = CompiledForward(module, "aot_eager", "another forward")
+    finally:
+        saved_traces.supported.cache_clear()
+    x = torch.randn(3, 4)
+    assert forward.saved is None and again.saved is None and forward.compiled
+    assert torch.allclose(forward(x), module(x))
+    assert not (tmp_path / "traces").exists()
+    assert caplog.text.count("does not save Dynamo traces") == 1
+
+
 def test_a_trace_keeps_no_guard_another_process_cannot_rebuild():
     from torch._dynamo.types import GuardFilterEntry
 
