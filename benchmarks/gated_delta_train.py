@@ -58,7 +58,15 @@ def implementations() -> dict:
 
 def run(fn, tensors: dict) -> tuple[torch.Tensor, list[torch.Tensor]]:
     leaves = {k: v.detach().requires_grad_(True) for k, v in tensors.items()}
-    out, _ = fn(**leaves, use_qk_l2norm_in_kernel=True)
+    # positional q, k, v: transformers names them query/key/value, fla q/k/v
+    out, _ = fn(
+        leaves["query"],
+        leaves["key"],
+        leaves["value"],
+        g=leaves["g"],
+        beta=leaves["beta"],
+        use_qk_l2norm_in_kernel=True,
+    )
     out.float().square().mean().backward()
     return out.detach(), [leaves[k].grad for k in ("query", "key", "value")]
 

@@ -254,6 +254,11 @@ def _grpo_run(args: argparse.Namespace, work: Path, transport: str) -> dict:
     path = _checkpoint("qwen3_5", args.size, work)
     run_dir = work / f"grpo-run-{transport}"
     overrides = [f"trainer.weight_sync={transport}"]
+    if args.rollout_compile != "auto":
+        overrides += [
+            f"rollout.engine.decode_compile={args.rollout_compile}",
+            f"rollout.engine.prefill_compile={args.rollout_compile}",
+        ]
     if args.device == "cuda":
         overrides += [
             "trainer.use_gpu=true",
@@ -443,6 +448,13 @@ def main() -> None:
         default="auto",
         choices=compile_modes,
         help="areno serve --decode-compile for the serve part",
+    )
+    parser.add_argument(
+        "--rollout-compile",
+        default="auto",
+        choices=compile_modes,
+        help="grpo: the rollout engine's decode and prefill compile (off: a cold start "
+        "without compiling, to time the trainer's steps)",
     )
     parser.add_argument("--work-dir", help="keeps checkpoints between runs (default: a temp dir)")
     parser.add_argument("--out", default="benchmarks/results/gpu_e2e.json")

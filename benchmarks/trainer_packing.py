@@ -99,6 +99,37 @@ def tokens_run(mode: str, episodes: list[list]) -> int:
     return sum(x.num_prompt_tokens for group in episodes for x, _ in group)
 
 
+def profile_pass(model, layout, episodes, device: str, features) -> dict:
+    """One packed pass under torch.profiler: the top operators by host and by device time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU]
+    if device.startswith("cuda"):
+        activities.append(ProfilerActivity.CUDA)
+    synchronize(torch.device(device))
+    start = time.perf_counter()
+    with profile(activities=activities) as prof:
+        run_mode(model, layout, "packed rows", episodes, device, features)
+        synchronize(torch.device(device))
+    wall = time.perf_counter() - start
+    events = prof.key_averages()
+    busy = sum(e.self_device_time_total for e in events) / 1e6
+    launches = sum(e.count for e in events if e.key.startswith(("cudaLaunchKernel", "cuLaunch")))
+    for key in ["self_cpu_time_total"] + (["self_device_time_total"] if busy else []):
+        print(f"\npacked pass, top operators by {key} (wall {wall:.3f} s under the profiler)")
+        print(events.table(sort_by=key, row_limit=15, max_name_column_width=60))
+    print(f"device busy {busy:.3f} s of {wall:.3f} s; {launches} kernel launches")
+    top = sorted(events, key=lambda e: e.self_cpu_time_total, reverse=True)[:15]
+    return {
+        "wall_s": wall,
+        "device_busy_s": busy,
+        "kernel_launches": launches,
+        "top_host_ops": {
+            e.key: {"self_s": e.self_cpu_time_total / 1e6, "calls": e.count} for e in top
+        },
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--family", default="gemma4")
@@ -111,6 +142,12 @@ def main() -> None:
     parser.add_argument("--rest-tokens", type=int, default=200)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="after the timing, one packed pass under torch.profiler: its top operators by "
+        "host and by device time, and how much of the pass the device was busy",
+    )
     parser.add_argument("--out", help="default benchmarks/results/trainer_packing_FAMILY_SIZE.json")
     args = parser.parse_args()
     path = args.model_path or str(tiny_checkpoint(args.family, args.size))
@@ -156,6 +193,8 @@ def main() -> None:
             f"{mode:16}{row['seconds']:>10.3f}{row['tokens_run']:>12}{speed:>9.2f}x"
             f"{row['max_logprob_diff']:>13.2e}"
         )
+    if args.profile:
+        results["profile"] = profile_pass(model, layout, episodes, args.device, features)
     meta = {k: v for k, v in vars(args).items() if k != "out"} | {"model_path": path}
     out = args.out or f"benchmarks/results/trainer_packing_{args.family}_{args.size}.json"
     write_results(out, meta, {"results": results})

@@ -250,6 +250,9 @@ class EngineConfig:
                 f"num_cpus_per_rank must be a number >= 0; got {self.num_cpus_per_rank!r}",
                 param="num_cpus_per_rank",
             )
+        for name in ("decode_graphs", "decode_compile", "prefill_compile"):
+            if getattr(self, name) is False:  # YAML reads a bare off as false
+                object.__setattr__(self, name, "off")
         if self.decode_graphs not in GRAPH_MODES:
             raise ConfigError(
                 f"decode_graphs must be one of {GRAPH_MODES}; got {self.decode_graphs!r}",

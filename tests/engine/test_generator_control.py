@@ -585,3 +585,18 @@ def test_a_linear_state_dtype_other_than_fp32_or_bf16_is_refused() -> None:
     with pytest.raises(ConfigError, match=r"linear_state_dtype must be one of .*; got 'float16'"):
         EngineConfig(linear_state_dtype="float16")
     assert EngineConfig().linear_state_dtype == "float32"
+
+
+def test_a_bare_off_turns_graphs_and_compiling_off_and_a_bare_on_names_the_field() -> None:
+    # `--set rollout.engine.decode_compile=off` and a config file's `decode_compile: off` both
+    # reach the engine as YAML's false.
+    import yaml
+
+    off = yaml.safe_load("off")
+    config = EngineConfig(decode_graphs=off, decode_compile=off, prefill_compile=off)
+    assert (config.decode_graphs, config.decode_compile, config.prefill_compile) == ("off",) * 3
+    # `on` names no graph or compile mode: refused, naming the field and what it takes
+    with pytest.raises(
+        ConfigError, match=r"decode_compile must be one of .*'inductor'.*; got True"
+    ):
+        EngineConfig(decode_compile=yaml.safe_load("on"))
