@@ -143,6 +143,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
+        "--modes", default=",".join(MODES), help=f"comma-separated, of: {', '.join(MODES)}"
+    )
+    parser.add_argument(
         "--profile",
         action="store_true",
         help="after the timing, one packed pass under torch.profiler: its top operators by "
@@ -166,7 +169,8 @@ def main() -> None:
         episodes = groups(path, args, Path(tmp))
     results, reference = {}, None
     # a family whose forward cannot take two prompts' media has no padded rows of them
-    for mode in [m for m in MODES if adapter.batched_media or m != "padded rows"]:
+    modes = [m for m in args.modes.split(",") if adapter.batched_media or m != "padded rows"]
+    for mode in modes:
         times = []
         for _ in range(args.repeats + 1):  # the first warms up (and fills the encoder cache)
             synchronize(device)
@@ -182,7 +186,7 @@ def main() -> None:
             "tokens_run": tokens_run(mode, episodes),
             "max_logprob_diff": diff,
         }
-    base = results["one per pass"]["seconds"]
+    base = results[modes[0]]["seconds"]
     trajectory_tokens = tokens_run("one per pass", episodes)
     print(f"{args.family} {args.size}, {args.device} {args.dtype}: {args.groups} groups x")
     print(f"{args.group_size} episodes, {trajectory_tokens} trajectory tokens")

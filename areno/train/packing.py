@@ -141,6 +141,10 @@ class _Branch:
     def __init__(self, conv: torch.Tensor | None = None, recurrent: torch.Tensor | None = None):
         self.conv, self.recurrent = conv, recurrent
 
+    @property
+    def states(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        return self.conv, self.recurrent
+
     def get_conv_state(self, layer_idx: int, state_idx: int = 0):
         return self.conv
 
@@ -165,20 +169,36 @@ def _by_segment(module: torch.nn.Module, rows: list[tuple[int, list[tuple[int, i
     """A linear-attention layer's forward over packed rows, row r given as (its shared tokens'
     end, its rests' (start, end)): each row's shared tokens from zero states, then every rest of
     every row in one right-padded batch, each from its row's shared end states (zero where a
-    row shares nothing); pads' outputs are zeros."""
+    row shares nothing); pads' outputs are zeros. Rows' shared tokens run in batches
+    (`shared_batches`), left-padded where the layer has no bias, of equal length otherwise."""
     forward_class = type(module).forward
     kernel = module.conv_kernel_size
+    biased = any(
+        getattr(m, "bias", None) is not None
+        for m in module.modules()
+        if isinstance(m, torch.nn.Linear | torch.nn.Conv1d)
+    )
+    waste = 0.0 if biased else 0.25
 
     def forward(hidden_states, cache_params=None, attention_mask=None, **kwargs):
-        shared_out, ends = [], []
-        for row, (shared, _) in enumerate(rows):
+        shared_out = [hidden_states[row : row + 1, :0] for row in range(len(rows))]
+        ends = [_Branch() for _ in rows]
+        for batch in shared_batches([shared for shared, _ in rows], waste):
+            # NOTE: left padding with zero inputs leaves a row's states at zero up to its first
+            # token (no projection or convolution has a bias, and a zero key writes nothing),
+            # so the rows' outputs and end states are theirs alone
+            width = rows[batch[0]][0]
+            x = torch.cat(
+                [
+                    F.pad(hidden_states[r : r + 1, : rows[r][0]], (0, 0, width - rows[r][0], 0))
+                    for r in batch
+                ]
+            )
             branch = _Branch()
-            if shared:
-                x = hidden_states[row : row + 1, :shared]
-                shared_out.append(forward_class(module, x, cache_params=branch))
-            else:
-                shared_out.append(hidden_states[row : row + 1, :0])
-            ends.append(branch)
+            out = forward_class(module, x, cache_params=branch)
+            for i, r in enumerate(batch):
+                shared_out[r] = out[i : i + 1, width - rows[r][0] :]
+                ends[r] = _Branch(*(None if t is None else t[i : i + 1] for t in branch.states))
         rests = [(row, a, b) for row, (_, spans) in enumerate(rows) for a, b in spans]
         rest_out = []
         if rests:
@@ -208,6 +228,23 @@ def _by_segment(module: torch.nn.Module, rows: list[tuple[int, list[tuple[int, i
         return torch.cat([_right_padded(torch.cat(p, dim=1), width) for p in pieces])
 
     return forward
+
+
+def shared_batches(lengths: list[int], waste: float = 0.25) -> list[list[int]]:
+    """The rows with shared tokens (`lengths`, 0: none), longest first, in batches that one
+    forward runs left-padded to their longest: a row joins the batch before it while the padding
+    stays within `waste` of the batch's tokens. On a GPU a forward of a short prompt costs its
+    kernel launches, not its tokens: a step's groups in one forward, not one each."""
+    batches: list[list[int]] = []
+    for r in sorted((r for r, n in enumerate(lengths) if n), key=lambda r: -lengths[r]):
+        if batches:
+            batch = batches[-1]
+            tokens = sum(lengths[b] for b in batch) + lengths[r]
+            if lengths[batch[0]] * (len(batch) + 1) <= (1 + waste) * tokens:
+                batch.append(r)
+                continue
+        batches.append([r])
+    return batches
 
 
 def _right_padded(x: torch.Tensor, width: int) -> torch.Tensor:

@@ -185,16 +185,26 @@ def _float32_probe(model: torch.nn.Module, device: str) -> torch.nn.Module:
 
 
 def _packing_error(model: torch.nn.Module, device: str) -> float:
-    """The largest difference between two made-up text episodes' logprobs scored alone and in
-    one packed row of `model`."""
+    """The largest difference between four made-up text episodes' logprobs scored alone and in
+    two packed rows of `model`, a group each."""
     layout = PackLayout.of(model)
     if layout is None:
         raise ValueError("the probe has no packed layout")
     high = min(model.config.get_text_config().vocab_size, 1000)
     low = min(100, high // 2)  # past the special ids a vocabulary starts with, where it can
-    ids = torch.randint(low, high, (20,), generator=torch.Generator().manual_seed(0)).tolist()
-    items = [PromptInputs(ids[:17], {}), PromptInputs(ids[:12] + ids[17:], {})]
+    ids = torch.randint(low, high, (40,), generator=torch.Generator().manual_seed(0)).tolist()
+    # two groups whose prompts (12 and 10 shared tokens) one linear-attention forward runs
+    # left-padded together (packing.shared_batches)
+    rows = [
+        [PromptInputs(ids[:17], {}), PromptInputs(ids[:12] + ids[17:], {})],
+        [PromptInputs(ids[20:33], {}), PromptInputs(ids[20:30] + ids[33:37], {})],
+    ]
+    starts = [[10, 10], [9, 9]]
     with torch.no_grad():
-        alone = [sequence_logprobs(model, item, device, 10) for item in items]
-        (packed,) = packed_logprobs(model, layout, [items], [[10, 10]], device)
+        alone = [
+            sequence_logprobs(model, item, device, start)
+            for items, firsts in zip(rows, starts, strict=True)
+            for item, start in zip(items, firsts, strict=True)
+        ]
+        packed = [lp for row in packed_logprobs(model, layout, rows, starts, device) for lp in row]
     return max(float((a - b).abs().max()) for a, b in zip(alone, packed, strict=True))

@@ -71,6 +71,26 @@ def test_a_packed_row_that_scores_otherwise_trains_one_trajectory_a_row(
     assert "differ from the unpacked ones" in caplog.text
 
 
+def test_rows_batched_into_one_linear_attention_forward_keep_their_own_states(
+    tiny_path, monkeypatch, caplog
+):
+    """A step's groups run their prompts through a linear-attention layer as one left-padded
+    batch; the packing check packs two groups of different prompt lengths, so a row that took
+    another row's end states fails it."""
+    assert packing.shared_batches([12, 0, 10, 40, 11]) == [[3], [0, 4, 2]]
+    assert packing.shared_batches([12, 10], waste=0.0) == [[0], [1]]  # a biased layer
+    assert packing.shared_batches([12, 12], waste=0.0) == [[0, 1]]
+    model, _, _ = load_policy(tiny_path("qwen3_5"), dtype=torch.float32)
+    assert pack_layout(model, "cpu") is not None
+
+    def swapped(self):
+        return tuple(None if t is None else t.flip(0) for t in (self.conv, self.recurrent))
+
+    monkeypatch.setattr(packing._Branch, "states", property(swapped))
+    assert pack_layout(model, "cpu") is None
+    assert "differ from the unpacked ones" in caplog.text
+
+
 def test_a_lora_learner_starts_from_the_adapter_its_seed_gives(tiny_path, process_group):
     """A LoRA run's initial factors come from `run.seed`: the same seed gives the same adapter
     (two runs of one config train alike; unseeded, each drew its own lora_A and the runs parted
