@@ -1,6 +1,7 @@
 """A trainer pass over GRPO groups whose episodes share a long multimodal prompt: one episode per
-pass, a group's episodes as padded rows of one pass, and a group packed into one row, its
-prompt once (`areno.train.packing`), side by side in one run on the same episodes.
+pass, a group's episodes as padded rows of one pass, a group packed into one row, its prompt
+once (`areno.train.packing`), a pass a group, and every group a packed row of one pass (as the
+trainer runs a step's groups), side by side in one run on the same episodes.
 
 Each of `--groups` groups starts from one encoded prompt (a clip's frames, with its audio track
 where the family takes audio, and a question); its `--group-size` episodes continue it with
@@ -37,7 +38,7 @@ from areno.train.lora import base_model  # noqa: E402
 from areno.train.packing import packed_logprobs, row_length  # noqa: E402
 from areno.train.policy import batch_logprobs, load_policy, pack_layout  # noqa: E402
 
-MODES = ("one per pass", "padded rows", "packed rows")
+MODES = ("one per pass", "padded rows", "packed rows", "packed pass")
 
 
 def groups(path: str, args, workdir: Path) -> list[list]:
@@ -68,6 +69,18 @@ def run_mode(model, layout, mode: str, episodes: list[list], device: str, featur
     """Forward + backward of every episode in `mode`; each episode's logprobs (detached)."""
     model.zero_grad(set_to_none=True)
     rows = []
+    if mode == "packed pass":  # every group a packed row of one pass, as the trainer runs a step
+        out = packed_logprobs(
+            model,
+            layout,
+            [[x for x, _ in group] for group in episodes],
+            [[s for _, s in group] for group in episodes],
+            device,
+            around=lambda item: features.around(item.mm_spans),
+        )
+        out = [lp for row in out for lp in row]
+        torch.stack([lp.float().sum() for lp in out]).sum().backward()
+        return [lp.detach().float().cpu() for lp in out]
     for group in episodes:
         items = [x for x, _ in group]
         starts = [s for _, s in group]
@@ -92,7 +105,7 @@ def run_mode(model, layout, mode: str, episodes: list[list], device: str, featur
 
 
 def tokens_run(mode: str, episodes: list[list]) -> int:
-    if mode == "packed rows":
+    if mode in ("packed rows", "packed pass"):
         return sum(row_length([x for x, _ in group]) for group in episodes)
     if mode == "padded rows":
         return sum(len(group) * max(x.num_prompt_tokens for x, _ in group) for group in episodes)
@@ -100,7 +113,7 @@ def tokens_run(mode: str, episodes: list[list]) -> int:
 
 
 def profile_pass(model, layout, episodes, device: str, features) -> dict:
-    """One packed pass under torch.profiler: the top operators by host and by device time."""
+    """One pass of every group's packed row under torch.profiler: the top operators by host and by device time."""
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU]
@@ -109,7 +122,7 @@ def profile_pass(model, layout, episodes, device: str, features) -> dict:
     synchronize(torch.device(device))
     start = time.perf_counter()
     with profile(activities=activities) as prof:
-        run_mode(model, layout, "packed rows", episodes, device, features)
+        run_mode(model, layout, "packed pass", episodes, device, features)
         synchronize(torch.device(device))
     wall = time.perf_counter() - start
     events = prof.key_averages()
