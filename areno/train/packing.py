@@ -297,24 +297,22 @@ class _Row:
 
 
 def _packed_row(model, layout: PackLayout, items, starts, device: str, around) -> _Row:
-    """`items` packed into one row: the stack inputs of the first's shared tokens, then each
-    one's rest (from its own forward to the stack, `around` it)."""
+    """`items` packed into one row: the stack inputs of the shared tokens, then each one's rest,
+    from one forward to the stack over the row where no rest holds media (`_row_staged`), else
+    from each one's own forward (`around` it)."""
     shared = shared_length(items)
-    staged = []
-    for item in items:
-        with around(item) if around is not None else contextlib.nullcontext():
-            staged.append(stack_inputs_of(model, item, device))
     row = _Row(
-        pieces=[staged[0].cut(0, shared)],
+        pieces=[],
         ids=list(items[0].input_ids[:shared]),
         seg=[0] * shared,
         pos=list(range(shared)),
         groups=_groups(items[0], layout)[:shared],
         picks=[],
     )
-    for k, (item, prompt, start) in enumerate(zip(items, staged, starts, strict=True), 1):
+    cuts = []
+    for k, (item, start) in enumerate(zip(items, starts, strict=True), 1):
         n, offset = item.num_prompt_tokens, len(row.ids)
-        row.pieces.append(prompt.cut(shared, n))
+        cuts.append((offset, offset + n - shared))
         row.ids += item.input_ids[shared:]
         row.seg += [k] * (n - shared)
         row.pos += range(shared, n)
@@ -323,7 +321,45 @@ def _packed_row(model, layout: PackLayout, items, starts, device: str, around) -
         # the logit of token t is read at position t - 1: a shared one, or this rest's
         cols = [p if p < shared else offset + p - shared for p in range(start - 1, n - 1)]
         row.picks.append((cols, item.input_ids[start:]))
+    if all(span.end <= shared for item in items for span in item.mm_spans):
+        staged = _row_staged(model, items, shared, row.ids, cuts, device, around)
+        row.pieces = [staged.cut(0, shared)] + [staged.cut(a, b) for a, b in cuts]
+        return row
+    staged = []
+    for item in items:
+        with around(item) if around is not None else contextlib.nullcontext():
+            staged.append(stack_inputs_of(model, item, device))
+    row.pieces = [staged[0].cut(0, shared)]
+    row.pieces += [
+        prompt.cut(shared, item.num_prompt_tokens)
+        for item, prompt in zip(items, staged, strict=True)
+    ]
     return row
+
+
+def _row_staged(model, items, shared: int, ids: list[int], cuts, device: str, around):
+    """The stack inputs of a packed row whose rests hold no media, from one forward to the stack
+    over its tokens [shared | rest 1 | rest 2 | ...] with the shared tokens' media: each token's
+    own inputs, as its episode's forward gives them. The forward counts positions on through
+    the rests; each rest's are moved back to follow the shared tokens, as text's positions
+    follow what comes before them (by one a token, on every axis of Qwen's)."""
+    first = items[0]
+    n = first.num_prompt_tokens
+    mm_inputs = {}
+    for key, value in first.mm_inputs.items():
+        if value.ndim == 2 and value.shape == (1, n):  # one entry a token (token types)
+            parts = [value[:, :shared]]
+            parts += [i.mm_inputs[key][:, shared:] for i in items]
+            value = torch.cat(parts, dim=1)
+        mm_inputs[key] = value
+    inputs = PromptInputs(ids, mm_inputs, list(first.mm_spans))
+    with around(inputs) if around is not None else contextlib.nullcontext():
+        staged = stack_inputs_of(model, inputs, device)
+    positions = staged.position_ids.clone()
+    for a, b in cuts:
+        positions[..., a:b] -= a - shared
+    staged.position_ids = positions
+    return staged
 
 
 def packed_logprobs(

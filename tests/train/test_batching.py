@@ -244,10 +244,10 @@ def _trajectories(path, media) -> list[Trajectory]:
     return out
 
 
-def _group_trajectories(path, media) -> list[Trajectory]:
+def _group_trajectories(path, media, rest_image: bool = True) -> list[Trajectory]:
     """Two GRPO groups of four episodes: each group's episodes share its prompt (media and a
     question) and part at their replies; two go on for a second turn, one of them with an
-    image of its own (a tool result's, say)."""
+    image of its own (a tool result's, say) where `rest_image`."""
     processor = Processor(path)
     decoder = MediaDecoder(MediaPolicy.for_training(), processor.decode_options())
     image = {"type": "image_url", "image_url": {"url": str(media["a"])}}
@@ -268,7 +268,7 @@ def _group_trajectories(path, media) -> list[Trajectory]:
             words = " ".join(rng.choice(("red", "blue", "cat", "sky")) for _ in range(episode + 1))
             messages = [user, {"role": "assistant", "content": f"It is {words}."}]
             if episode in (1, 2):
-                content = [other] if episode == 1 else []
+                content = [other] if episode == 1 and rest_image else []
                 content.append({"type": "text", "text": "and now?"})
                 messages += [{"role": "user", "content": content}]
                 messages += [{"role": "assistant", "content": f"Still {words}."}]
@@ -342,16 +342,29 @@ def test_batched_passes_give_the_unbatched_gradient(process_group, tiny_path, me
             torch.testing.assert_close(batched[name], grad, rtol=1e-4, atol=1e-6, msg=name)
 
 
+@pytest.mark.parametrize("rest_image", [True, False], ids=["image-in-a-rest", "text-rests"])
 @pytest.mark.parametrize("family", TINY_FAMILIES)
 def test_a_group_packed_into_one_row_gives_the_unpacked_gradient(
-    process_group, tiny_path, media, family
+    process_group, tiny_path, media, family, rest_image, monkeypatch
 ):
     """Each group's four episodes run as one row, its prompt once: attention layers under the
     packed masks (Gemma 4's sliding window and bidirectional vision runs among them),
     linear-attention layers (Qwen3.5's, MiniCPM-V 4.6's) by segment from the prompt's end
-    states. The gradient is the one-episode-per-pass gradient, with and without a KL term."""
+    states. The gradient is the one-episode-per-pass gradient, with and without a KL term.
+    A row whose rests hold no media takes its stack inputs from one forward over the row (its
+    rests' positions moved back), one with an image in a rest from each episode's own."""
+    from areno.train import packing
+
+    whole_rows = []
+    row_staged = packing._row_staged
+
+    def counted(model, items, *args, **kwargs):
+        whole_rows.append(bool(items[0].mm_spans))  # the packing check's rows are text
+        return row_staged(model, items, *args, **kwargs)
+
+    monkeypatch.setattr(packing, "_row_staged", counted)
     path = tiny_path(family)
-    trajs = _group_trajectories(path, media)
+    trajs = _group_trajectories(path, media, rest_image)
     for loss in ({"loss_agg": "token_mean"}, {"loss_agg": "seq_mean_token_mean", "kl_coef": 0.1}):
         rows: list = []
         alone, _ = _gradient(path, trajs, 0, loss)
@@ -360,6 +373,7 @@ def test_a_group_packed_into_one_row_gives_the_unpacked_gradient(
         assert alone.keys() == batched.keys() and alone
         for name, grad in alone.items():
             torch.testing.assert_close(batched[name], grad, rtol=1e-4, atol=1e-6, msg=name)
+    assert any(whole_rows) is not rest_image
 
 
 def test_a_filler_pass_adds_no_gradient_and_no_metric(process_group, tiny_path, media):
