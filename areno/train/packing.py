@@ -12,8 +12,9 @@ episode's loss reads them, feed every episode's loss, so the gradient is the one
 rows give. Rows of several groups are right-padded into one batch.
 
 The stack's inputs (embeddings with the media features merged, Qwen's multimodal positions,
-Gemma's per-layer inputs, Qwen3-VL's deepstack features) come from each episode's own forward,
-stopped where it reaches the text stack; frozen towers answer from the trainer's encoder cache.
+Gemma's per-layer inputs, Qwen3-VL's deepstack features) come from one forward over the row where
+no rest holds media, else from each episode's own forward, stopped where it reaches the text
+stack; frozen towers answer from the trainer's encoder cache.
 A linear-attention layer (Qwen3.5's gated delta net, also MiniCPM-V 4.6's stack) carries one
 state through a sequence, which a mask cannot branch: in a packed row it runs segment by
 segment (`_Branch`), the shared tokens from zero states, then each rest from the conv inputs and
