@@ -142,10 +142,6 @@ class _Branch:
     def __init__(self, conv: torch.Tensor | None = None, recurrent: torch.Tensor | None = None):
         self.conv, self.recurrent = conv, recurrent
 
-    @property
-    def states(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        return self.conv, self.recurrent
-
     def get_conv_state(self, layer_idx: int, state_idx: int = 0):
         return self.conv
 
@@ -171,7 +167,9 @@ def _by_segment(module: torch.nn.Module, rows: list[tuple[int, list[tuple[int, i
     end, its rests' (start, end)): each row's shared tokens from zero states, then every rest of
     every row in one right-padded batch, each from its row's shared end states (zero where a
     row shares nothing); pads' outputs are zeros. Rows' shared tokens run in batches
-    (`shared_batches`), left-padded where the layer has no bias, of equal length otherwise."""
+    (`shared_batches`), left-padded where the layer has no bias, of equal length otherwise.
+    Every piece moves by one gather (`_SegmentPlan`, made once a pass): on a GPU the slices,
+    pads and joins of each piece had cost more launches than the layer's own work."""
     forward_class = type(module).forward
     kernel = module.conv_kernel_size
     biased = any(
@@ -179,56 +177,99 @@ def _by_segment(module: torch.nn.Module, rows: list[tuple[int, list[tuple[int, i
         for m in module.modules()
         if isinstance(m, torch.nn.Linear | torch.nn.Conv1d)
     )
-    waste = 0.0 if biased else 0.25
+    plans: dict[tuple[int, torch.device], _SegmentPlan] = {}
 
     def forward(hidden_states, cache_params=None, attention_mask=None, **kwargs):
-        shared_out = [hidden_states[row : row + 1, :0] for row in range(len(rows))]
-        ends = [_Branch() for _ in rows]
-        for batch in shared_batches([shared for shared, _ in rows], waste):
+        batch_size, length, hidden = hidden_states.shape
+        key = (length, hidden_states.device)
+        if key not in plans:
+            plans[key] = _SegmentPlan.of(rows, length, 0.0 if biased else 0.25, key[1])
+        plan = plans[key]
+        zero = hidden_states.new_zeros(1, hidden)
+        flat = torch.cat([hidden_states.reshape(batch_size * length, hidden), zero])
+        sources, convs, recurrents = [], [], []
+        for index in plan.shared:
             # NOTE: left padding with zero inputs leaves a row's states at zero up to its first
             # token (no projection or convolution has a bias, and a zero key writes nothing),
             # so the rows' outputs and end states are theirs alone
-            width = rows[batch[0]][0]
-            x = torch.cat(
-                [
-                    F.pad(hidden_states[r : r + 1, : rows[r][0]], (0, 0, width - rows[r][0], 0))
-                    for r in batch
-                ]
-            )
             branch = _Branch()
-            out = forward_class(module, x, cache_params=branch)
-            for i, r in enumerate(batch):
-                shared_out[r] = out[i : i + 1, width - rows[r][0] :]
-                ends[r] = _Branch(*(None if t is None else t[i : i + 1] for t in branch.states))
-        rests = [(row, a, b) for row, (_, spans) in enumerate(rows) for a, b in spans]
-        rest_out = []
-        if rests:
-            width = max(b - a for _, a, b in rests)
-            x = torch.cat(
-                [_right_padded(hidden_states[row : row + 1, a:b], width) for row, a, b in rests]
-            )
-            known = next((e for e in ends if e.recurrent is not None), None)
-            conv, recurrent = [], []
-            for row, _, _ in rests:
-                end = ends[row]
-                if end.conv is None:
-                    conv.append(x.new_zeros(1, module.conv_dim, kernel))
-                else:
-                    conv.append(F.pad(end.conv, (kernel - end.conv.shape[-1], 0)))
-                if known is not None:
-                    recurrent.append(
-                        end.recurrent if end.recurrent is not None else known.recurrent * 0
-                    )
-            branch = _Branch(torch.cat(conv), torch.cat(recurrent) if known else None)
-            out = forward_class(module, x, cache_params=branch)
-            rest_out = [out[i : i + 1, : b - a] for i, (_, a, b) in enumerate(rests)]
-        pieces: list[list[torch.Tensor]] = [[piece] for piece in shared_out]
-        for (row, _, _), piece in zip(rests, rest_out, strict=True):
-            pieces[row].append(piece)
-        width = hidden_states.shape[1]
-        return torch.cat([_right_padded(torch.cat(p, dim=1), width) for p in pieces])
+            out = forward_class(module, flat[index], cache_params=branch)
+            sources.append(out.reshape(-1, out.shape[-1]))
+            conv = branch.conv
+            if conv is None:  # the layer kept no conv inputs: zeros
+                conv = out.new_zeros(out.shape[0], module.conv_dim, kernel)
+            convs.append(F.pad(conv, (kernel - conv.shape[-1], 0)))
+            recurrents.append(branch.recurrent)
+        if plan.rests is not None:
+            branch = _Branch()  # where no row shares anything: every rest from zero states
+            if convs:
+                # each rest starts from its row's end states: a gather from every batch's, a
+                # zero entry last for a row that shares nothing
+                conv = torch.cat([*convs, convs[0].new_zeros(1, *convs[0].shape[1:])])
+                branch.conv = conv[plan.rest_states]
+                like = next((r for r in recurrents if r is not None), None)
+                if like is not None:
+                    states = [
+                        r if r is not None else like.new_zeros(c.shape[0], *like.shape[1:])
+                        for r, c in zip(recurrents, convs, strict=True)
+                    ]
+                    recurrent = torch.cat([*states, like.new_zeros(1, *like.shape[1:])])
+                    branch.recurrent = recurrent[plan.rest_states]
+            out = forward_class(module, flat[plan.rests], cache_params=branch)
+            sources.append(out.reshape(-1, out.shape[-1]))
+        source = torch.cat([*sources, zero.new_zeros(1, sources[0].shape[-1]) if sources else zero])
+        return source[plan.out]
 
     return forward
+
+
+@dataclass
+class _SegmentPlan:
+    """Where `_by_segment`'s pieces come from and go, as indices into the pass's hidden states
+    flattened to (rows x length + 1) tokens, the last a zero (a pad's input): `shared`, each
+    batch's left-padded inputs (n, width); `rests`, every rest's right-padded inputs (n,
+    width), or None; `rest_states`, each rest's row's entry among the batches' end states (the
+    last: zeros); `out`, each (row, column) of the output's place among the batches' outputs,
+    then the rests', then a zero."""
+
+    shared: list[torch.Tensor]
+    rests: torch.Tensor | None
+    rest_states: torch.Tensor | None
+    out: torch.Tensor
+
+    @classmethod
+    def of(cls, rows, length: int, waste: float, device) -> _SegmentPlan:
+        zero = len(rows) * length
+        out = [[None] * length for _ in rows]
+        shared, state_of, placed, entries = [], {}, 0, 0
+        for batch in shared_batches([n for n, _ in rows], waste):
+            width = rows[batch[0]][0]
+            index = []
+            for i, r in enumerate(batch):
+                n = rows[r][0]
+                index.append([zero] * (width - n) + [r * length + c for c in range(n)])
+                for c in range(n):
+                    out[r][c] = placed + i * width + width - n + c
+                state_of[r] = entries + i
+            shared.append(torch.tensor(index, device=device))
+            placed += len(batch) * width
+            entries += len(batch)
+        rests = [(r, a, b) for r, (_, spans) in enumerate(rows) for a, b in spans]
+        rest_index = rest_states = None
+        if rests:
+            width = max(b - a for _, a, b in rests)
+            index = []
+            for k, (r, a, b) in enumerate(rests):
+                index.append([r * length + c for c in range(a, b)] + [zero] * (width - (b - a)))
+                for c in range(a, b):
+                    out[r][c] = placed + k * width + c - a
+            rest_index = torch.tensor(index, device=device)
+            rest_states = torch.tensor(
+                [state_of.get(r, entries) for r, _, _ in rests], device=device
+            )
+            placed += len(rests) * width
+        out_index = [[placed if place is None else place for place in row] for row in out]
+        return cls(shared, rest_index, rest_states, torch.tensor(out_index, device=device))
 
 
 def shared_batches(lengths: list[int], waste: float = 0.25) -> list[list[int]]:
@@ -246,11 +287,6 @@ def shared_batches(lengths: list[int], waste: float = 0.25) -> list[list[int]]:
                 continue
         batches.append([r])
     return batches
-
-
-def _right_padded(x: torch.Tensor, width: int) -> torch.Tensor:
-    """(1, L, H) padded with zeros to (1, width, H)."""
-    return F.pad(x, (0, 0, 0, width - x.shape[1]))
 
 
 def stack_inputs_of(model: torch.nn.Module, inputs: PromptInputs, device: str) -> StagedPrompt:
@@ -424,13 +460,37 @@ def packed_logprobs(
         ).logits[0]
     if temperature not in (0, 1):
         logits = logits / temperature
+    # every pick's logprobs from one copy of the targets and few log-softmaxes (chunks bound the
+    # float32 copy of the logits), split back into views
+    targets_M = torch.tensor([t for _, _, targets in picks for t in targets], device=device)
+    sizes = [len(cols) for _, cols, _ in picks]
+    parts = [
+        token_logprobs(logits[a:b][None], targets_M[a:b][None])[0]
+        for a, b in _chunks(sizes, LOGPROB_CHUNK)
+    ]
+    logprobs_M = torch.cat(parts) if parts else logits.new_zeros(0, dtype=torch.float32)
     out: list[list[torch.Tensor]] = [[] for _ in rows]
-    at = 0
-    for r, cols, targets in picks:
-        picked = logits[at : at + len(cols)][None]
-        out[r].append(token_logprobs(picked, torch.tensor([targets], device=device))[0])
-        at += len(cols)
+    for (r, _, _), lp in zip(picks, logprobs_M.split(sizes), strict=True):
+        out[r].append(lp)
     return out
+
+
+# Positions whose logits one log-softmax takes in float32 (a Gemma vocabulary: 1 GiB)
+LOGPROB_CHUNK = 1024
+
+
+def _chunks(sizes: list[int], limit: int) -> list[tuple[int, int]]:
+    """Consecutive spans of the concatenated `sizes` of at most `limit` positions each, cut
+    only between items (an item longer than `limit` is a span of its own)."""
+    spans, start, end = [], 0, 0
+    for size in sizes:
+        if end > start and end + size - start > limit:
+            spans.append((start, end))
+            start = end
+        end += size
+    if end > start:
+        spans.append((start, end))
+    return spans
 
 
 def _segments(seg: list[int]) -> tuple[int, list[tuple[int, int]]]:

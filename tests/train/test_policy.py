@@ -83,10 +83,14 @@ def test_rows_batched_into_one_linear_attention_forward_keep_their_own_states(
     model, _, _ = load_policy(tiny_path("qwen3_5"), dtype=torch.float32)
     assert pack_layout(model, "cpu") is not None
 
-    def swapped(self):
-        return tuple(None if t is None else t.flip(0) for t in (self.conv, self.recurrent))
+    of = packing._SegmentPlan.of
 
-    monkeypatch.setattr(packing._Branch, "states", property(swapped))
+    def swapped(*args, **kwargs):
+        plan = of(*args, **kwargs)
+        plan.rest_states = plan.rest_states.flip(0)  # the rests of row 0 from row 1's states
+        return plan
+
+    monkeypatch.setattr(packing._SegmentPlan, "of", swapped)
     assert pack_layout(model, "cpu") is None
     assert "differ from the unpacked ones" in caplog.text
 
