@@ -169,7 +169,9 @@ def run(
     # A new local Ray per run, even where another job's `ray start` cluster runs on the machine
     # (`ray.init` would join it, or hang on it once it is gone).
     env = {**os.environ, "RAY_ADDRESS": "local"}
-    env.update(PYTHONPATH=str(tree), RAY_AUTH_MODE=env.get("RAY_AUTH_MODE", "disabled"))
+    # the tree's code first, then whatever the caller's path holds (an offline bundle's packages)
+    path = os.pathsep.join(p for p in (str(tree), os.environ.get("PYTHONPATH", "")) if p)
+    env.update(PYTHONPATH=path, RAY_AUTH_MODE=env.get("RAY_AUTH_MODE", "disabled"))
     start = time.perf_counter()
     log = work / f"{run_dir.name}.log"
     with log.open("w") as out:
