@@ -126,6 +126,8 @@ class RolloutWorker:
             import torch
 
             torch.set_num_threads(spec.cpu_threads)
+        # the agent first: its error comes before the engine's start (minutes on a GPU)
+        self.agent = load_agent(spec.agent, **spec.agent_kwargs)
         max_context_len = spec.engine.max_context_len
         processor = Processor(
             spec.model_path, limits=PromptLimits(spec.max_prompt_tokens, max_context_len)
@@ -137,7 +139,6 @@ class RolloutWorker:
         generator = Generator.from_config(spec.model_path, spec.engine)
         parser = get_tool_parser(processor.adapter.tool_format)
         self.env = RolloutEnv(decoder, processor, generator, parser)
-        self.agent = load_agent(spec.agent, **spec.agent_kwargs)
         self.limits = EpisodeLimits(generator.max_context_len, spec.max_tokens_per_turn)
         self._prompts: dict[str, PromptInputs] = {}
         self._gate = EpisodeGate()

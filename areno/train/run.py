@@ -10,6 +10,7 @@ import uuid
 from pathlib import Path
 
 from areno.errors import ArenoError
+from areno.imports import import_callable
 from areno.logs import ENV
 from areno.models.registry import adapter_for_checkpoint
 from areno.programs.program import load_program
@@ -29,6 +30,15 @@ class TrainingStoppedError(ArenoError):
     status_code = 500
     error_type = "server_error"
     code = "training_failed"
+
+
+class RolloutStartError(ArenoError):
+    """A rollout worker could not start (its engine, decoder, processor or agent raised while
+    it was built). The message ends with the worker's own error; its traceback is in the log."""
+
+    status_code = 500
+    error_type = "server_error"
+    code = "rollout_worker_failed"
 
 
 def resume_hint(config: GRPOConfig) -> str:
@@ -81,7 +91,8 @@ def rollout_spec(config: GRPOConfig, model_path: str) -> RolloutSpec:
 
 def start_rollout_workers(config: GRPOConfig, model_path: str) -> list:
     """One RolloutWorker actor per generator replica (tensor-parallel followers are its own);
-    a ProgramWorker (areno.programs) when `rollout.program` names an agent program.
+    a ProgramWorker (areno.programs) when `rollout.program` names an agent program. Returns at
+    once: the engines start while the trainer does (`rollouts_started`).
 
     Ray restarts a lost worker up to rollout.max_restarts times. Its calls are never retried by
     Ray (max_task_retries=0): the restarted process holds the initial weights, so the trainer
@@ -91,7 +102,6 @@ def start_rollout_workers(config: GRPOConfig, model_path: str) -> list:
     spec = rollout_spec(config, model_path)
     worker_cls = RolloutWorker
     if spec.program:
-        load_program(spec.program)  # a wrong name or signature fails here, naming the setting
         worker_cls = ProgramWorker
     # Workers on a running cluster do not inherit this process's environment.
     env_vars = {ENV: os.environ[ENV]} if ENV in os.environ else {}
@@ -104,9 +114,25 @@ def start_rollout_workers(config: GRPOConfig, model_path: str) -> list:
         max_task_retries=0,
         runtime_env={"env_vars": env_vars} if env_vars else None,
     )
-    workers = [cls.remote(spec) for _ in range(config.rollout.num_workers)]
-    ray.get([w.policy_version.remote() for w in workers])  # surface construction errors here
-    return workers
+    return [cls.remote(spec) for _ in range(config.rollout.num_workers)]
+
+
+def rollouts_started(ready: list) -> None:
+    """Waits for `ready` (each rollout worker's first call); raises RolloutStartError naming the
+    first one's error where a worker could not start."""
+    import ray
+
+    try:
+        ray.get(ready)
+    except ray.exceptions.RayActorError as error:
+        if not error.actor_init_failed:
+            raise
+        # Ray's message: the creation task's traceback, the worker's own error last
+        cause = [line for line in str(error).splitlines() if line.strip()][-1]
+        raise RolloutStartError(
+            f"a rollout worker could not start: {cause.strip()} (its traceback is in the "
+            "rollout worker's log above)"
+        ) from None
 
 
 def run(config: GRPOConfig) -> Path:
@@ -126,9 +152,19 @@ def run(config: GRPOConfig) -> Path:
     run_dir.mkdir(parents=True, exist_ok=True)
     config.run.run_dir = str(run_dir)
     (run_dir / "config.json").write_text(json.dumps(config.to_dict(), indent=2, default=str))
+    # A wrong agent or program name (or signature) fails here, naming the setting, before Ray
+    # and any engine start; the agent is built on each worker, whose errors follow below.
+    if config.rollout.program:
+        load_program(config.rollout.program)
+    elif config.rollout.agent:
+        import_callable(config.rollout.agent, "agent")
     if not ray.is_initialized():
         ray.init(address=os.environ.get("RAY_ADDRESS"), log_to_driver=True)
     workers = start_rollout_workers(config, model_path)
+    # NOTE: the trainer starts (loads the policy, DeepSpeed) while the rollout engines do
+    # (compiling and capturing on a GPU takes minutes); it waits for them before its first
+    # weight sync, and where one could not start it ends at once and the error is raised here.
+    ready = [w.policy_version.remote() for w in workers]
     t = config.trainer
     resources = {"CPU": t.num_cpus_per_worker, **t.resources_per_worker}
     if t.use_gpu:
@@ -138,6 +174,7 @@ def run(config: GRPOConfig) -> Path:
         train_loop_config={
             "config": config.to_dict(),
             "rollout_workers": workers,
+            "rollouts_ready": ready,
             "model_path": model_path,
             # tells a restarted worker group its own checkpoints from older launches' ones
             "launch_id": uuid.uuid4().hex,
@@ -155,9 +192,12 @@ def run(config: GRPOConfig) -> Path:
         ),
     )
     try:
-        trainer.fit()
-    except TrainingFailedError as error:
-        raise TrainingStoppedError(f"{error}\n{resume_hint(config)}") from None
+        try:
+            trainer.fit()
+        except TrainingFailedError as error:
+            rollouts_started(ready)  # a worker that could not start is the cause to name
+            raise TrainingStoppedError(f"{error}\n{resume_hint(config)}") from None
+        rollouts_started(ready)
     finally:
         for worker in workers:
             ray.kill(worker)

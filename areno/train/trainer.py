@@ -44,6 +44,21 @@ def _broadcast(obj: Any, rank: int) -> Any:
     return box[0]
 
 
+def _rollouts_started(ready: list) -> bool:
+    """Waits for the rollout workers, which start while the trainer does: False where one could
+    not start (nothing to train with; a retry of the worker group would not change that)."""
+    import ray
+
+    try:
+        ray.get(ready)
+    except ray.exceptions.RayActorError as error:
+        if not error.actor_init_failed:
+            raise
+        logger.warning("areno train: a rollout worker could not start; the trainer stops")
+        return False
+    return True
+
+
 def train_loop(loop_config: dict) -> None:
     """Ray Train's `train_loop_per_worker`."""
     import ray.train
@@ -55,6 +70,8 @@ def train_loop(loop_config: dict) -> None:
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     learner = Learner(config, model_path, rank, world)
+    if not _rollouts_started(loop_config.get("rollouts_ready", [])):
+        return  # `areno train` raises the worker's error (areno.train.run.rollouts_started)
     state = checkpoint.TrainState()
     # A worker group Ray Train restarted (trainer.max_failures) resumes from its own launch's
     # newest checkpoint: the data position in it is where the lost group's progress was saved.

@@ -69,3 +69,9 @@ def reward(
     if due:
         _crash_once(marker)
     return color_quiz.reward(trajectory, private)
+
+
+def unstartable_agent(**_) -> Agent:
+    """An agent that cannot be built where the rollout worker runs (a tool server it cannot
+    reach there, say): importable in the driver, failing on the worker."""
+    raise RuntimeError("the sandbox this agent needs is not reachable from this rollout worker")

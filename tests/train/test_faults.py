@@ -155,3 +155,45 @@ def test_a_lost_trainer_worker_without_checkpoints_ends_the_run_saying_how_to_re
     assert "stopped with no checkpoint to resume from" in error
     assert "--save-every N" in error and f"--resume --run-dir {run_dir}" in error
     assert "Traceback" not in error
+
+
+def test_a_rollout_worker_that_cannot_start_ends_the_run_with_its_error(
+    ray_head, tiny_path, tmp_path
+):
+    """The trainer starts while the rollout engines do. A worker whose agent raises as it is
+    built ends the run at once, with that error: no step, and no restart of the trainer's
+    group although checkpoints would allow one (a restart would meet the same worker)."""
+    run_dir = tmp_path / "run"
+    args = [
+        *("--config", str(CONFIG), "--model-path", str(tiny_path("qwen3_5"))),
+        *("--run-dir", str(run_dir), "--max-steps", "2", "--eval-every", "0"),
+        *("--save-every", "1", "--group-size", str(GROUP), "--prompts-per-step", str(PROMPTS)),
+        *("--set", "rollout.agent=tests.train.fault_task:unstartable_agent"),
+        *("--set", "run.export_hf=false"),
+    ]
+    result = _train(ray_head, args)
+    assert result.returncode == 2, result.stderr[-4000:]
+    error = result.stderr[result.stderr.index("areno: error:") :]
+    assert "a rollout worker could not start: RuntimeError: the sandbox this agent needs" in error
+    assert "Traceback" not in error
+    logs = result.stdout + result.stderr
+    assert "a rollout worker could not start; the trainer stops" in logs  # the trainer had begun
+    assert "restarted after a trainer worker failed" not in logs
+    assert not _step_records(run_dir)
+
+
+def test_a_misspelled_agent_fails_before_ray_or_an_engine_starts(tiny_path, tmp_path):
+    from areno.errors import ConfigError
+    from areno.train.config import GRPOConfig
+    from areno.train.run import run
+
+    config = GRPOConfig.from_yaml(
+        CONFIG,
+        {
+            "model_path": str(tiny_path("qwen3_5")),
+            "run.run_dir": str(tmp_path / "run"),
+            "rollout.agent": "tests.train.no_such_task:agent",
+        },
+    )
+    with pytest.raises(ConfigError, match="no module named 'tests.train.no_such_task'"):
+        run(config)
