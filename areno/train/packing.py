@@ -358,7 +358,7 @@ def _packed_row(model, layout: PackLayout, items, starts, device: str, around) -
         # the logit of token t is read at position t - 1: a shared one, or this rest's
         cols = [p if p < shared else offset + p - shared for p in range(start - 1, n - 1)]
         row.picks.append((cols, item.input_ids[start:]))
-    if all(span.end <= shared for item in items for span in item.mm_spans):
+    if _one_forward(items, shared):
         staged = _row_staged(model, items, shared, row.ids, cuts, device, around)
         row.pieces = [staged.cut(0, shared)] + [staged.cut(a, b) for a, b in cuts]
         return row
@@ -372,6 +372,22 @@ def _packed_row(model, layout: PackLayout, items, starts, device: str, around) -
         for item, prompt in zip(items, staged, strict=True)
     ]
     return row
+
+
+def _one_forward(items, shared: int) -> bool:
+    """Whether one forward over the row gives each token its own episode's stack inputs: no
+    rest holds media, and every episode has the first's per-token tensors at its own length."""
+    if any(span.end > shared for item in items for span in item.mm_spans):
+        return False
+    first = items[0]
+    n = first.num_prompt_tokens
+    for key, value in first.mm_inputs.items():
+        if value.ndim == 2 and value.shape == (1, n):
+            for item in items:
+                own = item.mm_inputs.get(key)
+                if own is None or own.shape != (1, item.num_prompt_tokens):
+                    return False
+    return True
 
 
 def _row_staged(model, items, shared: int, ids: list[int], cuts, device: str, around):
