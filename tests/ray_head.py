@@ -102,6 +102,8 @@ def _start_head() -> tuple[subprocess.Popen, RayHead]:
             "--include-dashboard=true",
             "--dashboard-host=127.0.0.1",
             f"--dashboard-port={dashboard_port}",
+            # its job agent's own port (52365 by default) may be another Ray's on this machine
+            f"--dashboard-agent-listen-port={free_port()}",
             f"--temp-dir={temp_dir}",
         ],
         env=env,
