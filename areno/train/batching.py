@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from areno.processing.types import PromptInputs
-from areno.train.packing import row_length
+from areno.train.packing import is_per_token, row_length
 
 
 @dataclass
@@ -48,11 +48,6 @@ class MiniBatch:
 
     def is_filler(self, index: int) -> bool:
         return index >= len(self.micro) - self.num_fillers
-
-
-def is_per_token(value: torch.Tensor, num_tokens: int) -> bool:
-    """A tensor with one entry per prompt token, like Gemma's `mm_token_type_ids`."""
-    return value.ndim == 2 and value.shape == (1, num_tokens)
 
 
 # name -> (shape past the first dimension, dtype) of a trajectory's media tensors

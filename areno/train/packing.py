@@ -70,6 +70,11 @@ def shared_length(items: Sequence[PromptInputs]) -> int:
     return shared
 
 
+def is_per_token(value: torch.Tensor, num_tokens: int) -> bool:
+    """A tensor with one entry per prompt token, like Gemma's `mm_token_type_ids`."""
+    return value.ndim == 2 and value.shape == (1, num_tokens)
+
+
 def row_length(items: Sequence[PromptInputs]) -> int:
     """The tokens of `items` packed into one row: the shared ones once, then each one's rest."""
     shared = shared_length(items)
@@ -382,10 +387,10 @@ def _one_forward(items, shared: int) -> bool:
     first = items[0]
     n = first.num_prompt_tokens
     for key, value in first.mm_inputs.items():
-        if value.ndim == 2 and value.shape == (1, n):
+        if is_per_token(value, n):
             for item in items:
                 own = item.mm_inputs.get(key)
-                if own is None or own.shape != (1, item.num_prompt_tokens):
+                if own is None or not is_per_token(own, item.num_prompt_tokens):
                     return False
     return True
 
@@ -400,7 +405,7 @@ def _row_staged(model, items, shared: int, ids: list[int], cuts, device: str, ar
     n = first.num_prompt_tokens
     mm_inputs = {}
     for key, value in first.mm_inputs.items():
-        if value.ndim == 2 and value.shape == (1, n):  # one entry a token (token types)
+        if is_per_token(value, n):
             parts = [value[:, :shared]]
             parts += [i.mm_inputs[key][:, shared:] for i in items]
             value = torch.cat(parts, dim=1)

@@ -15,6 +15,7 @@ from typing import Any
 
 from areno.data import Sample
 from areno.engine.sampling import SamplingParams
+from areno.errors import ArenoError
 from areno.rollout.trajectory import Trajectory
 
 # How long a restarting rollout worker may take to come back (it loads its model again).
@@ -158,3 +159,31 @@ def gather(dispatched: Dispatched) -> Gathered:
         for key, value in result.engine.items():
             latest[key] = max(latest.get(key, 0.0), value)
     return Gathered([r.trajectories for r in results], seconds, skipped, phases, engine)
+
+
+class RolloutStartError(ArenoError):
+    """A rollout worker could not start (its engine, decoder, processor or agent raised while
+    it was built). The message ends with the worker's own error; its traceback is in the log."""
+
+    status_code = 500
+    error_type = "server_error"
+    code = "rollout_worker_failed"
+
+
+def rollout_start_error(ready: list) -> RolloutStartError | None:
+    """Waits for `ready` (each rollout worker's first call): None once every worker started,
+    else the first one's construction error as a RolloutStartError. Any other failure raises."""
+    import ray
+
+    try:
+        ray.get(ready)
+    except ray.exceptions.RayActorError as error:
+        if not error.actor_init_failed:
+            raise
+        # Ray's message: the creation task's traceback, the worker's own error last
+        cause = [line for line in str(error).splitlines() if line.strip()][-1]
+        return RolloutStartError(
+            f"a rollout worker could not start: {cause.strip()} (its traceback is in the "
+            "rollout worker's log above)"
+        )
+    return None

@@ -19,6 +19,7 @@ from areno.rollout.worker import RolloutSpec, RolloutWorker
 from areno.train.config import DEFAULT_MAX_FAILURES, GRPOConfig, cpu_threads
 from areno.train.controller import rollouts_overlap_training
 from areno.train.metrics import TRACKER_ENV, check_trackers
+from areno.train.rollouts import rollout_start_error
 
 logger = logging.getLogger("areno.train")
 
@@ -30,15 +31,6 @@ class TrainingStoppedError(ArenoError):
     status_code = 500
     error_type = "server_error"
     code = "training_failed"
-
-
-class RolloutStartError(ArenoError):
-    """A rollout worker could not start (its engine, decoder, processor or agent raised while
-    it was built). The message ends with the worker's own error; its traceback is in the log."""
-
-    status_code = 500
-    error_type = "server_error"
-    code = "rollout_worker_failed"
 
 
 def resume_hint(config: GRPOConfig) -> str:
@@ -118,21 +110,10 @@ def start_rollout_workers(config: GRPOConfig, model_path: str) -> list:
 
 
 def rollouts_started(ready: list) -> None:
-    """Waits for `ready` (each rollout worker's first call); raises RolloutStartError naming the
-    first one's error where a worker could not start."""
-    import ray
-
-    try:
-        ray.get(ready)
-    except ray.exceptions.RayActorError as error:
-        if not error.actor_init_failed:
-            raise
-        # Ray's message: the creation task's traceback, the worker's own error last
-        cause = [line for line in str(error).splitlines() if line.strip()][-1]
-        raise RolloutStartError(
-            f"a rollout worker could not start: {cause.strip()} (its traceback is in the "
-            "rollout worker's log above)"
-        ) from None
+    """Waits for the rollout workers; raises RolloutStartError where one could not start."""
+    error = rollout_start_error(ready)
+    if error is not None:
+        raise error
 
 
 def run(config: GRPOConfig) -> Path:

@@ -18,6 +18,7 @@ from areno.train.controller import Controller, StepBatch
 from areno.train.learner import Learner, reduce_sums
 from areno.train.lora import export_adapter, is_lora
 from areno.train.metrics import PhaseTimer
+from areno.train.rollouts import rollout_start_error
 from areno.train.weight_sync import WeightSync, gathered, trainable_named
 
 logger = logging.getLogger("areno.train")
@@ -44,21 +45,6 @@ def _broadcast(obj: Any, rank: int) -> Any:
     return box[0]
 
 
-def _rollouts_started(ready: list) -> bool:
-    """Waits for the rollout workers, which start while the trainer does: False where one could
-    not start (nothing to train with; a retry of the worker group would not change that)."""
-    import ray
-
-    try:
-        ray.get(ready)
-    except ray.exceptions.RayActorError as error:
-        if not error.actor_init_failed:
-            raise
-        logger.warning("areno train: a rollout worker could not start; the trainer stops")
-        return False
-    return True
-
-
 def train_loop(loop_config: dict) -> None:
     """Ray Train's `train_loop_per_worker`."""
     import ray.train
@@ -70,8 +56,11 @@ def train_loop(loop_config: dict) -> None:
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     learner = Learner(config, model_path, rank, world)
-    if not _rollouts_started(loop_config.get("rollouts_ready", [])):
-        return  # `areno train` raises the worker's error (areno.train.run.rollouts_started)
+    # the rollout workers start while the trainer does: where one could not, nothing is left
+    # to train with and a restart of this group would meet it again; `areno train` raises it
+    if rollout_start_error(loop_config.get("rollouts_ready", [])) is not None:
+        logger.warning("areno train: a rollout worker could not start; the trainer stops")
+        return
     state = checkpoint.TrainState()
     # A worker group Ray Train restarted (trainer.max_failures) resumes from its own launch's
     # newest checkpoint: the data position in it is where the lost group's progress was saved.
