@@ -242,6 +242,39 @@ def token_logprobs(logits_BTV: Tensor, token_ids_BT: Tensor) -> Tensor:
     return torch.stack(rows)
 
 
+@dataclass
+class LossTerms:
+    """`policy_loss_terms`: the per-token loss and its metrics' sums, still on the device, so
+    that a batch of sequences is scored with one read of the host."""
+
+    token_loss: Tensor  # [B, T], 0 at masked positions; differentiable in the log-probs
+    weights: Tensor  # [B, T] float: 1 at the valid (masked-in) tokens
+    # sums over the valid tokens (0-d tensors): "clip" (the clipped branch taken), "ratio",
+    # with a rollout correction "tis", "capped" and "masked", with ref_logprobs "kl" (k3)
+    sums: dict[str, Tensor]
+    ratio_max: Tensor  # 0-d: the largest ratio over the valid tokens, 0 over none
+
+    def sequence_losses(self, config: GRPOLossConfig) -> Tensor:
+        """[B]: each sequence's loss as `policy_loss` aggregates a batch of that sequence alone
+        (token means: its token sum over its valid tokens, 0 for none; Dr.GRPO: over
+        max_response_len)."""
+        seq_sums = self.token_loss.sum(dim=-1)
+        if config.loss_agg == "seq_mean_token_sum_norm":
+            return seq_sums / config.max_response_len
+        return seq_sums / self.weights.sum(dim=-1).clamp(min=1.0)
+
+
+# `policy_loss`'s metrics: their names and the `LossTerms.sums` each is the token mean of
+METRIC_SUMS = {
+    "clip_fraction": "clip",
+    "ratio_mean": "ratio",
+    "tis_weight_mean": "tis",
+    "tis_capped_fraction": "capped",
+    "masked_fraction": "masked",
+    "kl": "kl",
+}
+
+
 def policy_loss(
     logprobs: Tensor,
     old_logprobs: Tensor,
@@ -269,6 +302,37 @@ def policy_loss(
     correction "tis_weight_mean", "tis_capped_fraction" (tokens whose weight hit tis_cap) and
     "masked_fraction" (tokens weighted 0 by the mask). Means over no valid tokens are 0.
     """
+    terms = policy_loss_terms(
+        logprobs,
+        old_logprobs,
+        advantages,
+        loss_mask,
+        config=config,
+        ref_logprobs=ref_logprobs,
+        rollout_logprobs=rollout_logprobs,
+    )
+    count = terms.weights.sum().clamp(min=1.0)
+    metrics = {
+        name: float(terms.sums[key] / count)
+        for name, key in METRIC_SUMS.items()
+        if key in terms.sums
+    }
+    metrics["ratio_max"] = float(terms.ratio_max)
+    return _aggregate(terms.token_loss, terms.weights, config), metrics
+
+
+def policy_loss_terms(
+    logprobs: Tensor,
+    old_logprobs: Tensor,
+    advantages: Tensor,
+    loss_mask: Tensor,
+    *,
+    config: GRPOLossConfig,
+    ref_logprobs: Tensor | None = None,
+    rollout_logprobs: Tensor | None = None,
+) -> LossTerms:
+    """`policy_loss`'s per-token loss and metric sums, before the aggregate, without reading
+    anything back from the device (its arguments and their meaning are `policy_loss`'s)."""
     _check_bt(logprobs, old_logprobs=old_logprobs, loss_mask=loss_mask)
     if advantages.shape != logprobs.shape[:1]:
         raise ValueError(
@@ -294,11 +358,13 @@ def policy_loss(
     unclipped = -adv * ratio
     clipped = -adv * ratio.clamp(1.0 - low, 1.0 + high)
     token_loss = torch.maximum(unclipped, clipped)
-    metrics = {
-        "clip_fraction": _masked_mean((clipped > unclipped).float(), weights),
-        "ratio_mean": _masked_mean(ratio.detach(), weights),
-        "ratio_max": float(ratio.detach()[mask].max()) if mask.any() else 0.0,
+    valid_ratio = torch.where(mask, ratio.detach(), 0.0)
+    sums = {
+        "clip": ((clipped > unclipped).float() * weights).sum(),
+        "ratio": valid_ratio.sum(),
     }
+    # a ratio is positive: 0 at the invalid tokens leaves the max over the valid ones
+    ratio_max = valid_ratio.max() if valid_ratio.numel() else valid_ratio.new_zeros(())
     if config.rollout_correction != "off":
         if rollout_logprobs is None:
             raise ValueError(
@@ -310,20 +376,20 @@ def policy_loss(
             old_logprobs.detach().float(), rollout_logprobs.detach().float(), mask, config
         )
         token_loss = token_loss * weight
-        metrics["tis_weight_mean"] = _masked_mean(weight, weights)
-        metrics["tis_capped_fraction"] = _masked_mean(capped.float(), weights)
-        metrics["masked_fraction"] = _masked_mean(masked.float(), weights)
+        sums["tis"] = (weight * weights).sum()
+        sums["capped"] = (capped.float() * weights).sum()
+        sums["masked"] = (masked.float() * weights).sum()
     if config.kl_coef > 0 and ref_logprobs is None:
         raise ValueError("config.kl_coef > 0: pass ref_logprobs to policy_loss")
     if ref_logprobs is not None:
         _check_bt(logprobs, ref_logprobs=ref_logprobs)
         delta = torch.where(mask, ref_logprobs.detach().float() - logprobs, 0.0)
         k3 = delta.exp() - delta - 1.0
-        metrics["kl"] = _masked_mean(k3.detach(), weights)
+        sums["kl"] = (k3.detach() * weights).sum()
         if config.kl_coef > 0:
             token_loss = token_loss + config.kl_coef * k3
     token_loss = torch.where(mask, token_loss, 0.0)
-    return _aggregate(token_loss, weights, config), metrics
+    return LossTerms(token_loss, weights, sums, ratio_max)
 
 
 def correction_weight(
@@ -392,10 +458,6 @@ def _aggregate(token_loss: Tensor, weights: Tensor, config: GRPOLossConfig) -> T
     has_tokens = seq_counts > 0
     seq_means = seq_sums / seq_counts.clamp(min=1.0)
     return (seq_means * has_tokens).sum() / has_tokens.sum().clamp(min=1)
-
-
-def _masked_mean(values: Tensor, weights: Tensor) -> float:
-    return float((values * weights).sum() / weights.sum().clamp(min=1.0))
 
 
 def _check_bt(reference: Tensor, **tensors: Tensor) -> None:

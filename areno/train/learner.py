@@ -18,7 +18,7 @@ from areno.rollout.trajectory import Trajectory
 from areno.train.batching import MiniBatch
 from areno.train.config import GRPOConfig, cpu_threads
 from areno.train.controller import rollouts_overlap_training
-from areno.train.grpo import logprob_mismatch, policy_loss
+from areno.train.grpo import policy_loss_terms
 from areno.train.lora import base_model
 from areno.train.packing import packed_logprobs, row_length
 from areno.train.policy import (
@@ -277,51 +277,72 @@ class Learner:
                 refs = self._logprobs(ref, trajs, sizes, temperature)
             for traj, ref in zip(trajs, refs, strict=True):
                 fixed.setdefault(id(traj), {})["ref"] = ref
-        total = None
-        for (traj, advantage), row in zip(micro, rows, strict=True):
-            start = traj.num_prompt_tokens
-            logprobs = row[None]
-            mask = torch.tensor([traj.loss_mask[start:]], dtype=torch.float32, device=self.device)
-            rollout_lp = torch.tensor([traj.rollout_logprobs[start:]], device=self.device)
-            kept = fixed.get(id(traj), {})
-            if cfg.behaviour_logprobs == "rollout":
-                old = rollout_lp
-            else:
-                old = kept["old"][None] if "old" in kept else logprobs.detach()
-            ref_lp = kept["ref"][None] if "ref" in kept else None
-            adv = torch.tensor([advantage], dtype=torch.float32, device=self.device)
-            loss, info = policy_loss(
-                logprobs.float(),
-                old.float(),
-                adv,
-                mask,
-                config=cfg.loss,
-                ref_logprobs=ref_lp,
-                rollout_logprobs=rollout_lp,
+        # The micro-batch's trajectories scored as one right-padded batch, their sums read
+        # back in one copy: on a GPU a read per trajectory waits for the device each time.
+        responses = [traj.loss_mask[traj.num_prompt_tokens :] for traj in trajs]
+        logprobs = _padded_rows(rows)
+        mask = _padded_host(responses, self.device)
+        rollout_lp = _padded_host(
+            [traj.rollout_logprobs[traj.num_prompt_tokens :] for traj in trajs], self.device
+        )
+        kept = [fixed.get(id(traj), {}) for traj in trajs]
+        if cfg.behaviour_logprobs == "rollout":
+            old = rollout_lp
+        else:
+            old = _padded_rows(
+                [
+                    k["old"] if "old" in k else row.detach()
+                    for k, row in zip(kept, rows, strict=True)
+                ]
             )
-            n = float(mask.sum().item())
-            if cfg.loss.loss_agg == "token_mean":
-                weight = n / max(mini.tokens, 1)
-            else:
-                weight = 1.0 / mini.episodes
-            total = loss * weight if total is None else total + loss * weight
-            # NOTE: the engine-vs-trainer mismatch is read on tokens of the policy being trained;
-            # older ones (overlapped rollouts) differ by the updates since as well.
-            fresh = mask * _sampled_by(traj, mini.version, self.device)
-            n_fresh = float(fresh.sum().item())
-            diff = logprob_mismatch(logprobs.detach(), rollout_lp, fresh)
-            sums["tokens"] += n
-            sums["fresh"] += n_fresh
-            sums["abs_diff"] += diff["logprob_mismatch_mean_abs"] * n_fresh
-            sums["max_abs"] = max(sums["max_abs"], diff["logprob_mismatch_max_abs"])
-            sums["clip"] += info["clip_fraction"] * n
-            sums["kl"] += info.get("kl", 0.0) * n
-            sums["ratio_max"] = max(sums["ratio_max"], info["ratio_max"])
-            sums["ratio"] += info["ratio_mean"] * n
-            sums["tis"] += info.get("tis_weight_mean", 1.0) * n
-            sums["capped"] += info.get("tis_capped_fraction", 0.0) * n
-            sums["masked"] += info.get("masked_fraction", 0.0) * n
-            sums["loss"] += float(loss.item()) * weight
+        ref_lp = _padded_rows([k["ref"] for k in kept]) if all("ref" in k for k in kept) else None
+        adv = torch.tensor([a for _, a in micro], dtype=torch.float32, device=self.device)
+        terms = policy_loss_terms(
+            logprobs.float(),
+            old.float(),
+            adv,
+            mask,
+            config=cfg.loss,
+            ref_logprobs=ref_lp,
+            rollout_logprobs=rollout_lp,
+        )
+        counts = [float(sum(r)) for r in responses]
+        if cfg.loss.loss_agg == "token_mean":
+            weights = [n / max(mini.tokens, 1) for n in counts]
+        else:
+            weights = [1.0 / mini.episodes] * len(trajs)
+        weight = torch.tensor(weights, dtype=torch.float32, device=self.device)
+        total = (terms.sequence_losses(cfg.loss) * weight).sum()
+        # NOTE: the engine-vs-trainer mismatch is read on tokens of the policy being trained;
+        # older ones (overlapped rollouts) differ by the updates since as well.
+        fresh = mask * _padded_host(
+            [_sampled_by(traj, mini.version) for traj in trajs], self.device
+        )
+        abs_diff = (logprobs.detach().float() - rollout_lp).abs() * fresh
+        read = {
+            **terms.sums,
+            "ratio_max": terms.ratio_max,
+            "fresh": fresh.sum(),
+            "abs_diff": abs_diff.sum(),
+            "max_abs": abs_diff.max() if abs_diff.numel() else abs_diff.new_zeros(()),
+            "loss": total.detach(),
+        }
+        values = dict(
+            zip(read, torch.stack([v.float() for v in read.values()]).tolist(), strict=True)
+        )
+        n = sum(counts)
+        sums["tokens"] += n
+        sums["fresh"] += values["fresh"]
+        sums["abs_diff"] += values["abs_diff"]
+        sums["max_abs"] = max(sums["max_abs"], values["max_abs"])
+        sums["clip"] += values["clip"]
+        sums["kl"] += values.get("kl", 0.0)
+        sums["ratio_max"] = max(sums["ratio_max"], values["ratio_max"])
+        sums["ratio"] += values["ratio"]
+        sums["tis"] += values.get("tis", n)  # a weight of 1 a token without a correction
+        sums["capped"] += values.get("capped", 0.0)
+        sums["masked"] += values.get("masked", 0.0)
+        sums["loss"] += values["loss"]
         lengths = [row_length([t.inputs for t in row]) for row in _split(trajs, sizes)]
         sums["passes"] += 1
         sums["rows"] += len(trajs)
@@ -348,14 +369,29 @@ def _split(items: list, sizes: list[int]) -> list[list]:
     return out
 
 
-def _sampled_by(traj: Trajectory, version: int | None, device: str) -> torch.Tensor:
-    """[1, response tokens]: 1 where policy `version` sampled the token (None: any policy)."""
+def _sampled_by(traj: Trajectory, version: int | None) -> list[float]:
+    """Per response token: 1 where policy `version` sampled it (None: any policy)."""
     start = traj.num_prompt_tokens
     if version is None or not traj.token_versions:
-        return torch.ones(1, traj.num_tokens - start, device=device)
+        return [1.0] * (traj.num_tokens - start)
     versions = iter(traj.token_versions)
     marks = [float(next(versions) == version) if m else 0.0 for m in traj.loss_mask]
-    return torch.tensor([marks[start:]], device=device)
+    return marks[start:]
+
+
+def _padded_host(rows: list[list[float]], device: str) -> torch.Tensor:
+    """[B, T] float32 on `device` from host rows of unequal lengths, right-padded with 0: one
+    copy."""
+    width = max((len(row) for row in rows), default=0)
+    padded = torch.zeros(len(rows), width, dtype=torch.float32)
+    for b, row in enumerate(rows):
+        padded[b, : len(row)] = torch.tensor(row, dtype=torch.float32)
+    return padded.to(device)
+
+
+def _padded_rows(rows: list[torch.Tensor]) -> torch.Tensor:
+    """[B, T] from 1-D device tensors of unequal lengths, right-padded with 0 (differentiable)."""
+    return torch.nn.utils.rnn.pad_sequence(rows, batch_first=True)
 
 
 def _device(config: GRPOConfig) -> str:

@@ -9,10 +9,15 @@ import torch
 
 from areno.errors import ConfigError
 from areno.train.grpo import (
+    LOSS_AGGS,
+    METRIC_SUMS,
+    RATIO_LEVELS,
+    ROLLOUT_CORRECTIONS,
     GRPOLossConfig,
     group_advantages,
     logprob_mismatch,
     policy_loss,
+    policy_loss_terms,
     token_logprobs,
 )
 
@@ -390,3 +395,57 @@ def test_config_validation(kwargs: dict, param: str) -> None:
     with pytest.raises(ConfigError) as info:
         GRPOLossConfig(**kwargs)
     assert info.value.param == param
+
+
+@pytest.mark.parametrize("loss_agg", LOSS_AGGS)
+@pytest.mark.parametrize("ratio_level", RATIO_LEVELS)
+@pytest.mark.parametrize("correction", ROLLOUT_CORRECTIONS)
+def test_a_padded_batch_scores_each_sequence_as_it_alone(loss_agg, ratio_level, correction) -> None:
+    """The learner scores a micro-batch's trajectories as one right-padded batch
+    (`policy_loss_terms`): each sequence's loss (`LossTerms.sequence_losses`) and gradient are
+    `policy_loss`'s of that sequence alone, and the metric sums are its metrics times its valid
+    tokens, summed. Sequences of 3, 1 and 4 tokens, one with no valid token."""
+    torch.manual_seed(0)
+    lengths, masks = [3, 1, 4], [[1, 0, 1], [0], [1, 1, 0, 1]]
+    extra = {"max_response_len": 8} if loss_agg == "seq_mean_token_sum_norm" else {}
+    config = GRPOLossConfig(
+        loss_agg=loss_agg,
+        ratio_level=ratio_level,
+        rollout_correction=correction,
+        kl_coef=0.1,
+        **extra,
+    )
+    rows = [(torch.randn(n) * 0.3 - 1.0).requires_grad_(True) for n in lengths]
+    old = [r.detach() + torch.randn(len(r)) * 0.2 for r in rows]
+    sampler = [o + torch.randn(len(o)) * 0.2 for o in old]
+    ref = [r.detach() + torch.randn(len(r)) * 0.1 for r in rows]
+    adv = torch.tensor([1.0, -0.5, -2.0])
+
+    def pad(tensors):
+        return torch.nn.utils.rnn.pad_sequence(tensors, batch_first=True)
+
+    mask = pad([torch.tensor(m, dtype=torch.float32) for m in masks])
+    terms = policy_loss_terms(
+        pad(rows), pad(old), adv, mask,
+        config=config, ref_logprobs=pad(ref), rollout_logprobs=pad(sampler),
+    )  # fmt: skip
+    batched = terms.sequence_losses(config)
+    batched.sum().backward()
+    together = [r.grad.clone() for r in rows]
+    sums = {key: 0.0 for key in METRIC_SUMS.values()}
+    for b, row in enumerate(rows):
+        row.grad = None
+        alone, metrics = policy_loss(
+            row[None], old[b][None], adv[b : b + 1], mask[b : b + 1, : lengths[b]],
+            config=config, ref_logprobs=ref[b][None], rollout_logprobs=sampler[b][None],
+        )  # fmt: skip
+        alone.backward()
+        assert float(batched[b].detach()) == approx(float(alone.detach()))
+        assert together[b].tolist() == approx(row.grad.tolist())
+        for name, key in METRIC_SUMS.items():
+            sums[key] += metrics.get(name, 0.0) * sum(masks[b])
+    for key, value in terms.sums.items():
+        assert float(value) == approx(sums[key]), key
+    assert set(terms.sums) == {"clip", "ratio", "kl"} | (
+        set() if correction == "off" else {"tis", "capped", "masked"}
+    )
