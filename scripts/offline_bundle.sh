@@ -8,15 +8,22 @@
 #                                                   # the DeepSpeed sdist (it builds there)
 #   bash scripts/offline_bundle.sh OUT_DIR engine   # the engine alone (`pytest -m gpu`, engine
 #                                                   # benchmarks): OUT_DIR/site.tar.xz (~36 MiB)
+#   bash scripts/offline_bundle.sh OUT_DIR train    # `areno train` and benchmarks/grpo_step.py
+#                                                   # (~56 MiB with the DeepSpeed sdist): no
+#                                                   # openai (agent programs), xgrammar (structured
+#                                                   # outputs) or pytest; "all" no longer fits the
+#                                                   # 64 MiB carry beside the working tree
 #
-# Both carry xgrammar (structured outputs, forced tool calls) and peft (LoRA) and pytest. The
-# device tool carries at most 64 MiB with the working tree: the engine bundle leaves room for it.
+# `all` and `engine` carry xgrammar (structured outputs, forced tool calls), peft (LoRA) and
+# pytest. The device tool carries at most 64 MiB with the working tree, counted in disk blocks:
+# the engine and train bundles leave room for it.
 #
 # Then on the GPU machine, from the repository root:
 #   mkdir -p site && tar -xJf OUT_DIR/site.tar.xz -C site
 #   python3 -m pip install --no-index --no-deps --no-build-isolation --target site OUT_DIR/deepspeed-*.tar.gz
 #   export PYTHONPATH=$PWD/site:$PWD
 #   python3 scripts/check_bundle.py     # every areno module imports with the bundle alone
+#                                       # (with `train`: all but those that import openai)
 #
 # TARGET_PYTHON (default 3.12) is the GPU machine's Python; TARGET_GRPCIO (default 1.84.0) its
 # grpcio version, which grpcio-reflection must not exceed. Ray's wheel is cut to fit one transfer:
@@ -25,7 +32,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 out="$(realpath -m "${1:?usage: offline_bundle.sh OUT_DIR [all|engine]}")"
 part="${2:-all}"
-case "$part" in all | engine) ;; *) echo "offline_bundle: part must be all or engine" >&2; exit 2 ;; esac
+case "$part" in all | engine | train) ;; *) echo "offline_bundle: part must be all, engine or train" >&2; exit 2 ;; esac
 py="${TARGET_PYTHON:-3.12}"
 grpcio="${TARGET_GRPCIO:-1.84.0}"
 pip=(.venv/bin/python -m pip)
@@ -44,8 +51,17 @@ serving=(
     googleapis-common-protos proto-plus pyasn1 httpcore2 httpx2 truststore watchfiles
 )
 packages=("${engine[@]}")
-if [ "$part" = all ]; then
+if [ "$part" != engine ]; then
     packages+=("${serving[@]}")
+fi
+if [ "$part" = train ]; then
+    # what training on one machine never imports
+    drop=" xgrammar apache-tvm-ffi pytest pluggy iniconfig openai jiter "
+    kept=()
+    for name in "${packages[@]}"; do
+        [[ "$drop" == *" $name "* ]] || kept+=("$name")
+    done
+    packages=("${kept[@]}")
 fi
 pins=()
 for name in "${packages[@]}"; do
@@ -56,7 +72,7 @@ for name in "${packages[@]}"; do
     fi
     pins+=("$name==$version")
 done
-if [ "$part" = all ]; then
+if [ "$part" != engine ]; then
     # Not in a Python 3.11 .venv (the standard library has it) but imported by opentelemetry there.
     pins+=("grpcio-reflection==$grpcio" "importlib-metadata==10.2.0")
 fi
@@ -70,7 +86,10 @@ done
 "${pip[@]}" install -q --no-deps --no-compile --target "$work/site" --python-version "$py" \
     --implementation cp --only-binary=:all: "${platforms[@]}" "$work"/wheels/*.whl
 
-if [ "$part" = all ]; then
+if [ "$part" = train ]; then
+    rm -rf "$work/site/ray/llm" "$work/site/ray/workflow"
+fi
+if [ "$part" != engine ]; then
     rm -rf "$work/site/ray/jars" "$work/site/ray/dashboard/client/build" "$work/site/ray/rllib"
     strip --strip-unneeded "$work/site/ray/_raylet.so" "$work/site/ray/core/src/ray/gcs/gcs_server" \
         "$work/site/ray/core/src/ray/raylet/raylet"
@@ -108,7 +127,7 @@ find "$work/site" -name __pycache__ -prune -exec rm -rf {} +
 
 mkdir -p "$out"
 tar -C "$work/site" -cf - . | xz -T0 -9 > "$out/site.tar.xz"
-if [ "$part" = all ]; then
+if [ "$part" != engine ]; then
     "${pip[@]}" download -q --no-deps --no-binary=:all: -d "$out" \
         "deepspeed==$("${pip[@]}" show deepspeed | sed -n 's/^Version: //p')"
 fi

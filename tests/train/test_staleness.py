@@ -45,5 +45,5 @@ def test_staleness_is_counted_per_token_and_the_bound_is_enforced() -> None:
 
 def test_the_engine_trainer_mismatch_is_read_on_the_trained_policys_tokens_only() -> None:
     traj = _traj([4, 4, 5])
-    assert _sampled_by(traj, 5, "cpu").tolist() == [[0.0, 0.0, 1.0, 0.0]]
-    assert _sampled_by(traj, None, "cpu").tolist() == [[1.0, 1.0, 1.0, 1.0]]
+    assert _sampled_by(traj, 5) == [0.0, 0.0, 1.0, 0.0]
+    assert _sampled_by(traj, None) == [1.0, 1.0, 1.0, 1.0]
