@@ -383,10 +383,8 @@ def _padded_host(rows: list[list[float]], device: str) -> torch.Tensor:
     """[B, T] float32 on `device` from host rows of unequal lengths, right-padded with 0: one
     copy."""
     width = max((len(row) for row in rows), default=0)
-    padded = torch.zeros(len(rows), width, dtype=torch.float32)
-    for b, row in enumerate(rows):
-        padded[b, : len(row)] = torch.tensor(row, dtype=torch.float32)
-    return padded.to(device)
+    padded = [list(row) + [0.0] * (width - len(row)) for row in rows]
+    return torch.tensor(padded, dtype=torch.float32, device=device)
 
 
 def _padded_rows(rows: list[torch.Tensor]) -> torch.Tensor:
