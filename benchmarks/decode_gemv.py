@@ -1,0 +1,252 @@
+"""A decode step's products at 1-8 rows: cuBLAS against a Triton matrix-vector kernel and
+inductor's own reduction, each against the copy rate of its weight.
+
+At one decoding row every linear layer reads its whole weight to produce one output row, so its
+floor is the weight's bytes at the device's copy rate. On an H100 the Qwen3-1.7B shape's four
+products a layer took 1.28 ms a step against 0.94 ms of reads, and one of them went through
+cuBLAS's split-K path plus a separate reduction kernel (docs/performance.md, "Where a step's time
+goes"). This measures, product by product, what each way reaches:
+- cublas:   `F.linear`, as the compiled decode step calls it today;
+- triton:   a matrix-vector kernel written here (one program per block of output features, each
+            looping over the whole input dimension; `--configs` launch options, the fastest kept);
+- inductor: `torch.compile` of the product written as a broadcast multiply and a sum, which
+            inductor turns into one reduction kernel (and could fuse a norm into).
+Each product is timed inside a CUDA graph that cycles through enough copies of its weight to
+leave no copy in the L2 cache (the model's layers never reread a weight within a step). Alone,
+cuBLAS may choose other kernels than inside the compiled step (`profile_decode.py` shows those).
+Fixed seed; prints a table and writes JSON.
+
+    python benchmarks/decode_gemv.py --model qwen3-1.7b qwen3-8b --rows 1 4
+    TRITON_INTERPRET=1 python benchmarks/decode_gemv.py --check   # CPU: the kernel's arithmetic
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import platform
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+sys.path.insert(0, str(Path(__file__).parent))
+from engine_workloads import copy_bandwidth_gb_s  # noqa: E402
+
+# (hidden, intermediate, query heads, key / value heads, head dim, vocabulary) of each shape.
+SHAPES = {
+    "qwen3-1.7b": (2048, 6144, 16, 8, 128, 151936),
+    "qwen3-8b": (4096, 12288, 32, 8, 128, 151936),
+}
+
+
+def products(model: str) -> dict[str, tuple[int, int]]:
+    """(out features, in features) of one layer's fused products and the LM head."""
+    hidden, inter, heads, kv_heads, dim, vocab = SHAPES[model]
+    return {
+        "qkv": ((heads + 2 * kv_heads) * dim, hidden),
+        "o": (hidden, heads * dim),
+        "gate_up": (2 * inter, hidden),
+        "down": (hidden, inter),
+        "lm_head": (vocab, hidden),
+    }
+
+
+@triton.jit
+def _gemv_kernel(
+    X, W, Y, N, K, stride_xm, stride_wn, stride_ym,
+    M: tl.constexpr, M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    pid = tl.program_id(0)
+    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, M_PAD)
+    acc = tl.zeros([M_PAD, BLOCK_N], tl.float32)
+    for start in range(0, K, BLOCK_K):
+        offs_k = start + tl.arange(0, BLOCK_K)
+        w = tl.load(
+            W + offs_n[:, None] * stride_wn + offs_k[None, :],
+            mask=(offs_n[:, None] < N) & (offs_k[None, :] < K),
+            other=0.0,
+        )
+        x = tl.load(
+            X + offs_m[:, None] * stride_xm + offs_k[None, :],
+            mask=(offs_m[:, None] < M) & (offs_k[None, :] < K),
+            other=0.0,
+        )
+        acc += tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
+    tl.store(
+        Y + offs_m[:, None] * stride_ym + offs_n[None, :],
+        acc.to(Y.dtype.element_ty),
+        mask=(offs_m[:, None] < M) & (offs_n[None, :] < N),
+    )
+
+
+def triton_gemv(x: torch.Tensor, w: torch.Tensor, config: dict) -> torch.Tensor:
+    m, k = x.shape
+    n = w.shape[0]
+    y = x.new_empty(m, n)
+    grid = (triton.cdiv(n, config["BLOCK_N"]),)
+    _gemv_kernel[grid](
+        x, w, y, n, k, x.stride(0), w.stride(0), y.stride(0),
+        M=m, M_PAD=triton.next_power_of_2(m), **config,
+    )  # fmt: skip
+    return y
+
+
+def reduction_gemv(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return (x.float()[:, None, :] * w.float()[None]).sum(-1).to(x.dtype)
+
+
+def configs(grid: str) -> list[dict]:
+    if grid == "small":
+        sizes = [(4, 512, 4, 3), (8, 256, 4, 4), (8, 512, 4, 3), (16, 256, 4, 3), (16, 128, 4, 4)]
+    else:
+        sizes = [
+            (bn, bk, warps, stages)
+            for bn, bk, warps, stages in itertools.product(
+                (2, 4, 8, 16), (256, 512, 1024), (4, 8), (2, 4)
+            )
+            if bn * bk <= 8192
+        ]
+    return [
+        {"BLOCK_N": bn, "BLOCK_K": bk, "num_warps": warps, "num_stages": stages}
+        for bn, bk, warps, stages in sizes
+    ]
+
+
+def graph_seconds(fn, xs: torch.Tensor, weights: list[torch.Tensor], repeats: int) -> float:
+    """Seconds a call of `fn(x, w)`, cycling through `weights`, captured in a CUDA graph."""
+    fn(xs, weights[0])  # compile / warm up outside the capture
+    torch.cuda.synchronize()
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        for w in weights:
+            fn(xs, w)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for w in weights:
+            fn(xs, w)
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(repeats):
+        start.record()
+        graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / 1e3 / len(weights))
+    return sorted(times)[len(times) // 2]
+
+
+def check() -> None:
+    """The kernel against F.linear (under TRITON_INTERPRET=1 on CPU, or on a GPU)."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    gen = torch.Generator().manual_seed(0)
+    for m, n, k in [(1, 48, 96), (3, 40, 200), (8, 64, 64)]:
+        x = torch.randn(m, k, generator=gen).to(device)
+        w = torch.randn(n, k, generator=gen).to(device)
+        for config in configs("small")[:2]:
+            got = triton_gemv(x, w, {**config, "BLOCK_K": 32})
+            torch.testing.assert_close(got, F.linear(x, w), rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(reduction_gemv(x, w), F.linear(x, w), rtol=1e-4, atol=1e-4)
+    print("decode_gemv: the kernel matches F.linear")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", nargs="+", default=["qwen3-1.7b"], choices=sorted(SHAPES))
+    parser.add_argument("--rows", nargs="+", type=int, default=[1])
+    parser.add_argument("--configs", default="full", choices=["full", "small"])
+    parser.add_argument("--repeats", type=int, default=9)
+    parser.add_argument("--cycle-mib", type=int, default=512, help="weight copies per product")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--check", action="store_true", help="check the kernel's arithmetic only")
+    parser.add_argument("--out", default="benchmarks/results/decode_gemv.json")
+    args = parser.parse_args()
+    if args.check:
+        check()
+        return
+    torch.manual_seed(args.seed)
+    device = torch.device("cuda")
+    dtype = torch.bfloat16
+    bandwidth = copy_bandwidth_gb_s(device, 1 << 30)
+    # one graph per product and row count: 20 in all, past dynamo's default limit of 8
+    torch._dynamo.config.recompile_limit = 64
+    compiled = torch.compile(reduction_gemv, dynamic=False)
+    results = []
+    print(f"{torch.cuda.get_device_name()}, copy rate {bandwidth:.0f} GB/s; us a product")
+    print(f"{'model':12}{'product':>9}{'rows':>6}{'floor':>8}{'cublas':>9}{'triton':>9}"
+          f"{'inductor':>10}{'best triton config':>34}")  # fmt: skip
+    for model in args.model:
+        for name, (n, k) in products(model).items():
+            size = n * k * 2
+            copies = max(2, -(-(args.cycle_mib << 20) // size))
+            weights = [torch.randn(n, k, device=device, dtype=dtype) * 0.02 for _ in range(copies)]
+            for m in args.rows:
+                x = torch.randn(m, k, device=device, dtype=dtype)
+                want = F.linear(x, weights[0]).float()
+                row = {"model": model, "product": name, "rows": m, "n": n, "k": k}
+                row["floor_us"] = size / bandwidth / 1e3
+                row["cublas_us"] = 1e6 * graph_seconds(F.linear, x, weights, args.repeats)
+                best = None
+                for config in configs(args.configs):
+                    try:
+                        got = triton_gemv(x, weights[0], config).float()
+                        if not torch.allclose(got, want, rtol=2e-2, atol=2e-2):
+                            continue
+                        fn = lambda x, w, c=config: triton_gemv(x, w, c)  # noqa: E731
+                        seconds = graph_seconds(fn, x, weights, 3)
+                    except Exception:  # a launch the GPU cannot take (registers, shared memory)
+                        continue
+                    if best is None or seconds < best[0]:
+                        best = (seconds, config)
+                if best is not None:
+                    fn = lambda x, w, c=best[1]: triton_gemv(x, w, c)  # noqa: E731
+                    row["triton_us"] = 1e6 * graph_seconds(fn, x, weights, args.repeats)
+                    row["triton_config"] = best[1]
+                try:
+                    row["inductor_us"] = 1e6 * graph_seconds(compiled, x, weights, args.repeats)
+                except Exception as error:  # noqa: BLE001
+                    row["inductor_error"] = f"{type(error).__name__}: {error}"[:200]
+                results.append(row)
+                cells = [
+                    f"{row.get(key, float('nan')):>9.1f}" for key in ("cublas_us", "triton_us")
+                ]
+                print(
+                    f"{model:12}{name:>9}{m:>6}{row['floor_us']:>8.1f}{''.join(cells)}"
+                    f"{row.get('inductor_us', float('nan')):>10.1f}"
+                    f"{str(best[1] if best else '-'):>34}"
+                )
+            del weights
+            torch.cuda.empty_cache()
+    for model in args.model:
+        for m in args.rows:
+            layer = [r for r in results if r["model"] == model and r["rows"] == m
+                     and r["product"] != "lm_head"]  # fmt: skip
+            sums = {key: sum(r.get(key, 0.0) for r in layer) for key in
+                    ("floor_us", "cublas_us", "triton_us", "inductor_us")}  # fmt: skip
+            print(f"{model} {m} row(s), a layer's four products: floor {sums['floor_us']:.1f} us, "
+                  f"cublas {sums['cublas_us']:.1f}, triton {sums['triton_us']:.1f}, "
+                  f"inductor {sums['inductor_us']:.1f}")  # fmt: skip
+    meta = {
+        "machine": platform.platform(),
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "copy_bandwidth_gb_s": bandwidth,
+        "seed": args.seed,
+        "repeats": args.repeats,
+        "cycle_mib": args.cycle_mib,
+    }
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps({"meta": meta, "results": results}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
