@@ -17,6 +17,7 @@ from areno.engine.config import EngineConfig
 from areno.engine.kv.block_manager import BlockManager, block_hashes, partial_block_hash
 from areno.engine.kv.state_cache import StateCache
 from areno.engine.parallel.kv_pool import saved_state_rows
+from areno.engine.runner import model_runner
 from areno.engine.runner.encoder_cache import EncoderCache
 from areno.engine.sampling import SamplingParams
 from areno.errors import ConfigError
@@ -714,3 +715,42 @@ def test_saved_state_rows_take_a_row_per_checkpoint_stretch_within_their_share()
     with pytest.raises(ConfigError, match="prefix_state_memory_fraction") as refused:
         EngineConfig(prefix_state_memory_fraction=1.0)
     assert refused.value.param == "prefix_state_memory_fraction"
+
+
+def test_a_groups_episodes_stage_their_one_prompt_once_and_keep_its_tokens(
+    setups, media, monkeypatch
+):
+    """A GRPO group's episodes send one prompt object with an image: its resumptions from the
+    prefix cache take the whole prompt's stack inputs (media encoded, tokens embedded) from the
+    first staging instead of staging it again (`RecentStaged`), every token and logprob as when
+    each episode sends a copy of its own; new weights make the next resumption stage it anew."""
+    setup = setups("qwen3_5")
+    prompt = setup.encode(with_media("image", media["image"], "Describe it in a few words."))
+    calls = []
+    real = model_runner.at_text_stack
+    monkeypatch.setattr(
+        model_runner, "at_text_stack", lambda *args: calls.append(args) or real(*args)
+    )
+    params = SamplingParams(temperature=0, max_tokens=3, logprobs=True, ignore_eos=True)
+    results = {}
+    for shared in (False, True):
+        gen = setup.generator(block_size=4, enable_prefix_caching=True)
+        runner = gen.core.executor.runner
+        try:
+            prompts = [prompt] * 4 if shared else [copy.copy(prompt) for _ in range(4)]
+            calls.clear()
+            outputs = run(arrive_together(gen, prompts, params))
+            samples = [(o.samples[0].token_ids, o.samples[0].logprobs) for o in outputs]
+            results[shared] = samples, len(calls)
+            if shared:
+                runner.weights_changed(["model.language_model.embed_tokens.weight"])
+                assert len(runner._recent_staged) == 0
+                run(arrive_together(gen, [prompt], params))
+                assert len(calls) == 2
+        finally:
+            gen.shutdown()
+    (own, own_calls), (one, one_calls) = results[False], results[True]
+    assert own_calls == 4 and one_calls == 1
+    for (tokens, logprobs), (tokens_one, logprobs_one) in zip(own, one, strict=True):
+        assert tokens_one == tokens
+        assert logprobs_one == pytest.approx(logprobs, abs=1e-5)

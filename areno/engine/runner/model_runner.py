@@ -60,6 +60,7 @@ from areno.engine.runner.compiled import CompiledForward
 from areno.engine.runner.cuda_graphs import DecodeGraphs
 from areno.engine.runner.encoder_cache import EncoderCache
 from areno.engine.runner.prompt_chunks import (
+    RecentStaged,
     StagedPrompt,
     at_text_stack,
     bidirectional_groups,
@@ -150,6 +151,9 @@ class ModelRunner:
         self.tables = SlotTables(num_slots, self.max_blocks, block_size)
         # The kept stack inputs of each slot whose prompt is prefilled in chunks.
         self._staged: dict[int, StagedPrompt] = {}
+        # The whole stack inputs of prompts staged lately, for the next request of the same
+        # prompt object (a GRPO group's episodes resuming from the prefix cache).
+        self._recent_staged = RecentStaged()
         # The slots whose prompts without media are between two of their parts (`prefill_parts`).
         self._between_parts: set[int] = set()
         self._text_stack = model.get_decoder()
@@ -261,12 +265,14 @@ class ModelRunner:
         kwargs = {"headroom": 0.0} if measured else {}
         self.cache = self._new_cache(num_blocks, self.num_rows, **kwargs)
         self._staged.clear()
+        self._recent_staged.clear()
         self._between_parts.clear()
 
     def release_cache(self) -> None:
         """Drop the cache's storage (a new, unallocated cache of one block takes its place)."""
         self.cache = self._new_cache(1, self.num_rows)
         self._staged.clear()
+        self._recent_staged.clear()
         self._between_parts.clear()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
@@ -454,6 +460,7 @@ class ModelRunner:
         belong to the text stack (frozen towers are not sent)."""
         if any(name not in self._text_names for name in names):
             self.encoders.clear()
+        self._recent_staged.clear()  # the embeddings may have changed too
 
     @torch.inference_mode()
     def save_states(self, pairs: list[tuple[int, int]]) -> None:
@@ -735,7 +742,10 @@ class ModelRunner:
         """The text stack's inputs for the whole prompt and its multimodal rope delta (the
         offset of text positions after its media; 0 without), from the model's own forward over
         it, stopped where it reaches the stack: the towers encode its media (or the encoder
-        cache answers), the stack never runs."""
+        cache answers), the stack never runs. The same prompt object staged lately
+        (`RecentStaged`) is not staged again."""
+        if (recent := self._recent_staged.get(inputs)) is not None:
+            return recent
         if self.uses_mrope:
             self.model.model.rope_deltas = None
         model_inputs = {k: to_device(v, self.device) for k, v in inputs.model_inputs().items()}
@@ -746,6 +756,7 @@ class ModelRunner:
         delta = 0
         if self.uses_mrope and self.model.model.rope_deltas is not None:
             delta = int(self.model.model.rope_deltas[0, 0])
+        self._recent_staged.put(inputs, staged, delta)
         return staged, delta
 
     @torch.inference_mode()

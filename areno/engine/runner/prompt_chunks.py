@@ -11,6 +11,8 @@ ways (`runs_of`), and its masks let such a run see itself (`chunk_masks`).
 from __future__ import annotations
 
 import contextlib
+import weakref
+from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -58,6 +60,43 @@ class StagedPrompt:
             first, last = self.vision_before[start], self.vision_before[end]
             inputs["deepstack_visual_embeds"] = [e[first:last] for e in self.deepstack]
         return inputs
+
+
+class RecentStaged:
+    """The stack inputs and rope delta of the latest prompts staged (`at_text_stack`), by prompt
+    object, at most `size` of them, only while the object lives.
+
+    A GRPO group's episodes send one `PromptInputs` object each, and each episode's resumption
+    from the prefix cache stages the whole prompt again (its media through the encoder cache,
+    its tokens embedded) to take its part of it: a color quiz step's 16 prompts were staged 128
+    times. The staged inputs depend on the weights only (LoRA adapters act inside the text
+    stack), so whoever changes weights must `clear` it. Keyed by identity, not by content: a hit
+    costs no hashing, and a new request builds a new object."""
+
+    def __init__(self, size: int = 16):
+        self.size = size
+        self._entries: OrderedDict[int, tuple[weakref.ref, StagedPrompt, int]] = OrderedDict()
+
+    def get(self, prompt: object) -> tuple[StagedPrompt, int] | None:
+        entry = self._entries.get(id(prompt))
+        if entry is None or entry[0]() is not prompt:
+            return None
+        self._entries.move_to_end(id(prompt))
+        return entry[1], entry[2]
+
+    def put(self, prompt: object, staged: StagedPrompt, delta: int) -> None:
+        for key in [k for k, (ref, _, _) in self._entries.items() if ref() is None]:
+            del self._entries[key]  # a prompt no request holds any more
+        self._entries[id(prompt)] = (weakref.ref(prompt), staged, delta)
+        self._entries.move_to_end(id(prompt))
+        while len(self._entries) > self.size:
+            self._entries.popitem(last=False)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def clear(self) -> None:
+        self._entries.clear()
 
 
 @contextlib.contextmanager
