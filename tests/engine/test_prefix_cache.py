@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import gc
 from pathlib import Path
 
 import numpy as np
@@ -19,6 +20,7 @@ from areno.engine.kv.state_cache import StateCache
 from areno.engine.parallel.kv_pool import saved_state_rows
 from areno.engine.runner import model_runner
 from areno.engine.runner.encoder_cache import EncoderCache
+from areno.engine.runner.prompt_chunks import RecentStaged, StagedPrompt
 from areno.engine.sampling import SamplingParams
 from areno.errors import ConfigError
 from areno.media.samples import write_audio, write_image, write_video
@@ -754,3 +756,40 @@ def test_a_groups_episodes_stage_their_one_prompt_once_and_keep_its_tokens(
     for (tokens, logprobs), (tokens_one, logprobs_one) in zip(own, one, strict=True):
         assert tokens_one == tokens
         assert logprobs_one == pytest.approx(logprobs, abs=1e-5)
+
+
+def test_recent_staged_prompts_are_held_by_count_bytes_and_their_prompts_lives():
+    """`RecentStaged` answers only for the very object it staged, drops an entry once no one
+    holds its prompt, keeps at most `size` entries and `max_bytes` of tensors (the least
+    recently used leaving first) and never keeps one larger than that."""
+
+    class Prompt:  # any object a request holds (a PromptInputs)
+        pass
+
+    def staged(tokens: int) -> StagedPrompt:  # float32 embeddings of width 4 + int64 positions
+        return StagedPrompt(
+            {"inputs_embeds": torch.zeros(1, tokens, 4)},
+            torch.zeros(1, tokens, dtype=torch.long),
+            None,
+        )
+
+    assert staged(8).nbytes() == 8 * 4 * 4 + 8 * 8
+    recent = RecentStaged(size=3, max_bytes=staged(8).nbytes() * 2 - 1)
+    a, b, c = Prompt(), Prompt(), Prompt()
+    recent.put(a, staged(4), 1)
+    assert recent.get(a)[1] == 1 and recent.get(Prompt()) is None
+    recent.put(b, staged(4), 2)
+    recent.put(c, staged(8), 3)  # over the bytes: a, the least recently used, leaves
+    assert recent.get(a) is None and recent.get(b)[1] == 2 and recent.get(c)[1] == 3
+    recent.put(Prompt(), staged(64), 4)  # larger than all it may hold: not kept, nothing leaves
+    assert len(recent) == 2
+    del b
+    gc.collect()
+    recent.put(a, staged(1), 5)  # b's entry goes with b
+    assert len(recent) == 2 and recent.get(a)[1] == 5
+    recent.clear()
+    assert len(recent) == 0 and recent.get(c) is None
+    held = [Prompt() for _ in range(4)]
+    for i, prompt in enumerate(held):
+        recent.put(prompt, staged(1), i)
+    assert len(recent) == 3 and recent.get(held[0]) is None and recent.get(held[3])[1] == 3
