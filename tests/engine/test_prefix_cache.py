@@ -793,3 +793,50 @@ def test_recent_staged_prompts_are_held_by_count_bytes_and_their_prompts_lives()
     for i, prompt in enumerate(held):
         recent.put(prompt, staged(1), i)
     assert len(recent) == 3 and recent.get(held[0]) is None and recent.get(held[3])[1] == 3
+
+
+def test_a_resumption_shares_the_last_forward_of_a_prompt_that_stops_at_its_saves(
+    setups, media, tmp_path
+):
+    """A prompt prefilled whole stops at each state save (a forward a round); a prompt arriving
+    with it that resumes from the cache needs one part, which runs in the other's last round
+    (`_prefill_parts`), so the step takes no forward more than the fresh prompt's rounds. Both
+    answer with the cold engine's tokens and logprobs (fp32, 1e-4)."""
+    setup = setups("qwen3_5")
+    other = str(write_image(tmp_path / "other.png", 64, 48, seed=7))
+    again = setup.encode(with_media("image", media["image"], "Describe it in a few words."))
+    # a question whose prompt ends as far into its last block as the other's: the two tails
+    # are of one width, so they may share a forward (prefill_groups)
+    questions = ("Describe this one in a few words.", "Describe it.", "Describe it, please.",
+                 "What is this?", "What is in this picture, please?")  # fmt: skip
+    block = 4
+    fresh = next(
+        x
+        for q in questions
+        if (x := setup.encode(with_media("image", other, q))).num_prompt_tokens % block
+        == again.num_prompt_tokens % block
+    )
+    params = SamplingParams(temperature=0, max_tokens=3, logprobs=True, ignore_eos=True)
+    answers = {}
+    for cache in (False, True):
+        gen = setup.generator(block_size=block, enable_prefix_caching=cache)
+        runner = gen.core.executor.runner
+        forwards, real = [], runner.prefill_parts
+        runner.prefill_parts = lambda parts, real=real, forwards=forwards: (
+            forwards.append([(p.slot, p.start, p.end) for p in parts]) or real(parts)
+        )
+        try:
+            run(arrive_together(gen, [again], params))
+            forwards.clear()
+            outputs = run(arrive_together(gen, [again, fresh], params))
+        finally:
+            gen.shutdown()
+        answers[cache] = [(o.samples[0].token_ids, o.samples[0].logprobs) for o in outputs]
+    for (tokens, logprobs), (tokens_warm, logprobs_warm) in zip(*answers.values(), strict=True):
+        assert tokens_warm == tokens
+        assert logprobs_warm == pytest.approx(logprobs, abs=1e-4)
+    assert len(forwards) >= 2, forwards  # the fresh prompt stops at a save at least once
+    # the resumption (its one part) beside the fresh prompt's tail, in its last forward
+    ends = sorted(x.num_prompt_tokens for x in (again, fresh))
+    assert sorted(p[2] for p in forwards[-1]) == ends, forwards
+    assert sum(len(parts) for parts in forwards) == len(forwards) + 1, forwards

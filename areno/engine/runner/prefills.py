@@ -97,21 +97,24 @@ def _prefill_parts(runner: ModelRunner, items: list[PrefillItem]) -> list[torch.
     """Each item's last logits (V,), its tokens start..end-1 prefilled over the keys its
     blocks hold, in forwards shared by items of lengths within MAX_PREFILL_PADDING of each
     other (`ModelRunner.prefill_parts`). An item with state saves runs in rounds: up to its
-    first save, which is made, on to the next, and so on (as `_prefill_chunks` does); an item
-    that ends its prompt is then forked into its other slots."""
-    rounds: list[list[tuple[int, PromptPart]]] = []
-    saves_after: list[list[tuple[int, int]]] = []
-    for i, item in enumerate(items):
+    first save, which is made, on to the next, and so on (as `_prefill_chunks` does), its last
+    round beside every other item's last; an item that ends its prompt is then forked into its
+    other slots."""
+    planned = [_rounds(runner, item) for item in items]
+    depth = max((len(bounds) - 1 for bounds, _ in planned), default=0)
+    rounds: list[list[tuple[int, PromptPart]]] = [[] for _ in range(depth)]
+    saves_after: list[list[tuple[int, int]]] = [[] for _ in range(depth)]
+    for i, (item, (bounds, saves)) in enumerate(zip(items, planned, strict=True)):
         table = item.block_tables[0] if item.block_tables else None
-        bounds, saves = _rounds(runner, item)
+        # An item's rounds end with the last: a resumption's one part runs beside the last part
+        # of a prompt that stops at a save first (a color quiz step's first prompts of their
+        # groups and the rest of each group then share their tail forward).
+        late = depth - (len(bounds) - 1)
         for number, (start, stop) in enumerate(zip(bounds, bounds[1:], strict=False)):
-            if number == len(rounds):
-                rounds.append([])
-                saves_after.append([])
             first = number == 0 and item.start == item.cached
             part = PromptPart(item.inputs, item.slots[0], table, start, stop, first)
-            rounds[number].append((i, part))
-            saves_after[number] += [(item.slots[0], row) for row in saves.get(stop, [])]
+            rounds[late + number].append((i, part))
+            saves_after[late + number] += [(item.slots[0], row) for row in saves.get(stop, [])]
     last: list[torch.Tensor | None] = [None] * len(items)
     for parts, saves in zip(rounds, saves_after, strict=True):
         for group in prefill_groups([p.end - p.start for _, p in parts], pad=True):
