@@ -68,8 +68,8 @@ class StagedPrompt:
 
 class RecentStaged:
     """The stack inputs and rope delta of the latest prompts staged (`at_text_stack`), by prompt
-    object, only while the object lives: at most `size` of them and `max_bytes` of tensors,
-    the least recently used leaving first.
+    object: at most `size` of them and `max_bytes` of tensors, the least recently used leaving
+    first, and an entry whose object no one holds any more at the next `put`.
 
     A GRPO group's episodes send one `PromptInputs` object each, and each episode's resumption
     from the prefix cache stages the whole prompt again (its media through the encoder cache,
