@@ -77,8 +77,8 @@ class RecentStaged:
     times. The staged inputs depend on the weights only (LoRA adapters act inside the text
     stack), so whoever changes weights must `clear` it. Keyed by identity, not by content: a hit
     costs no hashing, and a new request builds a new object. The bytes stay small beside the
-    KV pool (which does not count them): at the 2B Qwen3.5 shape 0.3 MB a color quiz prompt,
-    7 MB an AVE episode's."""
+    KV pool (which does not count them): at the 2B Qwen3.5 shape (hidden 2048, bf16) 0.3 MB
+    for a 79-token color quiz prompt, 7.4 MB for 1,800 tokens."""
 
     def __init__(self, size: int = 16, max_bytes: int = 128 << 20):
         self.size, self.max_bytes = size, max_bytes
