@@ -23,7 +23,8 @@ stand-in whose rewards differ within a group, so every step trains as a warm-sta
 Each setting is `areno train` in a subprocess, as a user runs it (its own local Ray), for
 `--steps` steps without evaluation; the figures are means over the steps after the first
 (the first pays for start-up and, overlapped, has no earlier rollout to hide behind), and over
-the repeats. Per step, from metrics.jsonl: `step_s` (wall), `rollout_s` (the step's rollout on
+the repeats; the first step's wall time is reported beside them (`first_step_s`, with its
+rollout's `first_rollout_s`). Per step, from metrics.jsonl: `step_s` (wall), `rollout_s` (the step's rollout on
 the workers, overlapped with other phases when max_staleness > 0), `idle_s` (the trainer
 waiting for that rollout), `train_s`, `weight_sync_s` (drained: with the wait for the episodes
 in flight), and the prompt tokens the rollout engines computed (`prefill_tokens_computed`).
@@ -184,6 +185,8 @@ def run(
     row = {k: sum(r.get(k, 0.0) for r in steady) / len(steady) for k in PHASES + MEANS}
     row.update({k: max(r[k] for r in steady) for k in MAXIMA})
     row["reward_mean"] = sum(r["reward_mean"] for r in steady) / len(steady)
+    first = next(r for r in records if "step_s" in r and r["step"] == 1)
+    row.update(first_step_s=first["step_s"], first_rollout_s=first["rollout_s"])
     row["run_wall_s"] = wall
     row["per_step"] = [{k: r.get(k, 0.0) for k in PHASES} for r in steady]
     row["timeline"] = timeline(steady)
@@ -277,7 +280,10 @@ def mean_row(rows: list[dict]) -> dict:
 def print_table(results: dict) -> None:
     width = max(12, *(len(name) for rows in results.values() for name in rows))
     header = f"{'task':<11} {'setting':<{width}} " + " ".join(f"{p:>13}" for p in PHASES)
-    print(header + f" {'passes':>7} {'prefill tok':>11} {'partial ep':>10} {'speed-up':>9}")
+    print(
+        header + f" {'passes':>7} {'prefill tok':>11} {'partial ep':>10} {'speed-up':>9}"
+        f" {'1st step_s':>10}"
+    )
     for task, rows in results.items():
         base = next(iter(rows.values()))["step_s"]
         for name, row in rows.items():
@@ -285,7 +291,7 @@ def print_table(results: dict) -> None:
             print(
                 f"{task:<11} {name:<{width}} {cells} {row['train_passes']:>7.1f} "
                 f"{row['prefill_tokens_computed']:>11.0f} {row['partial_episodes']:>10.1f} "
-                f"{base / row['step_s']:>8.2f}x"
+                f"{base / row['step_s']:>8.2f}x {row['first_step_s']:>10.2f}"
             )
 
 

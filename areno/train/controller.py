@@ -129,12 +129,17 @@ class Controller:
             with timer("eval"):
                 self.writer.write(step, self.evaluate())
         last = min(step + cfg.rollout.max_staleness, cfg.run.max_steps - 1)
+        # With nothing in flight (a run's first step, or its first after a resume) the trainer
+        # can only wait for this step's rollout: it runs alone, and the later steps' start once
+        # it is gathered, beside this step's training, instead of competing with it.
+        cold = not self._in_flight
         with timer("launch"):
-            while self._next_launch <= last:
-                self._in_flight.append(self._launch(self._next_launch))
-                self._next_launch += 1
+            self._launch_through(step if cold else last)
         this = self._in_flight.popleft()
         trajectories, adv, metrics = self._finish(this, timer)
+        metrics["rollouts_ahead"] = float(len(self._in_flight))  # running while this one ended
+        with timer("launch"):
+            self._launch_through(last)
         with timer("advantages"):
             metrics.update(staleness_metrics(trajectories, step, cfg.rollout.max_staleness))
         with timer("packing"):
@@ -182,6 +187,12 @@ class Controller:
         metrics["eval_s"] = time.perf_counter() - start
         metrics["eval/skipped_samples"] = float(len(gathered.skipped))
         return metrics
+
+    def _launch_through(self, last: int) -> None:
+        """Start the rollouts of the steps up to `last` not started yet."""
+        while self._next_launch <= last:
+            self._in_flight.append(self._launch(self._next_launch))
+            self._next_launch += 1
 
     def _launch(self, step: int) -> _InFlight:
         """Draw step `step`'s samples and start its rollout on the workers."""

@@ -97,6 +97,9 @@ def test_grpo_learns_the_color_quiz(ray_head, tmp_path):
     assert all(
         r.get("staleness/1", 0) > 0 for r in records if r.get("step", 0) > 1 and "step_s" in r
     )
+    # the first step's rollout ran alone; from the second, the next step's ran beside it
+    ahead = _last_per_step(records, "rollouts_ahead")
+    assert ahead[1] == 0 and ahead[30] == 0 and set(ahead[s] for s in range(2, 30)) == {1.0}
     passes = _last_per_step(records, "trajectories_per_pass")
     assert min(v for v in passes.values() if v) > 1  # several trajectories per forward
     png = run_dir / "curves.png"  # the README's `areno plot`
