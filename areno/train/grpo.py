@@ -421,31 +421,6 @@ def correction_weight(
     raise ValueError(f"no correction weight for rollout_correction {kind!r}")
 
 
-def logprob_mismatch(
-    train_logprobs: Tensor, rollout_logprobs: Tensor, loss_mask: Tensor
-) -> dict[str, float]:
-    """How far the trainer's log-probs are from the inference engine's, over valid tokens.
-
-    "logprob_mismatch_mean_abs" / "_max_abs": mean and max |train - rollout|;
-    "rollout_train_ppl_ratio": rollout perplexity / train perplexity
-    = exp(mean(train - rollout)), 1 when they agree. Over no valid tokens: 0, 0, 1.
-    """
-    _check_bt(train_logprobs, rollout_logprobs=rollout_logprobs, loss_mask=loss_mask)
-    mask = loss_mask.bool()
-    diff = (train_logprobs.detach().float() - rollout_logprobs.detach().float())[mask]
-    if diff.numel() == 0:
-        return {
-            "logprob_mismatch_mean_abs": 0.0,
-            "logprob_mismatch_max_abs": 0.0,
-            "rollout_train_ppl_ratio": 1.0,
-        }
-    return {
-        "logprob_mismatch_mean_abs": float(diff.abs().mean()),
-        "logprob_mismatch_max_abs": float(diff.abs().max()),
-        "rollout_train_ppl_ratio": float(diff.mean().exp()),
-    }
-
-
 def _aggregate(token_loss: Tensor, weights: Tensor, config: GRPOLossConfig) -> Tensor:
     if config.loss_agg == "token_mean":
         return token_loss.sum() / weights.sum().clamp(min=1.0)

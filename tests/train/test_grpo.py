@@ -15,7 +15,6 @@ from areno.train.grpo import (
     ROLLOUT_CORRECTIONS,
     GRPOLossConfig,
     group_advantages,
-    logprob_mismatch,
     policy_loss,
     policy_loss_terms,
     token_logprobs,
@@ -354,21 +353,7 @@ def test_sgd_step_follows_advantage_sign(advantage: float, direction: float) -> 
     assert bool(((after - before) * direction > 0).all())
 
 
-# ---------------------------------------------------------------- mismatch, config
-
-
-def test_logprob_mismatch() -> None:
-    train = torch.tensor([[-1.0, -2.0, -3.0]])
-    rollout = torch.tensor([[-1.5, -2.0, -2.0]])
-    mask = torch.tensor([[1, 1, 0]])
-    # valid train - rollout: 0.5, 0 -> mean |.| 0.25, max 0.5; ppl ratio exp(0.25) = 1.284025
-    # (the third token's -1 is masked)
-    out = logprob_mismatch(train, rollout, mask)
-    assert out == {
-        "logprob_mismatch_mean_abs": approx(0.25),
-        "logprob_mismatch_max_abs": approx(0.5),
-        "rollout_train_ppl_ratio": approx(1.284025),
-    }
+# ---------------------------------------------------------------- config
 
 
 @pytest.mark.parametrize(
