@@ -42,6 +42,14 @@ from areno.engine.sampling import SamplingParams
 from areno.models.tiny import tiny_checkpoint
 from areno.processing import Processor
 
+BEGUN = time.perf_counter()
+
+
+def progress(what: str) -> None:
+    """A line as each phase ends, flushed (a GPU run's starts take minutes: a run cut short
+    still shows how far it got)."""
+    print(f"[{time.perf_counter() - BEGUN:7.1f} s] {what}", flush=True)
+
 
 def question(i: int) -> list[dict]:
     return [{"role": "user", "content": f"Question number {i}: tell me a long story."}]
@@ -175,16 +183,19 @@ def main() -> None:
         max_running_prompts=8, max_context_len=2048, kv_cache_gib=args.kv_cache_gib
     )
     local = InProcess(path, engine, args.tokens)
+    progress("the engine in process is up")
     served = None
     results: dict[str, list[tuple[float, float, int]]] = {"in process": []}
     chunks = {}
     per_round = max(args.requests // args.rounds, 1)
     try:
         served = Served(path, engine, args.tokens)
+        progress("Ray and Serve are up")
         for i in range(3):
             local.ask(10_000 + i)  # warm-up
         for w, interval in enumerate(args.stream_interval_ms):
             served.deploy(interval)
+            progress(f"the app with stream_interval_ms {interval:g} is up")
             for i in range(3):
                 served.ask(10_000 + i)  # warm-up
             served.chunks = []
@@ -195,6 +206,7 @@ def main() -> None:
                 base = (w * args.rounds + r) * 2 * per_round
                 results["in process"] += [local.ask(base + i) for i in range(per_round)]
                 results[name] += [served.ask(base + per_round + i) for i in range(per_round)]
+                progress(f"{name}: round {r + 1} of {args.rounds} done")
             chunks[interval] = statistics.mean(served.chunks)
     finally:
         local.close()
