@@ -140,7 +140,6 @@ class RolloutWorker:
         parser = get_tool_parser(processor.adapter.tool_format)
         self.env = RolloutEnv(decoder, processor, generator, parser)
         self.limits = EpisodeLimits(generator.max_context_len, spec.max_tokens_per_turn)
-        self._prompts: dict[str, PromptInputs] = {}
         self._gate = EpisodeGate()
 
     def node(self) -> str:
