@@ -24,16 +24,17 @@ from tests.train.dynamic_task import FLAT_REWARD
 
 REPO = Path(__file__).resolve().parents[2]
 RUN_LIMIT_S = 900
-# The stream, in order (unshuffled): 0 live, 1-6 flat, then live. Two prompts a step, the next
-# step's rollout in flight (max_staleness 1), at most two extra prompts a step:
-#   step 1 draws 0, 1; step 2's rollout draws 2, 3; step 1 drops 1, draws 4 then 5 (both flat)
-#     and is out of extra prompts: it trains 0's group alone (unfilled)
-#   step 3's rollout draws 6, 7; step 2 drops 2 and 3, draws 8 and 9 in one round: filled
+# The stream, in order (unshuffled): 0 live, 1-6 flat, then live. Two prompts a step, at most
+# two extra prompts a step; the first step's rollout runs alone, then the next step's is in
+# flight beside each step (max_staleness 1):
+#   step 1 draws 0, 1; drops 1, draws 2 then 3 (both flat) and is out of extra prompts: it
+#     trains 0's group alone (unfilled); step 2's rollout then draws 4, 5
+#   step 3's rollout draws 6, 7; step 2 drops 4 and 5, draws 8 and 9 in one round: filled
 #   step 3 drops 6, draws 10: filled
 FLAT = [1, 2, 3, 4, 5, 6]
 EXPECTED = {  # step: (prompts drawn, groups dropped, replacement rounds, unfilled)
-    1: ([0, 1, 4, 5], [1, 4, 5], 2, 1.0),
-    2: ([2, 3, 8, 9], [2, 3], 1, 0.0),
+    1: ([0, 1, 2, 3], [1, 2, 3], 2, 1.0),
+    2: ([4, 5, 8, 9], [4, 5], 1, 0.0),
     3: ([6, 7, 10], [6], 1, 0.0),
 }
 OPTIONAL = [name for name in ("wandb", "mlflow") if importlib.util.find_spec(name)]
