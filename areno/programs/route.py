@@ -18,7 +18,6 @@ another distribution is refused (400) instead of silently sampled otherwise.
 
 # NOTE: no `from __future__ import annotations`: FastAPI reads the routes' annotations at runtime.
 import asyncio
-import concurrent.futures
 import dataclasses
 import json
 import logging
@@ -96,9 +95,6 @@ class EpisodeRoute:
     def __init__(self, env: RolloutEnv, limits: RouteLimits):
         self.env, self.limits = env, limits
         self._open: dict[str, _OpenEpisode] = {}
-        # NOTE: one thread for the tokenizer (a fast tokenizer must not be entered by two
-        # threads at once): encoding, the forced call opening, and reading the reply.
-        self._tokenizer_thread = concurrent.futures.ThreadPoolExecutor(1, "areno-route")
         self._server: Any = None
         self._task: asyncio.Task | None = None  # the server's
         self._starting: asyncio.Future | None = None
@@ -135,7 +131,6 @@ class EpisodeRoute:
             await self._task
             self._task = None
         self._starting = None
-        self._tokenizer_thread.shutdown(wait=False)
 
     def open(self, episode: ProgramEpisode, sampling: SamplingParams) -> str:
         """Record `episode`'s calls from now on; its base URL (`.../episodes/<id>/v1`)."""
@@ -189,15 +184,15 @@ class EpisodeRoute:
                 "(rollout.program_max_calls); end the episode"
             )
         params = self._params(request, episode.sampling, len(calls))
-        loop = asyncio.get_running_loop()
-        prepared = await loop.run_in_executor(
-            self._tokenizer_thread, self._prepare, request, params
-        )
+        # NOTE: the tokenizer's work (encoding, the forced call opening, reading the reply)
+        # runs on the worker's processor thread: a fast tokenizer must not be entered by two
+        # threads at once.
+        prepared = await self.env.processing(self._prepare, request, params)
         output = await self.env.generator.generate_all(prepared.inputs, prepared.params)
         if (aborted := aborted_error(output)) is not None:
             raise aborted  # not recorded: the program may retry the call
-        reply, call = await loop.run_in_executor(
-            self._tokenizer_thread, self._read, request, prepared, output, json.loads(body)
+        reply, call = await self.env.processing(
+            self._read, request, prepared, output, json.loads(body)
         )
         if episode_id in self._open:  # a call answered after its episode ended is not kept
             calls.append(call)

@@ -8,11 +8,14 @@ History is never re-templated, so the trainer scores exactly the tokens the gene
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import dataclasses
+import functools
 import json
 import time
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 from areno.engine.generator import Generator
 from areno.engine.sampling import SamplingParams
@@ -40,14 +43,34 @@ class EpisodeLimits:
     max_tokens_per_turn: int = 256
 
 
+T = TypeVar("T")
+
+
+def _processor_thread() -> concurrent.futures.ThreadPoolExecutor:
+    return concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="areno-processor")
+
+
 @dataclass
 class RolloutEnv:
-    """The serving parts an episode runs on, all in one process (a rollout worker)."""
+    """The serving parts an episode runs on, all in one process (a rollout worker).
+
+    Every processor call of the worker's episodes runs on one thread of its own (`processing`),
+    as the Ingress's and an agent program's do: the tokenizer is not shared between threads,
+    and the episodes' encodes take turns for the interpreter with the engine's thread rather
+    than a pool thread each. Media decoding and tools run on the default pool."""
 
     decoder: MediaDecoder
     processor: Processor
     generator: Generator
     parser: ToolParser
+    processor_thread: concurrent.futures.ThreadPoolExecutor = field(
+        default_factory=_processor_thread, repr=False
+    )
+
+    async def processing(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """`fn(*args, **kwargs)` on the processor thread."""
+        call = functools.partial(fn, *args, **kwargs)
+        return await asyncio.get_running_loop().run_in_executor(self.processor_thread, call)
 
     @property
     def end_of_turn_id(self) -> int:
@@ -66,14 +89,51 @@ def encode_prompt_for(
     """The episode's first prompt: the agent's messages with its tools and the sample's own
     `tools` (`Agent.prompt_tools`), decoded and encoded on the one path. `phases`: the seconds
     of its media's decoding ("media_s") and of the processor ("process_s") are added to it."""
+    messages, media = _prompt_media(env, agent, messages, phases)
+    return _encode_prompt(env, agent, messages, media, tools, sample_id, phases)
+
+
+async def encode_prompt(
+    env: RolloutEnv,
+    agent: Agent,
+    messages: list[dict],
+    tools: list[dict] | None = None,
+    sample_id: str | None = None,
+    phases: dict[str, float] | None = None,
+) -> PromptInputs:
+    """`encode_prompt_for` off the event loop: the media decoded on a pool thread, the prompt
+    encoded on the processor thread (`RolloutEnv.processing`)."""
+    messages, media = await asyncio.to_thread(_prompt_media, env, agent, messages, phases)
+    return await env.processing(
+        _encode_prompt, env, agent, messages, media, tools, sample_id, phases
+    )
+
+
+def _prompt_media(
+    env: RolloutEnv, agent: Agent, messages: list[dict], phases: dict[str, float] | None
+) -> tuple[list[dict], list]:
+    """The agent's first messages and their decoded media."""
     start = time.perf_counter()
     messages = agent.prompt_messages(messages)
     media = env.decoder.decode_many(env.processor.media_refs(messages))
-    decoded = time.perf_counter()
+    if phases is not None:
+        _add(phases, "media_s", time.perf_counter() - start)
+    return messages, media
+
+
+def _encode_prompt(
+    env: RolloutEnv,
+    agent: Agent,
+    messages: list[dict],
+    media: list,
+    tools: list[dict] | None,
+    sample_id: str | None,
+    phases: dict[str, float] | None,
+) -> PromptInputs:
+    start = time.perf_counter()
     prompt = env.processor.encode(messages, media, tools=agent.prompt_tools(tools, sample_id))
     if phases is not None:
-        _add(phases, "media_s", decoded - start)
-        _add(phases, "process_s", time.perf_counter() - decoded)
+        _add(phases, "process_s", time.perf_counter() - start)
     return prompt
 
 
@@ -151,7 +211,10 @@ async def run_episode(
         _add(phases, "tools_s", time.perf_counter() - start)
         _log_turn(ctx, turn, output, parsed, traj)
         start = time.perf_counter()
-        delta = await asyncio.to_thread(_encode_results, env, agent, results)
+        media = await asyncio.to_thread(_results_media, env, results)
+        delta = await env.processing(
+            env.processor.encode_continuation, results, media, tools=agent.tool_schemas or None
+        )
         if inputs.num_prompt_tokens + len(generated) + delta.num_prompt_tokens >= (
             limits.max_context_len
         ):
@@ -159,7 +222,7 @@ async def run_episode(
             traj.finish = "context"
             break
         before = inputs.num_prompt_tokens + len(generated)
-        inputs = await asyncio.to_thread(env.processor.extend, inputs, generated, delta)
+        inputs = await env.processing(env.processor.extend, inputs, generated, delta)
         _add(phases, "tool_inputs_s", time.perf_counter() - start)
         # NOTE: not delta.num_prompt_tokens: a family that numbers media per prompt (MiniCPM-V)
         # may renumber the delta's media, which can change its length by a digit.
@@ -270,6 +333,6 @@ def _as_content(result: Any) -> list[dict]:
     return [{"type": "text", "text": str(result)}]
 
 
-def _encode_results(env: RolloutEnv, agent: Agent, messages: list[dict]) -> PromptInputs:
-    media = env.decoder.decode_many(env.processor.media_refs(messages))
-    return env.processor.encode_continuation(messages, media, tools=agent.tool_schemas or None)
+def _results_media(env: RolloutEnv, messages: list[dict]) -> list:
+    """The decoded media of the tool results `messages`."""
+    return env.decoder.decode_many(env.processor.media_refs(messages))

@@ -31,7 +31,7 @@ from areno.processing.encode import SAMPLE_ERRORS, PromptLimits, sample_error_te
 from areno.processing.processor import Processor
 from areno.processing.types import PromptInputs
 from areno.rollout.agent import ToolContext, load_agent
-from areno.rollout.episode import EpisodeLimits, RolloutEnv, encode_prompt_for, run_episode
+from areno.rollout.episode import EpisodeLimits, RolloutEnv, encode_prompt, run_episode
 from areno.rollout.trajectory import Trajectory
 from areno.tools.registry import get_tool_parser
 
@@ -162,9 +162,7 @@ class RolloutWorker:
         start = time.perf_counter()
         phases: dict[str, float] = {}
         try:
-            prompt = await asyncio.to_thread(
-                encode_prompt_for, self.env, self.agent, messages, tools, sample_id, phases
-            )
+            prompt = await encode_prompt(self.env, self.agent, messages, tools, sample_id, phases)
         except SAMPLE_ERRORS as error:
             return GroupResult(
                 [], {"encode_s": time.perf_counter() - start}, sample_error_text(error), phases
@@ -226,3 +224,4 @@ class RolloutWorker:
 
     def shutdown(self) -> None:
         self.env.generator.shutdown()
+        self.env.processor_thread.shutdown(wait=False)

@@ -15,7 +15,9 @@ clip, which run_episode encodes and appends between turns; the parser is scripte
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import dataclasses
+import threading
 import time
 
 import pytest
@@ -23,7 +25,13 @@ import torch
 
 from areno.engine.sampling import SamplingParams
 from areno.rollout import ToolContext
-from areno.rollout.episode import EpisodeLimits, RolloutEnv, encode_prompt_for, run_episode
+from areno.rollout.episode import (
+    EpisodeLimits,
+    RolloutEnv,
+    encode_prompt,
+    encode_prompt_for,
+    run_episode,
+)
 from areno.train.policy import load_policy, sequence_logprobs
 from tests.rollout.scripted import ScriptedTurns, Turn, _schema, make_setup, run_scripted
 
@@ -304,3 +312,60 @@ def test_a_slow_tool_leaves_the_other_episodes_turns_flowing(setup):
     start, end = sleeping
     during = [t for t in turns[1].started if start < t < end]
     assert len(during) >= 2, (turns[1].started, sleeping)
+
+
+class ThreadsSeen:
+    """A processor that records the thread of each of its encoding calls."""
+
+    CALLS = ("encode", "encode_continuation", "extend")
+
+    def __init__(self, processor):
+        self.processor, self.seen = processor, []
+
+    def __getattr__(self, name):
+        value = getattr(self.processor, name)
+        if name not in self.CALLS:
+            return value
+
+        def call(*args, **kwargs):
+            self.seen.append((name, threading.current_thread().name))
+            return value(*args, **kwargs)
+
+        return call
+
+
+def test_every_processor_call_of_concurrent_episodes_runs_on_the_one_processor_thread(setup):
+    """Three episodes at once, each with three tool turns, on one worker's processor thread (the
+    envs share it as a worker's episodes do): the first prompt's encode and every tool result's
+    encode and append run there, none on the event loop or a pool thread (a fast tokenizer must
+    not be entered by two threads at once), and the episodes still end as scripted."""
+    seen = ThreadsSeen(setup.processor)
+    thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="areno-processor")
+    turns = [ScriptedTurns(setup.generator, [LOOK, HEAR, SUBMIT]) for _ in range(3)]
+    envs = [RolloutEnv(setup.decoder, seen, t, t, processor_thread=thread) for t in turns]
+
+    async def episodes():
+        prompt = await encode_prompt(envs[0], setup.agent, setup.messages)
+        return await asyncio.gather(
+            *(
+                run_episode(
+                    env,
+                    setup.agent,
+                    ToolContext("scene", setup.messages, index),
+                    prompt,
+                    SamplingParams(temperature=1.0, seed=index),
+                    EpisodeLimits(4096, 6),
+                )
+                for index, env in enumerate(envs)
+            )
+        )
+
+    try:
+        trajectories = asyncio.run(episodes())
+    finally:
+        thread.shutdown()
+    assert [t.finish for t in trajectories] == ["final_tool"] * 3
+    names = [name for name, _ in seen.seen]
+    assert names.count("encode") == 1
+    assert names.count("encode_continuation") == names.count("extend") == 3 * 3
+    assert {where for _, where in seen.seen} == {"areno-processor_0"}
