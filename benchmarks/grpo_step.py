@@ -24,10 +24,11 @@ Each setting is `areno train` in a subprocess, as a user runs it (its own local 
 `--steps` steps without evaluation; the figures are means over the steps after the first
 (the first pays for start-up and, overlapped, has no earlier rollout to hide behind), and over
 the repeats; the first step's wall time is reported beside them (`first_step_s`, with its
-rollout's `first_rollout_s`). Per step, from metrics.jsonl: `step_s` (wall), `rollout_s` (the step's rollout on
-the workers, overlapped with other phases when max_staleness > 0), `idle_s` (the trainer
-waiting for that rollout), `train_s`, `weight_sync_s` (drained: with the wait for the episodes
-in flight), and the prompt tokens the rollout engines computed (`prefill_tokens_computed`).
+rollout's `first_rollout_s`). Per step, from metrics.jsonl: `step_s` (wall), `rollout_s` (the
+step's rollout on the workers, overlapped with other phases when max_staleness > 0), `idle_s`
+(the trainer waiting for that rollout), `train_s`, `weight_sync_s` (drained: with the wait for
+the episodes in flight), and the prompt tokens the rollout engines computed
+(`prefill_tokens_computed`).
 
     python benchmarks/grpo_step.py                 # both tasks, serial and shipped, 6 steps
     python benchmarks/grpo_step.py --tasks ave --settings drained,partial --steps 8 --repeats 2

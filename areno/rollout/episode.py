@@ -54,10 +54,11 @@ def _processor_thread() -> concurrent.futures.ThreadPoolExecutor:
 class RolloutEnv:
     """The serving parts an episode runs on, all in one process (a rollout worker).
 
-    Every processor call of the worker's episodes runs on one thread of its own (`processing`),
-    as the Ingress's and an agent program's do: the tokenizer is not shared between threads,
-    and the episodes' encodes take turns for the interpreter with the engine's thread rather
-    than a pool thread each. Media decoding and tools run on the default pool."""
+    Every processor call of the worker's episodes (and of an agent program's route) runs on one
+    thread of its own (`processing`), as the Ingress's encodes run on its encode thread: a fast
+    tokenizer is never entered by two threads, and the episodes' encodes take turns for the
+    interpreter with the engine's thread rather than a pool thread each. Media decoding and
+    tools run on the default pool."""
 
     decoder: MediaDecoder
     processor: Processor
