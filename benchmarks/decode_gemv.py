@@ -6,9 +6,11 @@ floor is the weight's bytes at the device's copy rate. On an H100 the Qwen3-1.7B
 products a layer took 1.28 ms a step against 0.94 ms of reads, and one of them went through
 cuBLAS's split-K path plus a separate reduction kernel (docs/performance.md, "Where a step's time
 goes"). This measures, product by product, what each way reaches:
-- cublas:   `F.linear`, as the compiled decode step calls it today;
-- triton:   a matrix-vector kernel written here (one program per block of output features, each
-            looping over the whole input dimension; `--configs` launch options, the fastest kept);
+- cublas:   `F.linear`, as the compiled decode step calls it with `one_row_gemv` off;
+- areno:    the engine's matrix-vector kernel (areno/engine/kernels/gemv.py: one program per
+            block of output features, each looping over the whole input dimension) at the
+            launch the engine picks for the product (`launch_options`);
+- triton:   the same kernel at the fastest of `--configs` launch options;
 - inductor: `torch.compile` of the product written as a broadcast multiply and a sum, which
             inductor turns into one reduction kernel (and could fuse a norm into).
 Each product is timed inside a CUDA graph that cycles through enough copies of its weight to
@@ -32,10 +34,11 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 import triton
-import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).parent))
 from engine_workloads import copy_bandwidth_gb_s  # noqa: E402
+
+from areno.engine.kernels.gemv import gemv, launch_options  # noqa: E402
 
 # (hidden, intermediate, query heads, key / value heads, head dim, vocabulary) of each shape.
 SHAPES = {
@@ -54,47 +57,6 @@ def products(model: str) -> dict[str, tuple[int, int]]:
         "down": (hidden, inter),
         "lm_head": (vocab, hidden),
     }
-
-
-@triton.jit
-def _gemv_kernel(
-    X, W, Y, N, K, stride_xm, stride_wn, stride_ym,
-    M: tl.constexpr, M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-):  # fmt: skip
-    pid = tl.program_id(0)
-    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_m = tl.arange(0, M_PAD)
-    acc = tl.zeros([M_PAD, BLOCK_N], tl.float32)
-    for start in range(0, K, BLOCK_K):
-        offs_k = start + tl.arange(0, BLOCK_K)
-        w = tl.load(
-            W + offs_n[:, None] * stride_wn + offs_k[None, :],
-            mask=(offs_n[:, None] < N) & (offs_k[None, :] < K),
-            other=0.0,
-        )
-        x = tl.load(
-            X + offs_m[:, None] * stride_xm + offs_k[None, :],
-            mask=(offs_m[:, None] < M) & (offs_k[None, :] < K),
-            other=0.0,
-        )
-        acc += tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
-    tl.store(
-        Y + offs_m[:, None] * stride_ym + offs_n[None, :],
-        acc.to(Y.dtype.element_ty),
-        mask=(offs_m[:, None] < M) & (offs_n[None, :] < N),
-    )
-
-
-def triton_gemv(x: torch.Tensor, w: torch.Tensor, config: dict) -> torch.Tensor:
-    m, k = x.shape
-    n = w.shape[0]
-    y = x.new_empty(m, n)
-    grid = (triton.cdiv(n, config["BLOCK_N"]),)
-    _gemv_kernel[grid](
-        x, w, y, n, k, x.stride(0), w.stride(0), y.stride(0),
-        M=m, M_PAD=triton.next_power_of_2(m), **config,
-    )  # fmt: skip
-    return y
 
 
 def reduction_gemv(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -152,7 +114,7 @@ def check() -> None:
         x = torch.randn(m, k, generator=gen).to(device)
         w = torch.randn(n, k, generator=gen).to(device)
         for config in configs("small")[:2]:
-            got = triton_gemv(x, w, {**config, "BLOCK_K": 32})
+            got = gemv(x, w, None, {**config, "BLOCK_K": 32})
             torch.testing.assert_close(got, F.linear(x, w), rtol=1e-4, atol=1e-4)
         torch.testing.assert_close(reduction_gemv(x, w), F.linear(x, w), rtol=1e-4, atol=1e-4)
     print("decode_gemv: the kernel matches F.linear")
@@ -181,7 +143,7 @@ def main() -> None:
     compiled = torch.compile(reduction_gemv, dynamic=False)
     results = []
     print(f"{torch.cuda.get_device_name()}, copy rate {bandwidth:.0f} GB/s; us a product")
-    print(f"{'model':12}{'product':>9}{'rows':>6}{'floor':>8}{'cublas':>9}{'triton':>9}"
+    print(f"{'model':12}{'product':>9}{'rows':>6}{'floor':>8}{'cublas':>9}{'areno':>9}{'triton':>9}"
           f"{'inductor':>10}{'best triton config':>34}")  # fmt: skip
     for model in args.model:
         for name, (n, k) in products(model).items():
@@ -197,26 +159,32 @@ def main() -> None:
                 best = None
                 for config in configs(args.configs):
                     try:
-                        got = triton_gemv(x, weights[0], config).float()
+                        got = gemv(x, weights[0], None, config).float()
                         if not torch.allclose(got, want, rtol=2e-2, atol=2e-2):
                             continue
-                        fn = lambda x, w, c=config: triton_gemv(x, w, c)  # noqa: E731
+                        fn = lambda x, w, c=config: gemv(x, w, None, c)  # noqa: E731
                         seconds = graph_seconds(fn, x, weights, 3)
                     except Exception:  # a launch the GPU cannot take (registers, shared memory)
                         continue
                     if best is None or seconds < best[0]:
                         best = (seconds, config)
                 if best is not None:
-                    fn = lambda x, w, c=best[1]: triton_gemv(x, w, c)  # noqa: E731
+                    fn = lambda x, w, c=best[1]: gemv(x, w, None, c)  # noqa: E731
                     row["triton_us"] = 1e6 * graph_seconds(fn, x, weights, args.repeats)
                     row["triton_config"] = best[1]
+                # The launch the engine picks (areno/engine/kernels/gemv.py: launch_options).
+                row["areno_us"] = 1e6 * graph_seconds(
+                    lambda x, w: gemv(x, w), x, weights, args.repeats
+                )
+                row["areno_config"] = launch_options(n, k)
                 try:
                     row["inductor_us"] = 1e6 * graph_seconds(compiled, x, weights, args.repeats)
                 except Exception as error:  # noqa: BLE001
                     row["inductor_error"] = f"{type(error).__name__}: {error}"[:200]
                 results.append(row)
                 cells = [
-                    f"{row.get(key, float('nan')):>9.1f}" for key in ("cublas_us", "triton_us")
+                    f"{row.get(key, float('nan')):>9.1f}"
+                    for key in ("cublas_us", "areno_us", "triton_us")
                 ]
                 print(
                     f"{model:12}{name:>9}{m:>6}{row['floor_us']:>8.1f}{''.join(cells)}"
@@ -230,9 +198,10 @@ def main() -> None:
             layer = [r for r in results if r["model"] == model and r["rows"] == m
                      and r["product"] != "lm_head"]  # fmt: skip
             sums = {key: sum(r.get(key, 0.0) for r in layer) for key in
-                    ("floor_us", "cublas_us", "triton_us", "inductor_us")}  # fmt: skip
+                    ("floor_us", "cublas_us", "areno_us", "triton_us", "inductor_us")}  # fmt: skip
             print(f"{model} {m} row(s), a layer's four products: floor {sums['floor_us']:.1f} us, "
-                  f"cublas {sums['cublas_us']:.1f}, triton {sums['triton_us']:.1f}, "
+                  f"cublas {sums['cublas_us']:.1f}, areno's launch {sums['areno_us']:.1f}, "
+                  f"best triton {sums['triton_us']:.1f}, "
                   f"inductor {sums['inductor_us']:.1f}")  # fmt: skip
     meta = {
         "machine": platform.platform(),

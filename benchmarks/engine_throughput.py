@@ -27,9 +27,9 @@ concurrency and writes JSON (default benchmarks/results/engine_throughput_<workl
     python benchmarks/engine_throughput.py --workload gpu --model qwen3-8b --concurrency 64 256
 
 `--decode-compile`, `--cpu-linear`, `--kernels` (the engine's Triton kernels or their PyTorch
-references, `areno/engine/kernels/`), `--overlap-steps`, `--prefill-compile` and
-`--fuse-projections` (the `EngineConfig` fields of those names) each take several values, giving
-one engine row per combination.
+references, `areno/engine/kernels/`), `--overlap-steps`, `--prefill-compile`,
+`--fuse-projections` and `--one-row-gemv` (the `EngineConfig` fields of those names) each take
+several values, giving one engine row per combination.
 """
 
 from __future__ import annotations
@@ -123,6 +123,7 @@ def run_engine(
     prefill_compile: str = "auto",
     fuse_projections: str = "auto",
     max_context_len: str = "auto",
+    one_row_gemv: str = "auto",
 ) -> dict:
     """AReno's engine on the same requests: all submitted at once in arrival order, at most
     `concurrency` decoding (the engine's cache slots), greedy, token ids only (no detokenizing,
@@ -147,6 +148,7 @@ def run_engine(
         overlap_steps=overlap_steps,
         prefill_compile=prefill_compile,
         fuse_projections=fuse_projections,
+        one_row_gemv=one_row_gemv,
     )
     with contextlib.nullcontext() if triton_kernels else references_only():
         return _run_engine(model, tokenizer, requests, concurrency, config)
@@ -315,12 +317,14 @@ def run_systems(model, tokenizer, requests: list[dict], concurrency: int, args) 
         "prefill_compile": args.prefill_compile,
         "fuse_projections": args.fuse_projections,
         "max_context_len": args.max_context_len,
+        "one_row_gemv": args.one_row_gemv,
     }
     labels = {
         "overlap_steps": "overlap-",
         "prefill_compile": "prefill-",
         "fuse_projections": "fuse-",
         "max_context_len": "ctx-",
+        "one_row_gemv": "gemv-",
     }
     for values in itertools.product(*options.values()):
         chosen = dict(zip(options, values, strict=True))
@@ -339,6 +343,7 @@ def run_systems(model, tokenizer, requests: list[dict], concurrency: int, args) 
             c["prefill_compile"],
             c["fuse_projections"],
             c["max_context_len"],
+            c["one_row_gemv"],
         )
     rows = []
     for system, run in systems.items():
@@ -459,6 +464,13 @@ def parse_args() -> argparse.Namespace:
         choices=["auto", "on", "off"],
         default=["auto"],
         help="EngineConfig.fuse_projections (auto: on CUDA); several give one row each",
+    )
+    parser.add_argument(
+        "--one-row-gemv",
+        nargs="+",
+        choices=["auto", "on", "off"],
+        default=["auto"],
+        help="EngineConfig.one_row_gemv (auto: on CUDA); several give one row each",
     )
     parser.add_argument(
         "--max-context-len",

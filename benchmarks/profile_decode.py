@@ -131,7 +131,7 @@ def profile_steps(runner: ModelRunner, args: argparse.Namespace, rows: int) -> d
 
 def print_result(result: dict, floor_ms: float) -> None:
     print(
-        f"\n{result['rows']} rows: step {result['step_ms']:.2f} ms (profiled "
+        f"\n{result['rows']} rows, one-row gemv {result['gemv']}: step {result['step_ms']:.2f} ms (profiled "
         f"{result['profiled_ms_per_step']:.2f}); byte floor {floor_ms:.2f} ms = "
         f"{floor_ms / result['step_ms']:.0%} of the step"
     )
@@ -164,6 +164,14 @@ def main() -> None:
         "--fuse-projections", choices=["auto", "on", "off"], default="auto", help="auto: on CUDA"
     )
     parser.add_argument(
+        "--one-row-gemv",
+        nargs="+",
+        choices=["auto", "on", "off"],
+        default=["auto"],
+        help="products of one row on the matrix-vector kernel (auto: on CUDA); several values "
+        "profile the same rows once each, one runner after another",
+    )
+    parser.add_argument(
         "--linear-state-dtype",
         choices=["float32", "bfloat16"],
         default="float32",
@@ -183,22 +191,29 @@ def main() -> None:
 
     model = build(args)
     vocab = min(model.config.get_text_config().vocab_size, 400)  # ids the tiny tokenizer knows
-    runner = ModelRunner(
-        model,
-        num_slots=max(args.rows),
-        max_len=args.prompt_len + 2,
-        graphs=args.graphs,
-        compile=args.compile,
-        packed_linear=True,
-        fuse_projections=args.fuse_projections == "on"
-        or (args.fuse_projections == "auto" and on_cuda),
-        linear_state_dtype=getattr(torch, args.linear_state_dtype),
-    )
-    prefill_ms = fill(runner, args, vocab)
-    results = [profile_steps(runner, args, rows) for rows in args.rows]
+    results, prefill_ms = [], {}
+    for gemv in args.one_row_gemv:
+        runner = ModelRunner(
+            model,
+            num_slots=max(args.rows),
+            max_len=args.prompt_len + 2,
+            graphs=args.graphs,
+            compile=args.compile,
+            packed_linear=True,
+            fuse_projections=args.fuse_projections == "on"
+            or (args.fuse_projections == "auto" and on_cuda),
+            one_row_gemv=gemv == "on" or (gemv == "auto" and on_cuda),
+            linear_state_dtype=getattr(torch, args.linear_state_dtype),
+        )
+        prefill_ms[gemv] = fill(runner, args, vocab)
+        results += [dict(profile_steps(runner, args, rows), gemv=gemv) for rows in args.rows]
+        device = runner.device
+        del runner  # its cache and graphs, before the next one's
+        if on_cuda:
+            torch.cuda.empty_cache()
     num_bytes = weight_bytes(model)
-    bandwidth = copy_bandwidth_gb_s(runner.device, min(num_bytes, 1 << 30))
-    tflops = matmul_tflops(runner.device, getattr(torch, args.dtype))
+    bandwidth = copy_bandwidth_gb_s(device, min(num_bytes, 1 << 30))
+    tflops = matmul_tflops(device, getattr(torch, args.dtype))
     state_itemsize = getattr(torch, args.linear_state_dtype).itemsize
     floor = ByteFloor(model, bandwidth, tflops, state_itemsize)
     for result in results:
@@ -223,7 +238,7 @@ def main() -> None:
     print(
         f"\n{args.model} on {report['meta']['device']}, prompt {args.prompt_len}, graphs "
         f"{args.graphs}, compile {args.compile}, linear state {args.linear_state_dtype}; "
-        f"prefill {prefill_ms:.1f} ms per prompt"
+        f"prefill ms per prompt {', '.join(f'{v:.1f} (gemv {k})' for k, v in prefill_ms.items())}"
     )
     for result in results:
         print_result(result, result["floor_ms"])

@@ -143,6 +143,13 @@ class EngineConfig:
         help="run each layer's sibling projections (q/k/v, gate/up) as one matmul over a fused "
         "weight: auto is on on CUDA with tp_size 1 (areno/engine/layers/fused_linear.py)",
     )
+    one_row_gemv: str = setting(
+        "auto",
+        choices=ON_OFF_MODES,
+        help="run a linear layer's product of one row (a decode step of one sequence, a lone "
+        "prompt's logits) through a matrix-vector Triton kernel instead of cuBLAS: auto is on "
+        "on CUDA (areno/engine/kernels/gemv.py)",
+    )
     max_loras: int = setting(
         0,
         help="LoRA adapters the engine holds beside its base weights (serving raises it to the "
@@ -269,7 +276,7 @@ class EngineConfig:
                 f"cpu_packed_linear must be true or false; got {self.cpu_packed_linear!r}",
                 param="cpu_packed_linear",
             )
-        for name in ("overlap_steps", "fuse_projections"):
+        for name in ("overlap_steps", "fuse_projections", "one_row_gemv"):
             value = getattr(self, name)
             if isinstance(value, bool):  # YAML reads a bare on / off as a boolean
                 object.__setattr__(self, name, "on" if value else "off")

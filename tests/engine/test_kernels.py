@@ -18,6 +18,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import areno.engine.kernels.gemv as gemv_kernel
 import areno.engine.layers.attention as engine_attention
 import areno.engine.layers.linear_attention as engine_linear_attention
 from areno.engine.kernels import INTERPRETED, references_only, triton
@@ -29,6 +30,7 @@ from areno.engine.kernels.decode_attention import (
     split_keys,
 )
 from areno.engine.kernels.gated_delta import gated_delta, gated_delta_reference
+from areno.engine.kernels.gemv import row_linear, row_linear_op
 from areno.engine.kernels.write_kv import write_kv, write_kv_reference
 from areno.engine.runner.model_runner import ModelRunner
 from areno.processing.types import PromptInputs
@@ -119,6 +121,45 @@ def test_decode_attention_matches_its_reference(dtype, shape, padded, split):
         have = launch(query, key, value, tables, mask, dim**-0.5, lengths, split)
     assert have.shape == want.shape and have.dtype == dtype
     torch.testing.assert_close(have.float(), want.float(), atol=TOLERANCE[dtype], rtol=0)
+
+
+# (out features, in features, bias): blocks of two and four outputs, the last one partial; an
+# input of one partial block and of several; on a GPU the Qwen3-8B shape's o product.
+GEMV_SHAPES = [(48, 96, False), (41, 200, True), (6, 1500, True)] + (
+    [(4096, 4096, False), (4102, 3000, True)] if DEVICE == "cuda" else []
+)
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("out_features, in_features, bias", GEMV_SHAPES)
+def test_a_product_of_one_row_matches_f_linear(dtype, out_features, in_features, bias, monkeypatch):
+    torch.manual_seed(0)
+    weight = torch.randn(out_features, in_features, dtype=dtype, device=DEVICE) * 0.05
+    b = torch.randn(out_features, dtype=dtype, device=DEVICE) if bias else None
+    x = torch.randn(1, 1, in_features, dtype=dtype, device=DEVICE)
+    calls = {"gemv": 0}
+    monkeypatch.setattr(gemv_kernel, "gemv", _counted(gemv_kernel.gemv, "gemv", calls))
+    have = row_linear(x, weight, b)
+    # Several rows keep F.linear, exactly.
+    rows = torch.randn(3, in_features, dtype=dtype, device=DEVICE)
+    assert torch.equal(row_linear(rows, weight, b), F.linear(rows, weight, b))
+    assert calls["gemv"] == 1
+    want = F.linear(x.float(), weight.float(), None if b is None else b.float())
+    assert have.shape == (1, 1, out_features) and have.dtype == dtype
+    tolerance = TOLERANCE[dtype] * (in_features**0.5 if dtype != torch.float32 else 1)
+    torch.testing.assert_close(have.float(), want, atol=tolerance, rtol=TOLERANCE[dtype])
+
+
+@needs_kernels
+def test_the_one_row_op_traces_without_a_graph_break():
+    weight = torch.randn(24, 40, device=DEVICE)
+    compiled = torch.compile(
+        lambda x: row_linear_op(x, weight, None) * 2, backend="aot_eager", fullgraph=True
+    )
+    for rows in (1, 3):
+        x = torch.randn(rows, 1, 40, device=DEVICE)
+        torch.testing.assert_close(compiled(x), 2 * F.linear(x, weight), atol=1e-4, rtol=1e-4)
 
 
 @needs_kernels
@@ -328,7 +369,9 @@ def test_the_prefill_rule_picks_its_kernel_per_call_inside_one_compiled_graph(mo
 def staggered_greedy(model, prompts: list[list[int]], num_new: int) -> list[list[int]]:
     """Requests join one per step into scattered slots while the others decode."""
     graphs = "capture" if DEVICE == "cuda" else "off"
-    runner = ModelRunner(model, num_slots=8, max_len=512, graphs=graphs, compile="off")
+    runner = ModelRunner(
+        model, num_slots=8, max_len=512, graphs=graphs, compile="off", one_row_gemv=True
+    )
     slots, running, done = [7, 2, 5, 0, 3], [], {}
     for index, ids in [*enumerate(prompts), *[(None, None)] * num_new]:
         if ids is not None:
@@ -363,8 +406,9 @@ def test_the_runner_decodes_the_same_tokens_with_its_kernels(tiny_path, family, 
     from areno.models import get_adapter
     from areno.models.registry import read_model_type
 
-    calls = {"decode_attention": 0, "gated_delta": 0, "chunked_gated_delta": 0}
+    calls = {"decode_attention": 0, "gated_delta": 0, "chunked_gated_delta": 0, "gemv": 0}
     for module, name in [
+        (gemv_kernel, "gemv"),
         (engine_attention, "decode_attention"),
         (engine_linear_attention, "gated_delta"),
         (engine_linear_attention, "chunked_gated_delta"),
@@ -381,10 +425,12 @@ def test_the_runner_decodes_the_same_tokens_with_its_kernels(tiny_path, family, 
     num_new = 4 if INTERPRETED else 8
     with references_only():
         want = staggered_greedy(model, prompts, num_new)
-    assert calls == {"decode_attention": 0, "gated_delta": 0, "chunked_gated_delta": 0}
+    assert not any(calls.values())
     have = staggered_greedy(model, prompts, num_new)
     assert have == want
     assert calls["decode_attention"] > 0  # every family has full-attention layers
+    # A prompt's logits, and the first request's decode step alone.
+    assert calls["gemv"] > 0
     # Qwen3.5's linear attention: decode steps and short prefills token by token, the long
     # prefill in chunks.
     assert (calls["gated_delta"] > 0) == (family == "qwen3_5")

@@ -78,6 +78,7 @@ class Worker:
         prefill_compile: str = "auto",
         packed_linear: bool = False,
         fuse_projections: str = "off",
+        one_row_gemv: str = "off",
         state_rows: int = 0,
         encoder_cache_bytes: int = 0,
         max_loras: int = 0,
@@ -91,6 +92,7 @@ class Worker:
         `prefill_compile` "auto" compiles batched prefills as the decode step is compiled, but
         not under tensor parallelism (not yet run there on a GPU). `fuse_projections` "auto"
         fuses on CUDA without tensor parallelism, whose shards cannot be concatenated.
+        `one_row_gemv` "auto": on CUDA, products of one row on the matrix-vector kernel.
         `state_rows`, `encoder_cache_bytes`: saved slot states and media tower outputs for the
         prefix cache (ModelRunner's). `max_loras`, `max_lora_rank`: LoRA adapter slots
         (areno/engine/layers/lora.py). `linear_state_dtype`: the stored dtype of linear-attention
@@ -100,6 +102,9 @@ class Worker:
         if fuse_projections == "auto":
             on_cuda = next(model.parameters()).device.type == "cuda"
             fuse_projections = "on" if on_cuda and not tensor_parallel else "off"
+        if one_row_gemv == "auto":
+            on_cuda = next(model.parameters()).device.type == "cuda"
+            one_row_gemv = "on" if on_cuda else "off"
         self.runner = ModelRunner(
             model,
             num_slots=num_slots,
@@ -111,6 +116,7 @@ class Worker:
             prefill_compile=prefill_compile,
             packed_linear=packed_linear and not tensor_parallel,
             fuse_projections=fuse_projections == "on",
+            one_row_gemv=one_row_gemv == "on",
             state_rows=state_rows,
             encoder_cache_bytes=encoder_cache_bytes,
             max_loras=max_loras,
@@ -169,6 +175,7 @@ class Worker:
             prefill_compile=config.prefill_compile,
             packed_linear=config.cpu_packed_linear,
             fuse_projections=config.fuse_projections,
+            one_row_gemv=config.one_row_gemv,
             state_rows=_state_rows(config),
             encoder_cache_bytes=int(config.encoder_cache_gib * (1 << 30))
             if config.enable_prefix_caching

@@ -47,6 +47,7 @@ from areno.engine.layers.cpu_linear import PackedLinears, can_pack
 from areno.engine.layers.fused_linear import FusedLinears
 from areno.engine.layers.linear_attention import EngineKernels
 from areno.engine.layers.lora import LoraLayers
+from areno.engine.layers.row_linear import RowLinears
 from areno.engine.runner.batched_prefill import (
     PromptPart,
     last_real_positions,
@@ -95,6 +96,7 @@ class ModelRunner:
         prefill_compile: str = "off",
         packed_linear: bool = False,
         fuse_projections: bool = False,
+        one_row_gemv: bool = False,
         state_rows: int = 0,
         encoder_cache_bytes: int = 0,
         max_loras: int = 0,
@@ -111,7 +113,9 @@ class ModelRunner:
         (`prefill_batch`); "auto" is the decode step's. `packed_linear`: on CPU in
         float32, the linear layers run on prepacked oneDNN weights (areno/engine/layers/cpu_linear.py).
         `fuse_projections`: sibling projections of one input run as one matmul (packed whole
-        where the layers are packed; areno/engine/layers/fused_linear.py). `state_rows`: spare rows of
+        where the layers are packed; areno/engine/layers/fused_linear.py). `one_row_gemv`: the text
+        stack's products of one row, and the LM head's, on the matrix-vector kernel where the
+        layers are not packed (areno/engine/layers/row_linear.py). `state_rows`: spare rows of
         slot state (linear-attention states, sliding rings) that the prefix cache saves states
         in (areno/engine/kv/state_cache.py); none where every layer keeps only keys.
         `encoder_cache_bytes`: media tower outputs kept by content (encoder_cache.py).
@@ -195,6 +199,10 @@ class ModelRunner:
         self.linears = None
         if packed_linear and can_pack(model):
             self.linears = PackedLinears(model, self.fused)
+        self.row_linears = None
+        if one_row_gemv and self.linears is None:
+            modules = [*self._text_stack.modules(), model.get_output_embeddings()]
+            self.row_linears = RowLinears(modules, self.fused)
         self.graphs = None
         if graphs != "off":
             self.graphs = DecodeGraphs(
@@ -212,6 +220,8 @@ class ModelRunner:
         stack.enter_context(self.attention)
         if self.linears is not None:
             stack.enter_context(self.linears)
+        if self.row_linears is not None:
+            stack.enter_context(self.row_linears)
         if self.fused is not None:
             stack.enter_context(self.fused)
         if self.lora is not None:

@@ -1,0 +1,74 @@
+"""The text stack's linear layers and the LM head, with a product of one row on the matrix-vector
+kernel (areno/engine/kernels/gemv.py): a decode step of one sequence, a lone prompt's logits.
+
+Like the engine's other layers (attention.py, linear_attention.py, cpu_linear.py) they are in
+force only inside the engine's forwards (`with linears:`); outside, the model is transformers'
+own. Each call reads its layer's weight then, so a weight written in place or replaced is what
+it multiplies. With the model's projections fused (fused_linear.py) each group's one matmul
+takes the kernel too. A product of several rows, a weight the kernel does not take (a
+DTensor shard, a quantized or LoRA subclass's) and the whole of a CPU run without Triton's
+interpreter keep `F.linear`; LoRA's hooks still add the adapters' part to the output.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from areno.engine.kernels.gemv import row_linear, row_linear_op
+from areno.engine.layers.fused_linear import FusedLinears
+
+
+class RowLinears:
+    """Routes the plain `nn.Linear` layers among `modules` (those of a fused group through the
+    group) to `areno::row_linear` while active."""
+
+    def __init__(self, modules: Iterable[nn.Module], fused: FusedLinears | None = None):
+        self._groups = list(fused.groups) if fused else []
+        grouped = {id(m) for g in self._groups for m in g.linears}
+        self._layers = [
+            m
+            for m in dict.fromkeys(modules)
+            if type(m) is nn.Linear and type(m.weight) is nn.Parameter and id(m) not in grouped
+        ]
+        self._lock = threading.Lock()
+        self._depth = 0
+
+    def __len__(self) -> int:
+        """The matmuls it routes: one per layer, one per fused group."""
+        return len(self._layers) + len(self._groups)
+
+    def __enter__(self) -> RowLinears:
+        with self._lock:
+            self._depth += 1
+            if self._depth == 1:
+                for layer in self._layers:
+                    layer.forward = _routed(layer)
+                for group in self._groups:
+                    group.linear = _routed(group)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        with self._lock:
+            self._depth -= 1
+            if self._depth:
+                return
+            for layer in self._layers:
+                vars(layer).pop("forward", None)
+            for group in self._groups:
+                group.linear = group.plain_linear
+
+
+def _routed(owner):
+    """`owner`'s product (an nn.Linear or a fused group: each has `weight` and `bias`)."""
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_compiling():
+            return row_linear_op(x, owner.weight, owner.bias)
+        # Eagerly, the function itself: the op's dispatch costs a few us a call.
+        return row_linear(x, owner.weight, owner.bias)
+
+    return forward
