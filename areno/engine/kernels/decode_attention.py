@@ -28,7 +28,7 @@ if triton is not None:
         stride_kb, stride_kh, stride_kn,
         stride_vb, stride_vh, stride_vn,
         stride_tb, stride_mb,
-        kv_len, scale,
+        kv_len, num_pages, scale,
         G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
         BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, IEEE: tl.constexpr, DIRECT: tl.constexpr,
     ):  # fmt: skip
@@ -52,8 +52,13 @@ if triton is not None:
             in_range = offs_n < kv_len
             # Masked-off keys are never loaded: a row reads only its own keys.
             valid = tl.load(M + b * stride_mb + offs_n, mask=in_range, other=0) != 0
-            # Key n of the row sits at offset n % PAGE of block table[n // PAGE].
-            page = tl.load(T + b * stride_tb + offs_n // PAGE, mask=valid, other=0)
+            # Key n of the row sits at offset n % PAGE of block table[n // PAGE]. Loaded beside
+            # the mask, not under it: a block's key loads then wait for one memory round trip
+            # instead of two (what a table holds past the row's keys is read, never used).
+            page_index = offs_n // PAGE
+            page = tl.load(
+                T + b * stride_tb + page_index, mask=in_range & (page_index < num_pages), other=0
+            )
             k_offs = page.to(tl.int64) * stride_kb + (offs_n % PAGE) * stride_kn
             v_offs = page.to(tl.int64) * stride_vb + (offs_n % PAGE) * stride_vn
             # Both loads are issued before the products, so a program waits for memory once a
@@ -285,7 +290,7 @@ def launch(
         key_NHPD.stride(0), key_NHPD.stride(1), key_NHPD.stride(2),
         value_NHPD.stride(0), value_NHPD.stride(1), value_NHPD.stride(2),
         tables.stride(0), mask_BK.stride(0),
-        kv_len, scale,
+        kv_len, tables.shape[1], scale,
         G=groups, G_PAD=group_pad, D=dim, PAGE=page,
         SPLIT=keys, IEEE=query_BHD.dtype == torch.float32, DIRECT=direct,
         **(options if options is not None else split_launch(dim, keys)),
