@@ -2,12 +2,13 @@
 (64 decoding rows, 256-token prompts; Qwen3-1.7B and Qwen3.5-2B heads), on CUDA.
 
 - decode attention: one query token per row over 384 cached keys, each row attending to its own
-  first 257-384 (the runner's per-row mask), at 64 and 256 rows (Qwen3-1.7B, Qwen3-8B and
-  Qwen3.5-2B heads). Baseline: the engine's packed SDPA call with that mask (memory-efficient
-  attention). Floor: the valid keys and values read once. Rows: every row's keys in 128-key
-  splits and a combine (the launch before the split plan), the engine's plan, the plan at other
-  targets of programs per multiprocessor, and the engine's split at other launches (keys a
-  block, warps, software-pipelining stages).
+  first 257-384 (the runner's per-row mask), at 64 and 256 rows (`--attention-rows`; Qwen3-1.7B,
+  Qwen3-8B and Qwen3.5-2B heads). Baseline: the engine's packed SDPA call with that mask
+  (memory-efficient attention). Floor: the valid keys and values read once. Rows: every row's
+  keys in 128-key splits and a combine (the launch before the split plan), the engine's plan,
+  every row's keys in one split (no combine), the plan at other targets of programs per
+  multiprocessor, and the engine's split at other launches (keys a block, warps,
+  software-pipelining stages).
 - gated delta, decode: one token per row through the recurrent state (16 heads of 128 x 128
   fp32). Baseline: the engine's four-pass PyTorch update. Floor: the state read and written once.
 - gated delta, prefill: 32 prompts x 256 tokens from a zero state. Baseline: transformers'
@@ -21,6 +22,7 @@ Decode kernels are timed as the engine runs them, replayed from a CUDA graph (10
 replay); the prefill eagerly. Prints a table and writes JSON.
 
     python benchmarks/engine_kernels.py [--out benchmarks/results/engine_kernels_gpu.json]
+    python benchmarks/engine_kernels.py --kernels attention --attention-rows 1 64
 """
 
 from __future__ import annotations
@@ -85,9 +87,9 @@ def _timed(fn, repeats: int) -> float:
     return start.elapsed_time(end) / repeats
 
 
-def attention_rows(bandwidth: float) -> list[dict]:
+def attention_rows(bandwidth: float, batches=ATTENTION_ROWS) -> list[dict]:
     rows = []
-    for batch in ATTENTION_ROWS:
+    for batch in batches:
         gen = torch.Generator(device="cuda").manual_seed(0)
         ends = torch.randint(PROMPT + 1, CACHED + 1, (batch,), device="cuda", generator=gen)
         mask = torch.arange(CACHED, device="cuda")[None] < ends[:, None]
@@ -140,6 +142,9 @@ def _attention_rows(model, heads, kv_heads, dim, mask, bandwidth: float) -> list
     ]
     engine_ms = graph_ms(lambda: decode_attention(query, pool_k, pool_v, tables, mask, dim**-0.5))
     rows.append(_row("attention, the engine's plan", shape, sdpa_ms, engine_ms, floor_ms))
+    # One split a row: no combine, the fewest programs.
+    whole = -(-CACHED // SPLIT_KEYS) * SPLIT_KEYS
+    rows.append(_row(f"attention one {whole}-key split", shape, sdpa_ms, kernel(whole), floor_ms))
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     for per_sm in PROGRAMS_PER_SM:
         keys = attention_kernel.split_keys(batch, kv_heads, CACHED, per_sm * sms)
@@ -309,11 +314,18 @@ def main() -> None:
         choices=["attention", "gated-delta"],
         default=["attention", "gated-delta"],
     )
+    parser.add_argument(
+        "--attention-rows",
+        nargs="+",
+        type=int,
+        default=list(ATTENTION_ROWS),
+        help="decoding rows of the attention kernel's workloads",
+    )
     args = parser.parse_args()
     bandwidth = copy_bandwidth_gb_s(torch.device("cuda"), 1 << 30)
     rows = []
     if "attention" in args.kernels:
-        rows += attention_rows(bandwidth)
+        rows += attention_rows(bandwidth, args.attention_rows)
     if "gated-delta" in args.kernels:
         rows += gated_delta_rows(bandwidth)
     print(
