@@ -30,8 +30,9 @@ from areno.engine.kernels.decode_attention import (
     split_keys,
 )
 from areno.engine.kernels.gated_delta import gated_delta, gated_delta_reference
-from areno.engine.kernels.gemv import row_linear, row_linear_op
+from areno.engine.kernels.gemv import row_linear
 from areno.engine.kernels.write_kv import write_kv, write_kv_reference
+from areno.engine.layers.row_linear import RowLinears
 from areno.engine.runner.model_runner import ModelRunner
 from areno.processing.types import PromptInputs
 
@@ -152,14 +153,22 @@ def test_a_product_of_one_row_matches_f_linear(dtype, out_features, in_features,
 
 
 @needs_kernels
-def test_the_one_row_op_traces_without_a_graph_break():
-    weight = torch.randn(24, 40, device=DEVICE)
-    compiled = torch.compile(
-        lambda x: row_linear_op(x, weight, None) * 2, backend="aot_eager", fullgraph=True
-    )
-    for rows in (1, 3):
-        x = torch.randn(rows, 1, 40, device=DEVICE)
-        torch.testing.assert_close(compiled(x), 2 * F.linear(x, weight), atol=1e-4, rtol=1e-4)
+def test_a_compiled_forward_takes_the_one_row_kernel_only_where_it_has_one_row(monkeypatch):
+    """One row: torch.compile specializes it, and the graph calls the kernel through its op;
+    a graph generic in the rows keeps F.linear. Outside the block the layer is its own."""
+    layer = torch.nn.Linear(40, 24).to(DEVICE).requires_grad_(False)  # as the engine runs it
+    calls = {"gemv": 0}
+    monkeypatch.setattr(gemv_kernel, "gemv", _counted(gemv_kernel.gemv, "gemv", calls))
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda x: layer(x) * 2, backend="aot_eager", fullgraph=True)
+    with RowLinears([layer]):
+        for rows, kernel_calls in ((1, 1), (3, 1), (5, 1), (1, 2)):
+            x = torch.randn(rows, 1, 40, device=DEVICE)
+            want = 2 * F.linear(x, layer.weight, layer.bias)
+            torch.testing.assert_close(compiled(x), want, atol=1e-4, rtol=1e-4)
+            assert calls["gemv"] == kernel_calls
+    layer(torch.randn(1, 40, device=DEVICE))
+    assert calls["gemv"] == 2 and "forward" not in vars(layer)
 
 
 @needs_kernels

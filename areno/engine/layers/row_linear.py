@@ -16,7 +16,9 @@ import threading
 from collections.abc import Iterable
 
 import torch
+import torch.nn.functional as F
 from torch import nn
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from areno.engine.kernels.gemv import row_linear, row_linear_op
 from areno.engine.layers.fused_linear import FusedLinears
@@ -67,7 +69,12 @@ def _routed(owner):
 
     def forward(x: torch.Tensor) -> torch.Tensor:
         if torch.compiler.is_compiling():
-            return row_linear_op(x, owner.weight, owner.bias)
+            # Traced, the op only where the graph has one row for certain (torch.compile
+            # specializes a size of 1): a graph of several rows keeps inductor's own matmul,
+            # without the op's call into Python at every run (a batched prefill is not captured).
+            if statically_known_true(x.numel() == x.shape[-1]):
+                return row_linear_op(x, owner.weight, owner.bias)
+            return F.linear(x, owner.weight, owner.bias)
         # Eagerly, the function itself: the op's dispatch costs a few us a call.
         return row_linear(x, owner.weight, owner.bias)
 
