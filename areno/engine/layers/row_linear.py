@@ -5,9 +5,9 @@ Like the engine's other layers (attention.py, linear_attention.py, cpu_linear.py
 force only inside the engine's forwards (`with linears:`); outside, the model is transformers'
 own. Each call reads its layer's weight then, so a weight written in place or replaced is what
 it multiplies. With the model's projections fused (fused_linear.py) each group's one matmul
-takes the kernel too. A product of several rows, a weight the kernel does not take (a
-DTensor shard, a quantized or LoRA subclass's) and the whole of a CPU run without Triton's
-interpreter keep `F.linear`; LoRA's hooks still add the adapters' part to the output.
+takes the kernel too. A product of several rows, a layer the kernel does not take (a DTensor
+shard, a subclass of nn.Linear) and the whole of a CPU run without Triton's interpreter keep
+their own matmul; LoRA's hooks (lora.py) still add the adapters' part to the output.
 """
 
 from __future__ import annotations
