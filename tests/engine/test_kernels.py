@@ -148,8 +148,9 @@ def test_a_product_of_one_row_matches_f_linear(dtype, out_features, in_features,
     assert calls["gemv"] == 1
     want = F.linear(x.float(), weight.float(), None if b is None else b.float())
     assert have.shape == (1, 1, out_features) and have.dtype == dtype
-    tolerance = TOLERANCE[dtype] * (in_features**0.5 if dtype != torch.float32 else 1)
-    torch.testing.assert_close(have.float(), want, atol=tolerance, rtol=TOLERANCE[dtype])
+    # fp32 sums in another order; half precision rounds the output once.
+    atol = TOLERANCE[dtype] * float(want.abs().mean())
+    torch.testing.assert_close(have.float(), want, atol=atol, rtol=TOLERANCE[dtype])
 
 
 @needs_kernels
