@@ -167,8 +167,9 @@ def main() -> None:
         "--one-row-gemv",
         nargs="+",
         choices=["auto", "on", "off"],
-        default=["auto"],
-        help="products of one row on the matrix-vector kernel (auto: on CUDA); several values "
+        default=["off"],
+        help="products of one row on the matrix-vector kernel (the engine's one_row_gemv: off, "
+        "the default; auto: on CUDA); several values "
         "profile the same rows once each, one runner after another",
     )
     parser.add_argument(

@@ -223,6 +223,42 @@ def test_generator_on_cuda_bf16(tiny_path):
     assert all(lp <= 0 for s in out.samples for lp in s.logprobs)
 
 
+@pytest.mark.parametrize("family", ["qwen3_5", "gemma4"])
+def test_products_of_one_row_on_the_kernel_give_cublas_tokens_on_cuda(
+    tiny_path, family, monkeypatch
+):
+    """`one_row_gemv` on: a lone request's prompt logits and its compiled, captured one-row
+    decode steps run the matrix-vector kernel, and the greedy tokens are those of cuBLAS."""
+    import areno.engine.kernels.gemv as gemv_kernel
+
+    calls = [0]
+    kernel = gemv_kernel.gemv
+
+    def counted(*args, **kwargs):
+        calls[0] += 1
+        return kernel(*args, **kwargs)
+
+    monkeypatch.setattr(gemv_kernel, "gemv", counted)
+    tokens = {}
+    for mode in ("off", "on"):
+        config = EngineConfig(
+            max_running_prompts=2, max_context_len=256, dtype="float32", one_row_gemv=mode
+        )
+        gen = Generator.from_config(tiny_path(family), config)
+        try:
+            out = asyncio.run(
+                gen.generate_all(
+                    PromptInputs(list(range(10, 40)), {}),
+                    SamplingParams(temperature=0, max_tokens=16, ignore_eos=True),
+                )
+            )
+        finally:
+            gen.shutdown()
+        tokens[mode] = out.samples[0].token_ids
+        assert calls[0] == 0 if mode == "off" else calls[0] > 0
+    assert len(tokens["on"]) == 16 and tokens["on"] == tokens["off"]
+
+
 def test_an_engine_at_a_memory_fraction_stays_within_it_on_cuda(tiny_path, tmp_path):
     """The pool takes the engine's share less what runs beside it (kv_pool.reserved_bytes):
     with image and video prompts (as large as the tiny processor makes them) and every slot
