@@ -123,7 +123,7 @@ def run_engine(
     prefill_compile: str = "auto",
     fuse_projections: str = "auto",
     max_context_len: str = "auto",
-    one_row_gemv: str = "off",
+    one_row_gemv: str = "auto",
 ) -> dict:
     """AReno's engine on the same requests: all submitted at once in arrival order, at most
     `concurrency` decoding (the engine's cache slots), greedy, token ids only (no detokenizing,
@@ -469,9 +469,8 @@ def parse_args() -> argparse.Namespace:
         "--one-row-gemv",
         nargs="+",
         choices=["auto", "on", "off"],
-        default=["off"],
-        help="EngineConfig.one_row_gemv (off, the default; auto: on CUDA); several give one row "
-        "each",
+        default=["auto"],
+        help="EngineConfig.one_row_gemv (auto: on CUDA); several give one row each",
     )
     parser.add_argument(
         "--max-context-len",

@@ -44,7 +44,7 @@ from areno.processing.types import PromptInputs  # noqa: E402
 
 # Operator / kernel name fragments of each class, first match wins (lower case).
 CLASSES = {
-    "gemm": ("gemm", "linear", "mm", "matmul", "cutlass", "sm90_xmma", "nvjet", "addmm"),
+    "gemm": ("gemm", "linear", "mm", "matmul", "cutlass", "sm90_xmma", "nvjet", "addmm", "gemv"),
     # _split_kernel / _combine_kernel: the engine's split-key decode attention and its merge
     # (areno/engine/kernels/decode_attention.py).
     "attention": ("attention", "flash", "fmha", "sdpa", "softmax", "_split_kernel", "_combine"),
@@ -167,9 +167,9 @@ def main() -> None:
         "--one-row-gemv",
         nargs="+",
         choices=["auto", "on", "off"],
-        default=["off"],
-        help="products of one row on the matrix-vector kernel (the engine's one_row_gemv: off, "
-        "the default; auto: on CUDA); several values "
+        default=["auto"],
+        help="products of one row on the matrix-vector kernel (the engine's one_row_gemv; auto: "
+        "on CUDA); several values "
         "profile the same rows once each, one runner after another",
     )
     parser.add_argument(

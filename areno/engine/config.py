@@ -144,12 +144,11 @@ class EngineConfig:
         "weight: auto is on on CUDA with tp_size 1 (areno/engine/layers/fused_linear.py)",
     )
     one_row_gemv: str = setting(
-        "off",
+        "auto",
         choices=ON_OFF_MODES,
         help="run a linear layer's product of one row (a decode step of one sequence, a lone "
         "prompt's logits) through a matrix-vector Triton kernel instead of cuBLAS: auto is on "
-        "on CUDA; off by default until the decode step is measured with it on a GPU "
-        "(areno/engine/kernels/gemv.py)",
+        "on CUDA (areno/engine/kernels/gemv.py)",
     )
     max_loras: int = setting(
         0,

@@ -7,7 +7,8 @@ the H100 and the H200). This kernel gives each program a few output features and
 whole input: one launch, no reduction. On an H100 (bf16, each product alone in a CUDA graph,
 `benchmarks/decode_gemv.py`) it ran every product of the Qwen3-1.7B and Qwen3-8B shapes at one
 row faster than cuBLAS alone, 137.6 against 154.7 us a layer of the 8B shape (floor 129.8); at
-four rows it loses, so only one row takes it.
+four rows it loses, so only one row takes it. Inside that shape's compiled, captured decode step
+at one row the step took 6.31 ms against 6.99 with cuBLAS (docs/performance.md).
 """
 
 from __future__ import annotations
