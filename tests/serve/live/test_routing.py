@@ -12,6 +12,9 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import time
+import urllib.error
+import urllib.request
 
 import openai
 import pytest
@@ -73,9 +76,25 @@ def _app(name: str, prefix: str, config: ServeConfig, serve_port: int):
     return deployed((name, prefix, config)), client
 
 
+def _ready(serve_port: int, prefix: str, timeout_s: float = 180) -> None:
+    """Until the app's /health answers 200: its Ingress has sent its own first requests
+    (areno/serve/first_requests.py), which would otherwise land among the counted ones."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{serve_port}{prefix}/health") as reply:
+                if reply.status == 200:
+                    return
+        except urllib.error.URLError:
+            pass
+        assert time.monotonic() < deadline, f"{prefix}: /health not 200 after {timeout_s} s"
+        time.sleep(0.5)
+
+
 def test_prefix_routing_keeps_a_shared_prefix_on_the_replica_that_holds_it(config, serve_port):
     context, client = _app("route-prefix", "/prefix", config, serve_port)
     with context:
+        _ready(serve_port, "/prefix")
         assert len(_replica_counts("route-prefix")) == 2
         before = _replica_counts("route-prefix")
         _repeat_prefix(client)
@@ -100,6 +119,7 @@ def test_round_robin_spreads_the_prefix_and_each_replica_computes_it(config, ser
     rr = dataclasses.replace(config, routing="round_robin")
     context, client = _app("route-rr", "/rr", rr, serve_port)
     with context:
+        _ready(serve_port, "/rr")
         before = _replica_counts("route-rr")
         _repeat_prefix(client)
         grown = _grown(before, _replica_counts("route-rr"))
