@@ -2,12 +2,13 @@
 kernel (areno/engine/kernels/gemv.py): a decode step of one sequence, a lone prompt's logits.
 
 Like the engine's other layers (attention.py, linear_attention.py, cpu_linear.py) they are in
-force only inside the engine's forwards (`with linears:`); outside, the model is transformers'
-own. Each call reads its layer's weight then, so a weight written in place or replaced is what
-it multiplies. With the model's projections fused (fused_linear.py) each group's one matmul
-takes the kernel too. A product of several rows, a layer the kernel does not take (a DTensor
-shard, a subclass of nn.Linear) and the whole of a CPU run without Triton's interpreter keep
-their own matmul; LoRA's hooks (lora.py) still add the adapters' part to the output.
+force only inside the engine's forwards (`with linears:`); outside, each layer computes what
+`nn.Linear` does. Each call reads its layer's weight then, so a weight written in place or
+replaced is what it multiplies. With the model's projections fused (fused_linear.py) each
+group's one matmul takes the kernel too. A product of several rows, a layer the kernel does not
+take (a DTensor shard, a subclass of nn.Linear) and the whole of a CPU run without Triton's
+interpreter keep their own matmul; LoRA's hooks (lora.py) still add the adapters' part to the
+output.
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ from areno.engine.layers.fused_linear import FusedLinears
 
 class RowLinears:
     """Routes the plain `nn.Linear` layers among `modules` (those of a fused group through the
-    group) to `areno::row_linear` while active."""
+    group) to `areno::row_linear` while active. The routing is installed once: entering and
+    leaving, which every forward of the runner does, only flips `active`."""
 
     def __init__(self, modules: Iterable[nn.Module], fused: FusedLinears | None = None):
         self._groups = list(fused.groups) if fused else []
@@ -36,8 +38,13 @@ class RowLinears:
             for m in dict.fromkeys(modules)
             if type(m) is nn.Linear and type(m.weight) is nn.Parameter and id(m) not in grouped
         ]
+        self.active = False
         self._lock = threading.Lock()
         self._depth = 0
+        for layer in self._layers:
+            layer.forward = self._routed(layer)
+        for group in self._groups:
+            group.linear = self._routed(group)
 
     def __len__(self) -> int:
         """The matmuls it routes: one per layer, one per fused group."""
@@ -46,36 +53,29 @@ class RowLinears:
     def __enter__(self) -> RowLinears:
         with self._lock:
             self._depth += 1
-            if self._depth == 1:
-                for layer in self._layers:
-                    layer.forward = _routed(layer)
-                for group in self._groups:
-                    group.linear = _routed(group)
+            self.active = True
         return self
 
     def __exit__(self, *exc) -> None:
         with self._lock:
             self._depth -= 1
-            if self._depth:
-                return
-            for layer in self._layers:
-                vars(layer).pop("forward", None)
-            for group in self._groups:
-                group.linear = group.plain_linear
+            self.active = self._depth > 0
 
+    def _routed(self, owner):
+        """`owner`'s product (an nn.Linear or a fused group: each has `weight` and `bias`)."""
 
-def _routed(owner):
-    """`owner`'s product (an nn.Linear or a fused group: each has `weight` and `bias`)."""
+        def forward(x: torch.Tensor) -> torch.Tensor:
+            if not self.active:
+                return F.linear(x, owner.weight, owner.bias)
+            if torch.compiler.is_compiling():
+                # Traced, the op only where the graph has one row for certain (torch.compile
+                # specializes a size of 1): a graph of several rows keeps inductor's own
+                # matmul, without the op's call into Python at every run (a batched prefill is
+                # not captured).
+                if statically_known_true(x.numel() == x.shape[-1]):
+                    return row_linear_op(x, owner.weight, owner.bias)
+                return F.linear(x, owner.weight, owner.bias)
+            # Eagerly, the function itself: the op's dispatch costs a few us a call.
+            return row_linear(x, owner.weight, owner.bias)
 
-    def forward(x: torch.Tensor) -> torch.Tensor:
-        if torch.compiler.is_compiling():
-            # Traced, the op only where the graph has one row for certain (torch.compile
-            # specializes a size of 1): a graph of several rows keeps inductor's own matmul,
-            # without the op's call into Python at every run (a batched prefill is not captured).
-            if statically_known_true(x.numel() == x.shape[-1]):
-                return row_linear_op(x, owner.weight, owner.bias)
-            return F.linear(x, owner.weight, owner.bias)
-        # Eagerly, the function itself: the op's dispatch costs a few us a call.
-        return row_linear(x, owner.weight, owner.bias)
-
-    return forward
+        return forward
