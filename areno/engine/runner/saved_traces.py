@@ -198,7 +198,10 @@ class SavedTraces:
 def supported() -> bool:
     """Whether this torch traces a forward to save it and loads it back (`aot_compile`,
     `torch.compiler.load_compiled_function`); logs once where it does not."""
-    can = callable(getattr(torch.compile(_nothing), "aot_compile", None)) and hasattr(
+    # NOTE: some torch versions (2.11) give `aot_compile` only to a whole-graph compile, the kind
+    # `_trace` makes; asking a plain compile would call them unable.
+    compiled = torch.compile(_nothing, fullgraph=True)
+    can = callable(getattr(compiled, "aot_compile", None)) and hasattr(
         torch.compiler, "load_compiled_function"
     )
     if not can:
