@@ -52,15 +52,17 @@ class PrefillItem:
 
 @dataclass
 class RowSampling:
-    """How to sample one output row: its sequence (keys a seeded generator) and parameters.
+    """How to sample one output row: its parameters and its sequence's seed.
 
-    history: on a penalised row's prefill, its (prompt, output so far) token ids, which reset
-    its slot's counts (areno/engine/sample/penalties.py). banned: tokens it cannot draw this step (its
-    stop tokens, before min_tokens)."""
+    draw: the index among its sequence's outputs of the token this row samples (a seeded row's
+    uniform number is a function of its seed and this). history: on a penalised row's prefill,
+    its (prompt, output so far) token ids, which reset its slot's counts
+    (areno/engine/sample/penalties.py). banned: tokens it cannot draw this step (its stop
+    tokens, before min_tokens)."""
 
-    seq_id: int
     params: SamplingParams
     seed: int | None = None
+    draw: int = 0
     history: tuple[list[int], list[int]] | None = None
     banned: tuple[int, ...] = ()
 
@@ -80,7 +82,6 @@ class StepInput:
     # Each decode row's block table (None: the tables the runner last had for those slots).
     decode_block_tables: list[list[int]] | None = None
     rows: list[RowSampling] = field(default_factory=list)
-    finished_seq_ids: list[int] = field(default_factory=list)  # drop their generators
     # (slot, row): save ended sequences' slot states first (areno/engine/kv/state_cache.py).
     state_saves: list[tuple[int, int]] = field(default_factory=list)
     # Rows under a grammar and their allowed-token masks (areno/engine/outputs/grammar.py), host-side.

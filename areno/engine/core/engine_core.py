@@ -49,7 +49,6 @@ class EngineCore:
             lambda: executor.vocab_size,
             self.scheduler.max_context_len,
         )
-        self._freed_seq_ids: list[int] = []
         # The launched step whose tokens the host has not read: its rows' sequences, in order.
         self._in_flight: tuple[list[Sequence], PendingStep] | None = None
         # Host seconds in `step`: steps that prefilled (their decode rows with them) and
@@ -121,7 +120,7 @@ class EngineCore:
             )
             for seq in unfinished
         ]
-        self._forget(group.seqs)
+        self.outputs.forget(group.seqs)
         return self._output(group, deltas)
 
     def step(self) -> list[RequestOutput]:
@@ -183,8 +182,7 @@ class EngineCore:
     def _step_input(
         self, prefill: list[ScheduledPrefill], decode: list[Sequence], overlap: bool
     ) -> StepInput:
-        step = StepInput(finished_seq_ids=self._freed_seq_ids, decode_block_tables=[])
-        self._freed_seq_ids = []
+        step = StepInput(decode_block_tables=[])
         for item in prefill:
             inputs = item.group.inputs
             if item.num_tokens != inputs.num_prompt_tokens:  # a resumed sequence: its tokens too
@@ -226,10 +224,10 @@ class EngineCore:
         prefilled, and without its stop tokens before min_tokens (never set with a grammar:
         `SamplingParams` refuses the pair)."""
         params = seq.params
-        row = RowSampling(seq.seq_id, params, seq.seed)
+        drawn = seq.num_output_tokens + seq.num_in_flight
+        row = RowSampling(params, seq.seed, drawn)
         if prefill and params.has_penalties:
             row.history = (list(seq.prompt_token_ids), list(seq.output_token_ids))
-        drawn = seq.num_output_tokens + seq.num_in_flight
         if drawn < params.min_tokens:
             stops = set(params.stop_token_ids)
             if not params.ignore_eos:
@@ -255,12 +253,8 @@ class EngineCore:
                 finished.append(seq)
         groups = {rid: self.scheduler.find(rid) for rid in deltas}
         self.scheduler.update(finished)
-        self._forget(finished)
+        self.outputs.forget(finished)
         return [self._output(groups[rid], request_deltas) for rid, request_deltas in deltas.items()]
-
-    def _forget(self, seqs: list[Sequence]) -> None:
-        self.outputs.forget(seqs)
-        self._freed_seq_ids.extend(seq.seq_id for seq in seqs)
 
     def _output(self, group: SequenceGroup, deltas: list[SampleDelta]) -> RequestOutput:
         now = time.perf_counter()

@@ -23,7 +23,7 @@ from areno.engine.step import PrefillItem, RowSampling, StepInput
 from areno.processing.types import PromptInputs
 
 # The sampling row of a start-up step, whose token nobody reads.
-_DROPPED_ROW = RowSampling(seq_id=-1, params=SamplingParams(temperature=0, max_tokens=1))
+_DROPPED_ROW = RowSampling(SamplingParams(temperature=0, max_tokens=1))
 
 
 def run_steps(core: Any, times: dict[str, float]) -> None:

@@ -31,11 +31,11 @@ from areno.engine.sample.penalties import TokenHistory
 from areno.engine.sample.sampler import (
     SamplingTensors,
     StepLogits,
-    generator_for,
+    row_uniforms,
     sample,
 )
 from areno.engine.sampling import SamplingParams
-from areno.engine.step import PendingStep, RowSampling, StepInput, StepOutput
+from areno.engine.step import PendingStep, StepInput, StepOutput
 from areno.engine.transfer import to_device
 from areno.errors import ArenoError
 from areno.processing.types import PromptInputs
@@ -140,7 +140,6 @@ class Worker:
             runner.block_size,
             block_bytes(runner.model, runner.layer_types, runner.block_size),
         )
-        self._generators: dict[int, torch.Generator] = {}
         self._history = TokenHistory(num_slots, self.device)
         # The token last sampled into each slot, on the device (see `launch`).
         self._last_tokens = torch.zeros(num_slots, dtype=torch.long, device=self.device)
@@ -277,8 +276,6 @@ class Worker:
         sampled tokens start their copy to the host (None on a following rank). Each row's
         token also stays on the device in its slot, for a next step launched before this one's
         result is read (`StepInput.decode_token_ids` None)."""
-        for seq_id in step.finished_seq_ids:
-            self._generators.pop(seq_id, None)
         if step.state_saves:  # before the decode, which may scribble on idle slots
             self.runner.save_states(step.state_saves)
         # NOTE: decode before prefill: a graphed decode may scribble on slots that are not
@@ -311,9 +308,13 @@ class Worker:
         rows = step.rows
         params = [row.params for row in rows]
         tensors = self._sampling_tensors(params)
-        generators = [self._generator(row) for row in rows]
+        uniforms_B = None
+        if not tensors.all_greedy:
+            uniforms_B = row_uniforms(
+                [row.seed for row in rows], [row.draw for row in rows], self.device
+            )
         step_logits, penalised = self._step_logits(step, row_slots, logits_BV.shape[-1])
-        out = sample(logits_BV, tensors, generators, self._banned_ids, step_logits)
+        out = sample(logits_BV, tensors, uniforms_B, self._banned_ids, step_logits)
         if penalised is not None:
             self._history.record(penalised[1], out.token_ids_B[penalised[0]])
         if row_slots == list(range(len(row_slots))):
@@ -373,14 +374,6 @@ class Worker:
         tensors = SamplingTensors.from_params(params, self.device)
         self._last_sampling = (params, tensors)
         return tensors
-
-    def _generator(self, row: RowSampling) -> torch.Generator | None:
-        if row.seed is None or row.params.is_greedy:
-            return None
-        generator = self._generators.get(row.seq_id)
-        if generator is None:
-            generator = self._generators[row.seq_id] = generator_for(row.seed, self.device)
-        return generator
 
     def compiled_paths(self) -> CompiledPaths:
         """What the start-up steps must run once for their compiles (startup.py)."""

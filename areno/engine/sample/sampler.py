@@ -4,8 +4,11 @@ and what changes the logits before them: logit biases, repetition penalties, ban
 
 Everything is batched over rows (one row per sequence of the step) and stays on the device:
 `sample` never calls `.item()` or reads a tensor on the host, so the engine copies the small
-`SamplerOutput` to the host once per step. Filtering sorts each row once and never loops over rows;
-only seeded rows loop, to draw their noise from their own generator.
+`SamplerOutput` to the host once per step. Filtering sorts each row once and nothing loops over
+rows: a sampled row draws its token by inverting its distribution's cumulative sum at one
+uniform number (`row_uniforms`), which a seeded row computes from its seed and the index of the
+token it draws. So a seeded row costs no generator and no launch of its own, and its k-th token
+is the same whatever the batch, the step it lands in, or a preemption between.
 
 NOTE: logprobs are the log-softmax of the RAW logits (temperature 1, before top-k / top-p / min-p),
 at the chosen token and for the top-K list: the model's own distribution, as OpenAI-style clients
@@ -18,8 +21,10 @@ them either (OpenAI reports the model's own logprobs under `logit_bias` too).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -28,12 +33,41 @@ from areno.engine.sample.penalties import apply_penalties
 from areno.engine.sampling import MAX_SEED, SamplingParams
 from areno.engine.transfer import to_device
 
+# splitmix64's constants (Steele, Lea and Flood, "Fast splittable pseudorandom number
+# generators"): its finalizer turns consecutive integers into independent-looking 64-bit words.
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+_MIX1 = np.uint64(0xBF58476D1CE4E5B9)
+_MIX2 = np.uint64(0x94D049BB133111EB)
 
-def generator_for(seed: int, device: torch.device | str = "cpu") -> torch.Generator:
-    """A fresh generator on `device` seeded with `seed` (any int; wrapped into torch's range)."""
-    generator = torch.Generator(device=device)
-    generator.manual_seed(seed % (MAX_SEED + 1))
-    return generator
+
+def _mix(words: np.ndarray) -> np.ndarray:
+    words = (words ^ (words >> np.uint64(30))) * _MIX1
+    words = (words ^ (words >> np.uint64(27))) * _MIX2
+    return words ^ (words >> np.uint64(31))
+
+
+def seeded_uniforms(seeds: Sequence[int], draws: Sequence[int]) -> np.ndarray:
+    """Uniform numbers in [0, 1) (float64), one for each (seed, draw index) pair: a counter-based
+    generator, so draw k of a seed is a function of the two alone. Seeds are any int in the
+    protocol's range (taken modulo 2**64)."""
+    seeds_R = np.array([seed % (MAX_SEED + 1) for seed in seeds], dtype=np.uint64)
+    draws_R = np.array(draws, dtype=np.uint64)
+    words = _mix(seeds_R * _GOLDEN + _mix(draws_R + _GOLDEN))
+    return (words >> np.uint64(11)).astype(np.float64) * 2.0**-53
+
+
+def row_uniforms(
+    seeds: Sequence[int | None], draws: Sequence[int], device: torch.device | str
+) -> Tensor:
+    """Each row's uniform number for `sample`, on `device`: a seeded row's from its seed and the
+    index of the token it draws (`seeded_uniforms`), the others' from torch's default CPU
+    generator (so `torch.manual_seed` repeats an unseeded run). One host-to-device copy."""
+    uniforms_B = torch.rand(len(seeds), dtype=torch.float64)
+    seeded = [i for i, seed in enumerate(seeds) if seed is not None]
+    if seeded:
+        values = seeded_uniforms([seeds[i] for i in seeded], [draws[i] for i in seeded])
+        uniforms_B[seeded] = torch.from_numpy(values)
+    return to_device(uniforms_B, device)
 
 
 @dataclass
@@ -179,19 +213,19 @@ class SamplerOutput:
 def sample(
     logits_BV: Tensor,
     tensors: SamplingTensors,
-    generators: list[torch.Generator | None],
+    uniforms_B: Tensor | None,
     banned_ids: Tensor | None = None,
     step: StepLogits | None = None,
 ) -> SamplerOutput:
     """Choose one token per row of `logits_BV`.
 
-    `generators[i]` is row i's own generator (a seeded sequence) or None (the device's default
-    generator). A seeded row draws the same tokens whatever else is in the batch. `banned_ids`
+    `uniforms_B` holds each row's uniform number in [0, 1) (`row_uniforms`; None when every row
+    is greedy): a sampled row takes the token where its distribution's cumulative sum passes
+    it, so the same number gives the same token whatever else is in the batch. `banned_ids`
     are never chosen (media placeholders: a sampled one would claim media features that do not
     exist); like the filters, banning leaves the reported logprobs as they are. `step` holds
     the step's penalty counts, stop-token bans and grammar masks (see `adjust_logits`).
     """
-    assert len(generators) == logits_BV.shape[0], "one generator (or None) per row"
     logits_BV = logits_BV.float()
     logprobs_BV = None  # no row asked: skip a (rows x vocab) write and read, report zeros
     if tensors.tempered_logprobs:
@@ -203,8 +237,9 @@ def sample(
     if tensors.all_greedy:
         token_ids_B = greedy_B
     else:
+        assert uniforms_B is not None and len(uniforms_B) == len(logits_BV), "one per row"
         filtered_BV = _filter(logits_BV / tensors.temperature_B[:, None], tensors)
-        sampled_B = _exponential_race(filtered_BV, generators)
+        sampled_B = _inverse_cdf(filtered_BV, uniforms_B, greedy_B)
         token_ids_B = torch.where(tensors.greedy_B, greedy_B, sampled_B)
     if logprobs_BV is None:
         logprobs_B = torch.zeros_like(token_ids_B, dtype=torch.float32)
@@ -288,17 +323,17 @@ def _filter(logits_BV: Tensor, tensors: SamplingTensors) -> Tensor:
     return logits_BV
 
 
-def _exponential_race(logits_BV: Tensor, generators: list[torch.Generator | None]) -> Tensor:
-    """Draw from softmax(logits) per row as argmax(probs / E) with E ~ Exponential(1): the
-    smallest of independent exponential clocks with rates `probs` wins with probability equal to
-    its rate. Unlike torch.multinomial, the noise can come from a different generator per row."""
+def _inverse_cdf(logits_BV: Tensor, uniforms_B: Tensor, greedy_B: Tensor) -> Tensor:
+    """Draw from softmax(logits) per row: the first token whose cumulative probability exceeds
+    the row's uniform number times the row's total. The sum runs in float64, so a token's
+    chance is its float32 probability to within about 1e-16 even over a 262k vocabulary. A
+    token the filters removed has probability 0 and is never the first to exceed; where
+    rounding leaves no token above (a uniform number within 2**-53 of 1), the row takes its
+    most likely token, `greedy_B` (every filter keeps it)."""
     probs_BV = logits_BV.softmax(dim=-1)
-    noise_BV = torch.empty_like(probs_BV)
-    if any(g is None for g in generators):
-        noise_BV.exponential_()
-    for row, generator in enumerate(generators):
-        if generator is not None:
-            noise_BV[row].exponential_(generator=generator)
-    # A zero draw would give inf (or 0/0 = nan for a removed token); clamp keeps argmax sound.
-    noise_BV.clamp_min_(torch.finfo(noise_BV.dtype).tiny)
-    return probs_BV.div_(noise_BV).argmax(dim=-1)
+    cumulative_BV = probs_BV.cumsum(dim=-1, dtype=torch.float64)
+    targets_B1 = uniforms_B.to(torch.float64)[:, None] * cumulative_BV[:, -1:]
+    chosen_B = torch.searchsorted(cumulative_BV, targets_B1, right=True).squeeze(-1)
+    chosen_B = chosen_B.clamp_max_(logits_BV.shape[-1] - 1)
+    drawable_B = probs_BV.gather(-1, chosen_B[:, None]).squeeze(-1) > 0
+    return torch.where(drawable_B, chosen_B, greedy_B)
