@@ -45,14 +45,20 @@ CONFIGS = {
 
 
 def load_before(revision: str, directory: Path):
-    """The sampler module at `revision`, imported under another name (its imports resolve to
-    this tree's package)."""
+    """The sampler module at `revision` (or in the file of that name), imported under another
+    name (its imports resolve to this tree's package)."""
+    if Path(revision).is_file():
+        return _import(Path(revision))
     source = subprocess.run(
         ["git", "show", f"{revision}:areno/engine/sample/sampler.py"],
         check=True, capture_output=True, text=True, cwd=Path(__file__).resolve().parent.parent,
     ).stdout  # fmt: skip
     path = directory / "sampler_before.py"
     path.write_text(source)
+    return _import(path)
+
+
+def _import(path: Path):
     spec = importlib.util.spec_from_file_location("sampler_before", path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # its dataclasses look their module up there
@@ -110,7 +116,7 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=151936)
     parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
     parser.add_argument("--repeats", type=int, default=9)
-    parser.add_argument("--before", default=BEFORE)
+    parser.add_argument("--before", default=BEFORE, help="a git revision, or a sampler.py")
     parser.add_argument("--out", default="benchmarks/results/sampler_step.json")
     args = parser.parse_args()
     torch.manual_seed(SEED)
