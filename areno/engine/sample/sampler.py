@@ -62,11 +62,14 @@ def row_uniforms(
     """Each row's uniform number for `sample`, on `device`: a seeded row's from its seed and the
     index of the token it draws (`seeded_uniforms`), the others' from torch's default CPU
     generator (so `torch.manual_seed` repeats an unseeded run). One host-to-device copy."""
-    uniforms_B = torch.rand(len(seeds), dtype=torch.float64)
     seeded = [i for i, seed in enumerate(seeds) if seed is not None]
-    if seeded:
-        values = seeded_uniforms([seeds[i] for i in seeded], [draws[i] for i in seeded])
-        uniforms_B[seeded] = torch.from_numpy(values)
+    if len(seeded) == len(seeds):  # a GRPO rollout's rows
+        uniforms_B = torch.from_numpy(seeded_uniforms(seeds, draws))
+    else:
+        uniforms_B = torch.rand(len(seeds), dtype=torch.float64)
+        if seeded:
+            values = seeded_uniforms([seeds[i] for i in seeded], [draws[i] for i in seeded])
+            uniforms_B[seeded] = torch.from_numpy(values)
     return to_device(uniforms_B, device)
 
 
@@ -87,6 +90,7 @@ class SamplingTensors:
     num_top_logprobs: int
     any_logprobs: bool
     all_greedy: bool
+    any_greedy: bool
     use_top_k: bool
     use_top_p: bool
     use_min_p: bool
@@ -141,6 +145,7 @@ class SamplingTensors:
             num_top_logprobs=max((p.top_logprobs for p in params_list), default=0),
             any_logprobs=any(p.logprobs for p in params_list),
             all_greedy=all(greedy),
+            any_greedy=any(greedy),
             use_top_k=any(p.top_k > 0 for p in sampled),
             use_top_p=any(p.top_p < 1 for p in sampled),
             use_min_p=any(p.min_p > 0 for p in sampled),
@@ -239,8 +244,9 @@ def sample(
     else:
         assert uniforms_B is not None and len(uniforms_B) == len(logits_BV), "one per row"
         filtered_BV = _filter(logits_BV / tensors.temperature_B[:, None], tensors)
-        sampled_B = _inverse_cdf(filtered_BV, uniforms_B, greedy_B)
-        token_ids_B = torch.where(tensors.greedy_B, greedy_B, sampled_B)
+        token_ids_B = _inverse_cdf(filtered_BV, uniforms_B, greedy_B)
+        if tensors.any_greedy:
+            token_ids_B = torch.where(tensors.greedy_B, greedy_B, token_ids_B)
     if logprobs_BV is None:
         logprobs_B = torch.zeros_like(token_ids_B, dtype=torch.float32)
     else:
