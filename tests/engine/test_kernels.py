@@ -31,9 +31,11 @@ from areno.engine.kernels.decode_attention import (
 )
 from areno.engine.kernels.gated_delta import gated_delta, gated_delta_reference
 from areno.engine.kernels.gemv import row_linear
+from areno.engine.kernels.race import race
 from areno.engine.kernels.write_kv import write_kv, write_kv_reference
 from areno.engine.layers.row_linear import RowLinears
 from areno.engine.runner.model_runner import ModelRunner
+from areno.engine.sample.sampler import row_keys
 from areno.processing.types import PromptInputs
 
 RUNS_KERNELS = triton is not None and (INTERPRETED or torch.cuda.is_available())
@@ -171,6 +173,46 @@ def test_a_compiled_forward_takes_the_one_row_kernel_only_where_it_has_one_row(m
     x = torch.randn(1, 40, device=DEVICE)
     assert torch.equal(layer(x), F.linear(x, layer.weight, layer.bias))
     assert calls["gemv"] == 2
+
+
+def _keys(rows: int, seed: int | None = 0) -> torch.Tensor:
+    """A key a row: seeds seed, seed + 1, ... (None: unseeded rows' random keys)."""
+    seeds = [None] * rows if seed is None else [seed + i for i in range(rows)]
+    return row_keys(seeds, [0] * rows, DEVICE)
+
+
+@needs_kernels
+def test_the_race_draws_from_the_softmax():
+    """Rows of one distribution, each with its own key: the tokens' frequencies are its
+    probabilities; a key gives the same token again, alone or among other rows."""
+    rows = 1_500 if INTERPRETED else 100_000
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05], device=DEVICE)
+    logits = probs.log().expand(rows, -1).contiguous()
+    keys = _keys(rows)
+    tokens = race(logits, keys)
+    seen = torch.bincount(tokens, minlength=4).float() / rows
+    assert torch.allclose(seen, probs, atol=0.04 if INTERPRETED else 0.01), seen
+    assert torch.equal(race(logits, keys), tokens)
+    assert torch.equal(race(logits[7:8], keys[7:8]), tokens[7:8])
+
+
+@needs_kernels
+def test_the_race_never_picks_a_removed_or_far_less_likely_token():
+    """Three tokens left in a vocabulary of several chunks win about a third of the rows each,
+    at 0 and next to the last chunk's end; the removed ones (-inf) and one 40 below never
+    win. On a GPU, a real vocabulary: a uniform number rounding to 1 anywhere in a row would
+    show as a far token winning."""
+    rows, vocab = (300, 5_000) if INTERPRETED else (512, 151_936)
+    logits = torch.full((rows, vocab), float("-inf"), device=DEVICE)
+    kept = [0, vocab // 2, vocab - 1]
+    logits[:, kept] = 0.0
+    far = torch.full((rows, vocab), -40.0, device=DEVICE)
+    far[:, 3] = 0.0
+    for seed in (0, None):
+        tokens = race(logits, _keys(rows, seed))
+        counts = torch.bincount(tokens, minlength=vocab)
+        assert counts.sum() == counts[kept].sum() and counts[kept].min() > rows / 5
+        assert torch.all(race(far, _keys(rows, seed)) == 3)
 
 
 @needs_kernels

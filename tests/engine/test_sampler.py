@@ -10,20 +10,27 @@ import torch
 
 from areno.engine.sample.sampler import (
     SamplingTensors,
-    row_uniforms,
+    key_uniforms,
+    row_keys,
     sample,
-    seeded_uniforms,
+    seeded_keys,
 )
 from areno.engine.sampling import SamplingParams
 
 PROBS = torch.tensor([0.5, 0.3, 0.15, 0.05])
 
 
-def run(logits_BV: torch.Tensor, params: list[SamplingParams], uniforms_B=None):
+def run(logits_BV: torch.Tensor, params: list[SamplingParams], keys_B=None):
     tensors = SamplingTensors.from_params(params, logits_BV.device)
-    if uniforms_B is None:
-        uniforms_B = torch.rand(len(params), dtype=torch.float64)
-    return sample(logits_BV, tensors, uniforms_B)
+    if keys_B is None:
+        keys_B = row_keys([None] * len(params), [0] * len(params), logits_BV.device)
+    return sample(logits_BV, tensors, keys_B)
+
+
+def keys_for(uniforms: list[float]) -> torch.Tensor:
+    """Keys whose uniform numbers (`key_uniforms`) are `uniforms` (multiples of 2**-53)."""
+    words = [int(u * 2**53) << 11 for u in uniforms]
+    return torch.tensor([w - 2**64 if w >= 2**63 else w for w in words], dtype=torch.int64)
 
 
 def random_logits(rows: int = 6, vocab: int = 50, seed: int = 0) -> torch.Tensor:
@@ -130,7 +137,7 @@ def test_banned_ids_are_never_chosen_and_logprobs_stay_raw() -> None:
     logits[:, banned] += 20.0
     params = [SamplingParams(temperature=0 if i % 2 else 1.0, logprobs=True) for i in range(200)]
     tensors = SamplingTensors.from_params(params, "cpu")
-    out = sample(logits, tensors, torch.rand(200, dtype=torch.float64), banned_ids=banned)
+    out = sample(logits, tensors, row_keys([None] * 200, [0] * 200, "cpu"), banned_ids=banned)
     assert not torch.isin(out.token_ids_B, banned).any()
     expected = torch.log_softmax(logits, -1).gather(-1, out.token_ids_B[:, None]).squeeze(-1)
     assert torch.allclose(out.logprobs_B, expected, atol=1e-6, rtol=0)
@@ -144,8 +151,8 @@ def test_seeded_draws_follow_the_distribution() -> None:
     """One row drawing 20,000 tokens in turn, and 20,000 seeds drawing their first."""
     logits = PROBS.log().expand(20_000, -1).contiguous()
     for seeds, draws in (([3] * 20_000, range(20_000)), (range(20_000), [0] * 20_000)):
-        uniforms_B = row_uniforms(list(seeds), list(draws), "cpu")
-        tokens = run(logits, [SamplingParams(seed=0)] * 20_000, uniforms_B).token_ids_B
+        keys_B = row_keys(list(seeds), list(draws), "cpu")
+        tokens = run(logits, [SamplingParams(seed=0)] * 20_000, keys_B).token_ids_B
         seen = torch.bincount(tokens, minlength=len(PROBS)).float() / 20_000
         assert torch.allclose(seen, PROBS, atol=0.02)
 
@@ -182,7 +189,7 @@ def test_mixed_filters_apply_per_row() -> None:
 
 def draws(logits_V: torch.Tensor, seed: int, batch_rows: int, steps: int = 20) -> list[int]:
     """Tokens the seeded row (placed in the middle of a batch of unseeded rows) draws over
-    `steps` calls, draw k taking the row's k-th uniform number."""
+    `steps` calls, draw k taking the row's k-th key."""
     params = SamplingParams(temperature=1.3, top_p=0.9, seed=seed)
     others = [SamplingParams(temperature=0.5, top_k=4), SamplingParams(min_p=0.1)]
     row = batch_rows // 2
@@ -195,8 +202,8 @@ def draws(logits_V: torch.Tensor, seed: int, batch_rows: int, steps: int = 20) -
     tensors = SamplingTensors.from_params(batch_params, logits.device)
     tokens = []
     for k in range(steps):
-        uniforms_B = row_uniforms(seeds, [k] * batch_rows, "cpu")
-        tokens.append(sample(logits, tensors, uniforms_B).token_ids_B[row].item())
+        keys_B = row_keys(seeds, [k] * batch_rows, "cpu")
+        tokens.append(sample(logits, tensors, keys_B).token_ids_B[row].item())
     return tokens
 
 
@@ -209,17 +216,18 @@ def test_seeded_rows_are_reproducible_and_independent_of_the_batch() -> None:
     assert draws(logits_V, seed=43, batch_rows=1) != alone
 
 
-def test_seeded_uniforms_are_a_function_of_seed_and_draw_and_look_uniform() -> None:
+def test_seeded_keys_are_a_function_of_seed_and_draw_and_their_uniforms_look_uniform() -> None:
     for seed in (0, -1, -(2**63), 2**64 - 1):  # the protocol's whole range
-        values = seeded_uniforms([seed] * 3, [0, 1, 2])
-        assert values.dtype == np.float64 and ((values >= 0) & (values < 1)).all()
-        assert np.array_equal(values, seeded_uniforms([seed] * 3, [0, 1, 2]))
-        assert len(set(values.tolist())) == 3
+        keys = seeded_keys([seed] * 3, [0, 1, 2])
+        assert keys.dtype == np.uint64 and len(set(keys.tolist())) == 3
+        assert np.array_equal(keys, seeded_keys([seed] * 3, [0, 1, 2]))
     # -1 and 2**64 - 1 are one seed modulo 2**64; seeds next to each other are not related.
-    assert np.array_equal(seeded_uniforms([-1], [5]), seeded_uniforms([2**64 - 1], [5]))
-    by_draw = seeded_uniforms([7] * 20_000, list(range(20_000)))
-    by_seed = seeded_uniforms(list(range(20_000)), [0] * 20_000)
-    for values in (by_draw, by_seed):
+    assert np.array_equal(seeded_keys([-1], [5]), seeded_keys([2**64 - 1], [5]))
+    by_draw = row_keys([7] * 20_000, list(range(20_000)), "cpu")
+    by_seed = row_keys(list(range(20_000)), [0] * 20_000, "cpu")
+    for keys in (by_draw, by_seed):
+        values = key_uniforms(keys).numpy()
+        assert ((values >= 0) & (values < 1)).all()
         counts = np.bincount((values * 10).astype(int), minlength=10)
         assert counts.min() > 1_850 and counts.max() < 2_150  # 2,000 expected a tenth (~3.4 sd)
         # Neighbours are uncorrelated (a plain seed * k + draw mix would not be).
@@ -230,9 +238,9 @@ def test_a_uniform_number_picks_where_the_cumulative_sum_passes_it() -> None:
     """Inverse sampling: for PROBS (0.5, 0.3, 0.15, 0.05) the numbers below 0.5 give token 0,
     up to 0.8 token 1, and so on; a removed token is never picked, at 0 or next to 1."""
     logits = PROBS.log().expand(6, -1).contiguous()
-    uniforms = torch.tensor([0.0, 0.49, 0.51, 0.79, 0.81, 0.96], dtype=torch.float64)
-    assert run(logits, [SamplingParams()] * 6, uniforms).token_ids_B.tolist() == [0, 0, 1, 1, 2, 3]
-    edges = torch.tensor([0.0, 1 - 2**-53], dtype=torch.float64)
+    keys = keys_for([0.0, 0.49, 0.51, 0.79, 0.81, 0.96])
+    assert run(logits, [SamplingParams()] * 6, keys).token_ids_B.tolist() == [0, 0, 1, 1, 2, 3]
+    edges = keys_for([0.0, 1 - 2**-53])
     removed_ends = torch.tensor([[-math.inf, 0.0, 1.0, -math.inf]] * 2)
     assert run(removed_ends, [SamplingParams()] * 2, edges).token_ids_B.tolist() == [1, 2]
 

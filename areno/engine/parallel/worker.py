@@ -31,7 +31,7 @@ from areno.engine.sample.penalties import TokenHistory
 from areno.engine.sample.sampler import (
     SamplingTensors,
     StepLogits,
-    row_uniforms,
+    row_keys,
     sample,
 )
 from areno.engine.sampling import SamplingParams
@@ -308,13 +308,11 @@ class Worker:
         rows = step.rows
         params = [row.params for row in rows]
         tensors = self._sampling_tensors(params)
-        uniforms_B = None
+        keys_B = None
         if not tensors.all_greedy:
-            uniforms_B = row_uniforms(
-                [row.seed for row in rows], [row.draw for row in rows], self.device
-            )
+            keys_B = row_keys([row.seed for row in rows], [row.draw for row in rows], self.device)
         step_logits, penalised = self._step_logits(step, row_slots, logits_BV.shape[-1])
-        out = sample(logits_BV, tensors, uniforms_B, self._banned_ids, step_logits)
+        out = sample(logits_BV, tensors, keys_B, self._banned_ids, step_logits)
         if penalised is not None:
             self._history.record(penalised[1], out.token_ids_B[penalised[0]])
         if row_slots == list(range(len(row_slots))):

@@ -5,10 +5,12 @@ and what changes the logits before them: logit biases, repetition penalties, ban
 Everything is batched over rows (one row per sequence of the step) and stays on the device:
 `sample` never calls `.item()` or reads a tensor on the host, so the engine copies the small
 `SamplerOutput` to the host once per step. Filtering sorts each row once and nothing loops over
-rows: a sampled row draws its token by inverting its distribution's cumulative sum at one
-uniform number (`row_uniforms`), which a seeded row computes from its seed and the index of the
-token it draws. So a seeded row costs no generator and no launch of its own, and its k-th token
-is the same whatever the batch, the step it lands in, or a preemption between.
+rows: all of a sampled row's randomness is one 64-bit key (`row_keys`), which a seeded row
+computes from its seed and the index of the token it draws. On CPU the row inverts its
+distribution's cumulative sum at the key's uniform number; where the engine's Triton kernels
+run, a race of its tokens with noise hashed from the key picks it in two launches
+(kernels/race.py). So a seeded row costs no generator and no launch of its own, and its k-th
+token is the same whatever the batch, the step it lands in, or a preemption between.
 
 NOTE: logprobs are the log-softmax of the RAW logits (temperature 1, before top-k / top-p / min-p),
 at the chosen token and for the top-K list: the model's own distribution, as OpenAI-style clients
@@ -28,6 +30,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from areno.engine.kernels import use_triton
+from areno.engine.kernels.race import race
 from areno.engine.outputs.grammar import allowed_tokens
 from areno.engine.sample.penalties import apply_penalties
 from areno.engine.sampling import MAX_SEED, SamplingParams
@@ -46,31 +50,36 @@ def _mix(words: np.ndarray) -> np.ndarray:
     return words ^ (words >> np.uint64(31))
 
 
-def seeded_uniforms(seeds: Sequence[int], draws: Sequence[int]) -> np.ndarray:
-    """Uniform numbers in [0, 1) (float64), one for each (seed, draw index) pair: a counter-based
-    generator, so draw k of a seed is a function of the two alone. Seeds are any int in the
-    protocol's range (taken modulo 2**64)."""
+def seeded_keys(seeds: Sequence[int], draws: Sequence[int]) -> np.ndarray:
+    """A 64-bit key (uint64) for each (seed, draw index) pair: a counter-based generator, so
+    draw k of a seed is a function of the two alone. Seeds are any int in the protocol's range
+    (taken modulo 2**64)."""
     seeds_R = np.array([seed % (MAX_SEED + 1) for seed in seeds], dtype=np.uint64)
     draws_R = np.array(draws, dtype=np.uint64)
-    words = _mix(seeds_R * _GOLDEN + _mix(draws_R + _GOLDEN))
-    return (words >> np.uint64(11)).astype(np.float64) * 2.0**-53
+    return _mix(seeds_R * _GOLDEN + _mix(draws_R + _GOLDEN))
 
 
-def row_uniforms(
+def row_keys(
     seeds: Sequence[int | None], draws: Sequence[int], device: torch.device | str
 ) -> Tensor:
-    """Each row's uniform number for `sample`, on `device`: a seeded row's from its seed and the
-    index of the token it draws (`seeded_uniforms`), the others' from torch's default CPU
-    generator (so `torch.manual_seed` repeats an unseeded run). One host-to-device copy."""
+    """Each row's key for `sample` (int64, the uint64's bits), on `device`: a seeded row's from
+    its seed and the index of the token it draws (`seeded_keys`), the others' from torch's
+    default CPU generator (so `torch.manual_seed` repeats an unseeded run). One host-to-device
+    copy."""
     seeded = [i for i, seed in enumerate(seeds) if seed is not None]
     if len(seeded) == len(seeds):  # a GRPO rollout's rows
-        uniforms_B = torch.from_numpy(seeded_uniforms(seeds, draws))
+        keys_B = torch.from_numpy(seeded_keys(seeds, draws).view(np.int64))
     else:
-        uniforms_B = torch.rand(len(seeds), dtype=torch.float64)
+        keys_B = torch.randint(-(2**63), 2**63 - 1, (len(seeds),), dtype=torch.int64)
         if seeded:
-            values = seeded_uniforms([seeds[i] for i in seeded], [draws[i] for i in seeded])
-            uniforms_B[seeded] = torch.from_numpy(values)
-    return to_device(uniforms_B, device)
+            keys = seeded_keys([seeds[i] for i in seeded], [draws[i] for i in seeded])
+            keys_B[seeded] = torch.from_numpy(keys.view(np.int64))
+    return to_device(keys_B, device)
+
+
+def key_uniforms(keys_B: Tensor) -> Tensor:
+    """The uniform number in [0, 1) (float64) of each key: its top 53 bits."""
+    return ((keys_B >> 11) & (2**53 - 1)).double() * 2.0**-53
 
 
 @dataclass
@@ -218,15 +227,17 @@ class SamplerOutput:
 def sample(
     logits_BV: Tensor,
     tensors: SamplingTensors,
-    uniforms_B: Tensor | None,
+    keys_B: Tensor | None,
     banned_ids: Tensor | None = None,
     step: StepLogits | None = None,
 ) -> SamplerOutput:
     """Choose one token per row of `logits_BV`.
 
-    `uniforms_B` holds each row's uniform number in [0, 1) (`row_uniforms`; None when every row
-    is greedy): a sampled row takes the token where its distribution's cumulative sum passes
-    it, so the same number gives the same token whatever else is in the batch. `banned_ids`
+    `keys_B` holds each row's key (`row_keys`; None when every row is greedy), all a sampled
+    row's randomness: on CPU the row takes the token where its distribution's cumulative sum
+    passes the key's uniform number, where the Triton kernels run the token that wins a race
+    with noise hashed from the key (kernels/race.py). The same key gives the same token
+    whatever else is in the batch. `banned_ids`
     are never chosen (media placeholders: a sampled one would claim media features that do not
     exist); like the filters, banning leaves the reported logprobs as they are. `step` holds
     the step's penalty counts, stop-token bans and grammar masks (see `adjust_logits`).
@@ -242,9 +253,12 @@ def sample(
     if tensors.all_greedy:
         token_ids_B = greedy_B
     else:
-        assert uniforms_B is not None and len(uniforms_B) == len(logits_BV), "one per row"
+        assert keys_B is not None and len(keys_B) == len(logits_BV), "one key a row"
         filtered_BV = _filter(logits_BV / tensors.temperature_B[:, None], tensors)
-        token_ids_B = _inverse_cdf(filtered_BV, uniforms_B, greedy_B)
+        if use_triton(filtered_BV):
+            token_ids_B = race(filtered_BV, keys_B)
+        else:
+            token_ids_B = _inverse_cdf(filtered_BV, key_uniforms(keys_B), greedy_B)
         if tensors.any_greedy:
             token_ids_B = torch.where(tensors.greedy_B, greedy_B, token_ids_B)
     if logprobs_BV is None:
