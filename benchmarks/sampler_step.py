@@ -11,8 +11,9 @@ the device synchronized around each call), for both samplers on the same logits:
 "before" is `areno/engine/sample/sampler.py` at --before (a git revision; default: the last
 commit whose sampler drew a seeded row's noise from a torch generator of its own), loaded
 beside this tree's package. It takes one generator a row (created once, as the engine kept
-them) and races exponential noise; "now" takes each row's uniform number (`row_uniforms`,
-counted in the time) and inverts the row's cumulative sum.
+them) and races exponential noise; "now" takes each row's key (`row_keys`, counted in the
+time) and, on CPU, inverts the row's cumulative sum at the key's uniform number, on a GPU races
+the tokens with noise hashed from it (`areno/engine/kernels/race.py`).
 
     python benchmarks/sampler_step.py [--device cuda] [--rows 1 64 256]
 """
@@ -89,10 +90,10 @@ def measure(before, rows: int, vocab: int, config: str, device: torch.device, re
     tensors_now = now.SamplingTensors.from_params(params, device)
 
     def call_now():
-        uniforms_B = None
+        keys_B = None
         if not tensors_now.all_greedy:
-            uniforms_B = now.row_uniforms(seeds, [next(draws)] * rows, device)
-        now.sample(logits_BV, tensors_now, uniforms_B)
+            keys_B = now.row_keys(seeds, [next(draws)] * rows, device)
+        now.sample(logits_BV, tensors_now, keys_B)
 
     tensors_before = before.SamplingTensors.from_params(params, device)
     generators = [
