@@ -237,10 +237,10 @@ def sample(
     row's randomness: on CPU the row takes the token where its distribution's cumulative sum
     passes the key's uniform number, where the Triton kernels run the token that wins a race
     with noise hashed from the key (kernels/race.py). The same key gives the same token
-    whatever else is in the batch. `banned_ids`
-    are never chosen (media placeholders: a sampled one would claim media features that do not
-    exist); like the filters, banning leaves the reported logprobs as they are. `step` holds
-    the step's penalty counts, stop-token bans and grammar masks (see `adjust_logits`).
+    whatever else is in the batch. `banned_ids` are never chosen (media placeholders: a
+    sampled one would claim media features that do not exist); like the filters, banning
+    leaves the reported logprobs as they are. `step` holds the step's penalty counts,
+    stop-token bans and grammar masks (see `adjust_logits`).
     """
     logits_BV = logits_BV.float()
     logprobs_BV = None  # no row asked: skip a (rows x vocab) write and read, report zeros
