@@ -181,19 +181,34 @@ def _keys(rows: int, seed: int | None = 0) -> torch.Tensor:
     return row_keys(seeds, [0] * rows, DEVICE)
 
 
+def _not(rows: int) -> torch.Tensor:
+    return torch.zeros(rows, dtype=torch.bool, device=DEVICE)
+
+
 @needs_kernels
-def test_the_race_draws_from_the_softmax():
-    """Rows of one distribution, each with its own key: the tokens' frequencies are its
-    probabilities; a key gives the same token again, alone or among other rows."""
+def test_the_race_draws_from_the_tempered_softmax():
+    """Rows of one distribution at temperature 2, each with its own key: the tokens'
+    frequencies are its probabilities; a key gives the same token again, alone or among other
+    rows."""
     rows = 1_500 if INTERPRETED else 100_000
     probs = torch.tensor([0.5, 0.3, 0.15, 0.05], device=DEVICE)
-    logits = probs.log().expand(rows, -1).contiguous()
-    keys = _keys(rows)
-    tokens = race(logits, keys)
+    logits = (2 * probs.log()).expand(rows, -1).contiguous()
+    keys, temperature = _keys(rows), torch.full((rows,), 2.0, device=DEVICE)
+    tokens = race(logits, keys, _not(rows), temperature)
     seen = torch.bincount(tokens, minlength=4).float() / rows
     assert torch.allclose(seen, probs, atol=0.04 if INTERPRETED else 0.01), seen
-    assert torch.equal(race(logits, keys), tokens)
-    assert torch.equal(race(logits[7:8], keys[7:8]), tokens[7:8])
+    assert torch.equal(race(logits, keys, _not(rows), temperature), tokens)
+    assert torch.equal(race(logits[7:8], keys[7:8], _not(1), temperature[7:8]), tokens[7:8])
+
+
+@needs_kernels
+def test_greedy_rows_of_the_race_take_the_argmax():
+    rows, vocab = (24, 5_000) if INTERPRETED else (256, 151_936)
+    logits = torch.randn(rows, vocab, device=DEVICE) * 3
+    greedy = torch.arange(rows, device=DEVICE) % 2 == 0
+    tokens = race(logits, _keys(rows), greedy)
+    assert torch.equal(tokens[greedy], logits[greedy].argmax(-1))
+    assert not torch.equal(tokens[~greedy], logits[~greedy].argmax(-1))  # the others sample
 
 
 @needs_kernels
@@ -209,10 +224,10 @@ def test_the_race_never_picks_a_removed_or_far_less_likely_token():
     far = torch.full((rows, vocab), -40.0, device=DEVICE)
     far[:, 3] = 0.0
     for seed in (0, None):
-        tokens = race(logits, _keys(rows, seed))
+        tokens = race(logits, _keys(rows, seed), _not(rows))
         counts = torch.bincount(tokens, minlength=vocab)
         assert counts.sum() == counts[kept].sum() and counts[kept].min() > rows / 5
-        assert torch.all(race(far, _keys(rows, seed)) == 3)
+        assert torch.all(race(far, _keys(rows, seed), _not(rows)) == 3)
 
 
 @needs_kernels

@@ -38,13 +38,16 @@ if triton is not None:
 
     @triton.jit
     def _race_kernel(
-        Logits, Keys, Best, BestIndex, V, stride_b, num_chunks, CHUNK: tl.constexpr
+        Logits, Keys, Greedy, Temperature, Best, BestIndex, V, stride_b, num_chunks,
+        CHUNK: tl.constexpr, HAS_TEMPERATURE: tl.constexpr,
     ):  # fmt: skip
         b = tl.program_id(0)
         c = tl.program_id(1)
         offs = c * CHUNK + tl.arange(0, CHUNK)
         x = tl.load(Logits + b * stride_b + offs, mask=offs < V, other=float("-inf"))
         x = x.to(tl.float32)
+        if HAS_TEMPERATURE:
+            x = x / tl.load(Temperature + b)
         key = tl.load(Keys + b).to(tl.uint64)
         state = key + (offs + 1).to(tl.uint64) * 0x9E3779B97F4A7C15
         bits = _splitmix64(state) >> 41
@@ -52,7 +55,8 @@ if triton is not None:
         # NOTE: E = -log(u) is at least 2**-24 in exact arithmetic; the floor keeps a fast log's
         # error near u = 1 from making it 0 (a score of +inf, a token that always wins).
         clock = tl.maximum(-tl.log(u), 5.96e-8)
-        score = tl.where(x == float("-inf"), x, x - tl.log(clock))
+        noise = tl.where(tl.load(Greedy + b), 0.0, -tl.log(clock))  # a greedy row: argmax
+        score = tl.where(x == float("-inf"), x, x + noise)
         best = tl.max(score, axis=0)
         tl.store(Best + b * num_chunks + c, best)
         tl.store(BestIndex + b * num_chunks + c, c * CHUNK + tl.argmax(score, axis=0))
@@ -66,17 +70,24 @@ if triton is not None:
         tl.store(Out + b, tl.load(BestIndex + b * num_chunks + chunk))
 
 
-def race(logits_BV: torch.Tensor, keys_B: torch.Tensor) -> torch.Tensor:
-    """Each row's token (int64) drawn from softmax(`logits_BV`) with the noise of its key
-    (`keys_B`, int64 on the logits' device). The logits' rows must be contiguous."""
+def race(
+    logits_BV: torch.Tensor,
+    keys_B: torch.Tensor,
+    greedy_B: torch.Tensor,
+    temperature_B: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Each row's token (int64) drawn from softmax(`logits_BV` / `temperature_B`) with the
+    noise of its key (`keys_B`, int64), or its first most likely token where `greedy_B`. The
+    logits' rows must be contiguous."""
     rows, vocab = logits_BV.shape
     assert logits_BV.stride(-1) == 1, "a row's logits must be contiguous"
     num_chunks = triton.cdiv(vocab, CHUNK)
     best_BC = logits_BV.new_empty((rows, num_chunks), dtype=torch.float32)
     index_BC = logits_BV.new_empty((rows, num_chunks), dtype=torch.int64)
     _race_kernel[(rows, num_chunks)](
-        logits_BV, keys_B, best_BC, index_BC, vocab, logits_BV.stride(0), num_chunks,
-        CHUNK=CHUNK, num_warps=4,
+        logits_BV, keys_B, greedy_B, keys_B if temperature_B is None else temperature_B,
+        best_BC, index_BC, vocab, logits_BV.stride(0), num_chunks,
+        CHUNK=CHUNK, HAS_TEMPERATURE=temperature_B is not None, num_warps=4,
     )  # fmt: skip
     tokens_B = logits_BV.new_empty(rows, dtype=torch.int64)
     pad = max(2, triton.next_power_of_2(num_chunks))

@@ -249,18 +249,11 @@ def sample(
     elif tensors.any_logprobs:
         logprobs_BV = torch.log_softmax(logits_BV, dim=-1)
     logits_BV = adjust_logits(logits_BV, tensors, banned_ids, step)
-    greedy_B = logits_BV.argmax(dim=-1)
     if tensors.all_greedy:
-        token_ids_B = greedy_B
+        token_ids_B = logits_BV.argmax(dim=-1)
     else:
         assert keys_B is not None and len(keys_B) == len(logits_BV), "one key a row"
-        filtered_BV = _filter(logits_BV / tensors.temperature_B[:, None], tensors)
-        if use_triton(filtered_BV):
-            token_ids_B = race(filtered_BV, keys_B)
-        else:
-            token_ids_B = _inverse_cdf(filtered_BV, key_uniforms(keys_B), greedy_B)
-        if tensors.any_greedy:
-            token_ids_B = torch.where(tensors.greedy_B, greedy_B, token_ids_B)
+        token_ids_B = _draw(logits_BV, tensors, keys_B)
     if logprobs_BV is None:
         logprobs_B = torch.zeros_like(token_ids_B, dtype=torch.float32)
     else:
@@ -341,6 +334,23 @@ def _filter(logits_BV: Tensor, tensors: SamplingTensors) -> Tensor:
         floor_B1 = tensors.min_p_B[:, None] * probs_BV.amax(dim=-1, keepdim=True)
         logits_BV = logits_BV.masked_fill(probs_BV < floor_B1, float("-inf"))
     return logits_BV
+
+
+def _draw(logits_BV: Tensor, tensors: SamplingTensors, keys_B: Tensor) -> Tensor:
+    """Each row's token: the argmax for a greedy row, else drawn with its key from its
+    filtered, tempered distribution. Where the Triton kernels run, the race does it all in two
+    launches (the temperature inside them when no row filters)."""
+    filters = tensors.use_top_k or tensors.use_top_p or tensors.use_min_p
+    if use_triton(logits_BV) and not filters:
+        return race(logits_BV, keys_B, tensors.greedy_B, tensors.temperature_B)
+    filtered_BV = _filter(logits_BV / tensors.temperature_B[:, None], tensors)
+    if use_triton(filtered_BV):
+        return race(filtered_BV, keys_B, tensors.greedy_B)  # the filters keep each row's argmax
+    greedy_B = logits_BV.argmax(dim=-1)
+    token_ids_B = _inverse_cdf(filtered_BV, key_uniforms(keys_B), greedy_B)
+    if tensors.any_greedy:
+        token_ids_B = torch.where(tensors.greedy_B, greedy_B, token_ids_B)
+    return token_ids_B
 
 
 def _inverse_cdf(logits_BV: Tensor, uniforms_B: Tensor, greedy_B: Tensor) -> Tensor:
