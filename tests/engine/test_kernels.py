@@ -35,7 +35,8 @@ from areno.engine.kernels.race import race
 from areno.engine.kernels.write_kv import write_kv, write_kv_reference
 from areno.engine.layers.row_linear import RowLinears
 from areno.engine.runner.model_runner import ModelRunner
-from areno.engine.sample.sampler import row_keys
+from areno.engine.sample.sampler import SamplingTensors, row_keys, sample
+from areno.engine.sampling import SamplingParams
 from areno.processing.types import PromptInputs
 
 RUNS_KERNELS = triton is not None and (INTERPRETED or torch.cuda.is_available())
@@ -209,6 +210,27 @@ def test_greedy_rows_of_the_race_take_the_argmax():
     tokens = race(logits, _keys(rows), greedy)
     assert torch.equal(tokens[greedy], logits[greedy].argmax(-1))
     assert not torch.equal(tokens[~greedy], logits[~greedy].argmax(-1))  # the others sample
+
+
+@needs_kernels
+@pytest.mark.parametrize(
+    "other",
+    [SamplingParams(temperature=0), SamplingParams(top_k=1)],
+    ids=["greedy beside (no filter: the temperature in the race)", "top-k 1 beside (filters)"],
+)
+def test_the_sampler_draws_through_the_race(other):
+    """`sample` on the kernels' path: greedy rows and rows a filter leaves one token take the
+    argmax, the others sample; the same keys give the same tokens."""
+    torch.manual_seed(0)
+    rows, vocab = 30, 3_000
+    logits = torch.randn(rows, vocab, device=DEVICE) * 3
+    params = [other if i % 2 else SamplingParams(temperature=1.3) for i in range(rows)]
+    tensors = SamplingTensors.from_params(params, DEVICE)
+    keys = _keys(rows)
+    tokens = sample(logits, tensors, keys).token_ids_B
+    assert torch.equal(tokens[1::2], logits[1::2].argmax(-1))
+    assert not torch.equal(tokens[0::2], logits[0::2].argmax(-1))  # 15 rows sample
+    assert torch.equal(sample(logits, tensors, keys).token_ids_B, tokens)
 
 
 @needs_kernels
