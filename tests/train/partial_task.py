@@ -1,9 +1,10 @@
 """A text task for tests/train/test_partial_rollouts.py. Unshuffled, one prompt a step: the
 first sample's prompt nearly fills the context (its episodes end after a few tokens), the
 others are short (their episodes sample up to `rollout.max_tokens_per_turn`), so the second
-step's episodes are still running when the first step's weights land. The reward is the first
-sampled token's id modulo 7 (a group's samples rarely all share it), and each scored
-trajectory is appended to the file `record` names, as the trainer receives it."""
+step's episodes are still running when the first step's weights land. The reward is the
+episode's index in its group, so every group's rewards spread and every step trains (a reward
+from the sampled tokens left a step untrained whenever a group's samples agreed), and each
+scored trajectory is appended to the file `record` names, as the trainer receives it."""
 
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ def reward(trajectory: Trajectory, private: dict, record: str | None = None) -> 
     if record is not None:
         with open(record, "a") as out:
             out.write(json.dumps(_record(trajectory)) + "\n")
-    return (trajectory.token_ids[trajectory.num_prompt_tokens] % 7) / 6
+    return float(trajectory.episode_index)
 
 
 def _record(traj: Trajectory) -> dict:
