@@ -12,10 +12,10 @@ launches twice, whatever the rows.
 
 The noise's u takes 23 bits and a half (u in [2**-24, 1 - 2**-24], exact in float32), so g lies
 within [-2.9, 16.7]: a token more than about 20 below the row's best logit never wins, where its
-true chance is under 2e-9.
-A removed token (-inf) never wins. The CPU path (`sampler._inverse_cdf`) draws from the same
-distribution another way, so one seed gives different tokens on CPU and on a GPU (as their
-logits differ anyway); on one device a row's tokens depend on its key and logits alone.
+true chance is under 2e-9. A removed token (-inf) never wins. The CPU path
+(`sampler._inverse_cdf`) draws from the same distribution another way, so one seed gives
+different tokens on CPU and on a GPU (as their logits differ anyway); on one device a row's
+tokens depend on its key and logits alone.
 """
 
 from __future__ import annotations
