@@ -198,8 +198,8 @@ class SavedTraces:
 def supported() -> bool:
     """Whether this torch traces a forward to save it and loads it back (`aot_compile`,
     `torch.compiler.load_compiled_function`); logs once where it does not."""
-    # NOTE: some torch versions (2.11) give `aot_compile` only to a whole-graph compile, the kind
-    # `_trace` makes; asking a plain compile would call them unable.
+    # Asked of a whole-graph compile, the kind `_trace` makes. (torch 2.11 has `aot_compile` on
+    # neither kind: an H100's probe.)
     compiled = torch.compile(_nothing, fullgraph=True)
     can = callable(getattr(compiled, "aot_compile", None)) and hasattr(
         torch.compiler, "load_compiled_function"
