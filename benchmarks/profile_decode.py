@@ -18,6 +18,7 @@ to --out.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import platform
 import sys
@@ -131,7 +132,8 @@ def profile_steps(runner: ModelRunner, args: argparse.Namespace, rows: int) -> d
 
 def print_result(result: dict, floor_ms: float) -> None:
     print(
-        f"\n{result['rows']} rows, one-row gemv {result['gemv']}: step {result['step_ms']:.2f} ms (profiled "
+        f"\n{result['rows']} rows, one-row gemv {result['gemv']}, MLP half fused "
+        f"{result['row_mlp']}: step {result['step_ms']:.2f} ms (profiled "
         f"{result['profiled_ms_per_step']:.2f}); byte floor {floor_ms:.2f} ms = "
         f"{floor_ms / result['step_ms']:.0%} of the step"
     )
@@ -173,6 +175,14 @@ def main() -> None:
         "profile the same rows once each, one runner after another",
     )
     parser.add_argument(
+        "--row-mlp",
+        nargs="+",
+        choices=["on", "off"],
+        default=["on"],
+        help="with the one-row kernel, a Qwen-style layer's MLP half at one row in two kernels "
+        "(the runner's row_mlp); several values profile each with each --one-row-gemv value",
+    )
+    parser.add_argument(
         "--linear-state-dtype",
         choices=["float32", "bfloat16"],
         default="float32",
@@ -193,7 +203,9 @@ def main() -> None:
     model = build(args)
     vocab = min(model.config.get_text_config().vocab_size, 400)  # ids the tiny tokenizer knows
     results, prefill_ms = [], {}
-    for gemv in args.one_row_gemv:
+    for gemv, row_mlp in itertools.product(args.one_row_gemv, args.row_mlp):
+        if row_mlp == "on" and gemv == "off" and len(args.row_mlp) > 1:
+            continue  # the same runner as row_mlp off
         runner = ModelRunner(
             model,
             num_slots=max(args.rows),
@@ -204,10 +216,14 @@ def main() -> None:
             fuse_projections=args.fuse_projections == "on"
             or (args.fuse_projections == "auto" and on_cuda),
             one_row_gemv=gemv == "on" or (gemv == "auto" and on_cuda),
+            row_mlp=row_mlp == "on",
             linear_state_dtype=getattr(torch, args.linear_state_dtype),
         )
-        prefill_ms[gemv] = fill(runner, args, vocab)
-        results += [dict(profile_steps(runner, args, rows), gemv=gemv) for rows in args.rows]
+        prefill_ms[f"{gemv}/{row_mlp}"] = fill(runner, args, vocab)
+        results += [
+            dict(profile_steps(runner, args, rows), gemv=gemv, row_mlp=row_mlp)
+            for rows in args.rows
+        ]
         device = runner.device
         del runner  # its cache and graphs, before the next one's
         if on_cuda:
@@ -239,7 +255,7 @@ def main() -> None:
     print(
         f"\n{args.model} on {report['meta']['device']}, prompt {args.prompt_len}, graphs "
         f"{args.graphs}, compile {args.compile}, linear state {args.linear_state_dtype}; "
-        f"prefill ms per prompt {', '.join(f'{v:.1f} (gemv {k})' for k, v in prefill_ms.items())}"
+        f"prefill ms per prompt {', '.join(f'{v:.1f} (gemv/MLP {k})' for k, v in prefill_ms.items())}"
     )
     for result in results:
         print_result(result, result["floor_ms"])

@@ -176,6 +176,123 @@ def test_a_compiled_forward_takes_the_one_row_kernel_only_where_it_has_one_row(m
     assert calls["gemv"] == 2
 
 
+# (out features, in features): several programs and a partial block; on a GPU the Qwen3-1.7B
+# shape's gate_up and down products.
+MLP_SHAPES = [(48, 96), (10, 1500)] + ([(12288, 2048), (2048, 6144)] if DEVICE == "cuda" else [])
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("out_features, in_features", MLP_SHAPES)
+@pytest.mark.parametrize("offset", [0.0, 1.0])
+def test_the_mlp_halfs_fused_products_match_the_operators_they_replace(
+    dtype, out_features, in_features, offset
+):
+    """The residual add, rms norm and product of `add_norm_row_linear`, and the activation,
+    product and residual add of `silu_row_linear`, against the same operators one by one."""
+    torch.manual_seed(0)
+
+    def rand(*shape, scale=1.0):
+        return torch.randn(*shape, dtype=dtype, device=DEVICE) * scale
+
+    a, residual = rand(1, 1, in_features), rand(1, 1, in_features)
+    norm_weight = rand(in_features, scale=0.2)
+    weight = rand(out_features, in_features, scale=in_features**-0.5)
+    have, summed = gemv_kernel.add_norm_row_linear(a, residual, norm_weight, 1e-6, offset, weight)
+    want, want_summed = gemv_kernel.add_norm_linear_reference(
+        a.float(), residual.float(), norm_weight.float(), 1e-6, offset, weight.float()
+    )
+    assert have.shape == (1, 1, out_features) and summed.shape == a.shape
+    # The sum is rounded once, as the unfused add rounds it (the interpreter rounds toward zero).
+    torch.testing.assert_close(summed.float(), want_summed, atol=0, rtol=TOLERANCE[dtype])
+    if dtype == torch.float32 or DEVICE == "cuda":
+        assert torch.equal(summed, a + residual)
+    atol = TOLERANCE[dtype] * float(want.abs().mean())
+    torch.testing.assert_close(have.float(), want, atol=atol, rtol=TOLERANCE[dtype])
+
+    gate_up, down = rand(1, 1, 2 * out_features), rand(in_features, out_features, scale=0.05)
+    have = gemv_kernel.silu_row_linear(gate_up, down, a)
+    want = gemv_kernel.silu_linear_reference(gate_up.float(), down.float(), a.float())
+    assert have.shape == a.shape and have.dtype == dtype
+    atol = TOLERANCE[dtype] * float(want.abs().mean())
+    torch.testing.assert_close(have.float(), want, atol=atol, rtol=TOLERANCE[dtype])
+
+
+def _tiny_qwen3() -> torch.nn.Module:
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    config = Qwen3Config(
+        vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    return Qwen3ForCausalLM(config).to(DEVICE).requires_grad_(False)
+
+
+def _one_row_greedy(model, row_mlp: bool, **runner) -> tuple[list[int], torch.Tensor]:
+    """A lone request decoding 3 tokens: its tokens and its last step's logits."""
+    runner = ModelRunner(
+        model, num_slots=1, max_len=64, fuse_projections=True, one_row_gemv=True,
+        row_mlp=row_mlp, **runner,
+    )  # fmt: skip
+    ids = list(range(5, 17))
+    tokens = [int(runner.prefill(PromptInputs(ids, {}), [0]).argmax())]
+    for step in range(3):
+        logits = runner.decode([0], [len(ids) + step], [tokens[-1]])
+        tokens.append(int(logits[0].argmax()))
+    return tokens, logits
+
+
+@needs_kernels
+@pytest.mark.parametrize("family, graphs", [("qwen3", "off"), ("qwen3_5", "static")])
+def test_a_one_row_step_runs_the_mlp_half_in_two_kernels(tiny_path, family, graphs, monkeypatch):
+    """Qwen3's layers at one row eagerly, Qwen3.5's compiled into a static step (on a GPU both,
+    captured): the MLP half's fused kernels run (two a layer a step) and give the unfused step's
+    tokens."""
+    from areno.models import get_adapter
+    from areno.models.registry import read_model_type
+
+    if family == "qwen3":
+        model = _tiny_qwen3()
+    else:
+        path = tiny_path(family)
+        model = get_adapter(read_model_type(path)).load_model(path, dtype=torch.float32)
+        model = model.to(DEVICE)
+    calls = {"add_norm_gemv": 0, "silu_gemv": 0}
+    for name in calls:
+        monkeypatch.setattr(gemv_kernel, name, _counted(getattr(gemv_kernel, name), name, calls))
+    runner = {"graphs": "off", "compile": "off"}
+    if graphs != "off":
+        on_cuda = DEVICE == "cuda"
+        runner = {
+            "graphs": "capture" if on_cuda else "static",
+            "compile": "inductor" if on_cuda else "aot_eager",
+        }
+    want_tokens, want = _one_row_greedy(model, row_mlp=False, **runner)
+    assert not any(calls.values())
+    torch._dynamo.reset()
+    have_tokens, have = _one_row_greedy(model, row_mlp=True, **runner)
+    assert have_tokens == want_tokens
+    torch.testing.assert_close(have, want, atol=1e-4, rtol=1e-4)
+    layers = model.config.get_text_config().num_hidden_layers
+    if runner["graphs"] == "capture":  # launched while capturing, replayed since
+        assert calls["add_norm_gemv"] == calls["silu_gemv"] > 0
+    else:
+        assert calls["add_norm_gemv"] == calls["silu_gemv"] == 3 * layers
+
+
+@needs_kernels
+def test_layers_with_adapter_slots_keep_their_own_mlp(monkeypatch):
+    """LoRA hooks the MLP's products, which the fused kernels would skip: a runner with adapter
+    slots routes no layer there."""
+    calls = {"add_norm_gemv": 0}
+    monkeypatch.setattr(
+        gemv_kernel, "add_norm_gemv", _counted(gemv_kernel.add_norm_gemv, "add_norm_gemv", calls)
+    )
+    tokens, _ = _one_row_greedy(_tiny_qwen3(), row_mlp=True, graphs="off", max_loras=1)
+    assert len(tokens) == 4 and calls["add_norm_gemv"] == 0
+
+
 def _keys(rows: int, seed: int | None = 0) -> torch.Tensor:
     """A key a row: seeds seed, seed + 1, ... (None: unseeded rows' random keys)."""
     seeds = [None] * rows if seed is None else [seed + i for i in range(rows)]

@@ -52,6 +52,63 @@ if triton is not None:
             mask=(offs_m[:, None] < M) & (offs_n[None, :] < N),
         )
 
+    @triton.jit
+    def _add_norm_gemv_kernel(
+        A, R, G, W, Y, H, N, K, eps, offset, stride_wn,
+        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    ):  # fmt: skip
+        # y = W @ rms_norm(a + r): the sum rounded to the activations' dtype (program 0 stores
+        # it in H), each input scaled by its norm weight (plus `offset`) on the way in and the
+        # row's 1 / rms applied to the finished sums, so one pass over the input does both.
+        pid = tl.program_id(0)
+        offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+        acc = tl.zeros([BLOCK_N], tl.float32)
+        squares = tl.zeros([BLOCK_K], tl.float32)
+        for start in range(0, K, BLOCK_K):
+            offs_k = start + tl.arange(0, BLOCK_K)
+            in_k = offs_k < K
+            x = tl.load(A + offs_k, mask=in_k, other=0.0).to(tl.float32)
+            x += tl.load(R + offs_k, mask=in_k, other=0.0).to(tl.float32)
+            x = x.to(H.dtype.element_ty)
+            tl.store(H + offs_k, x, mask=in_k & (pid == 0))
+            x = x.to(tl.float32)
+            squares += x * x
+            g = tl.load(G + offs_k, mask=in_k, other=0.0).to(tl.float32) + offset
+            w = tl.load(
+                W + offs_n[:, None] * stride_wn + offs_k[None, :],
+                mask=(offs_n[:, None] < N) & in_k[None, :],
+                other=0.0,
+            )
+            acc += tl.sum(w.to(tl.float32) * (x * g)[None, :], axis=1)
+        scale = 1.0 / tl.sqrt(tl.sum(squares, axis=0) / K + eps)
+        tl.store(Y + offs_n, (acc * scale).to(Y.dtype.element_ty), mask=offs_n < N)
+
+    @triton.jit
+    def _silu_gemv_kernel(
+        GU, R, W, Y, N, K, stride_wn, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    ):  # fmt: skip
+        # y = r + W @ (silu(gate) * up), gate and up the two halves of GU; each step rounded to
+        # the activations' dtype as the unfused operators round it.
+        pid = tl.program_id(0)
+        offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+        acc = tl.zeros([BLOCK_N], tl.float32)
+        for start in range(0, K, BLOCK_K):
+            offs_k = start + tl.arange(0, BLOCK_K)
+            in_k = offs_k < K
+            gate = tl.load(GU + offs_k, mask=in_k, other=0.0).to(tl.float32)
+            up = tl.load(GU + K + offs_k, mask=in_k, other=0.0)
+            act = (gate * tl.sigmoid(gate)).to(up.dtype)
+            x = (act.to(tl.float32) * up.to(tl.float32)).to(up.dtype).to(tl.float32)
+            w = tl.load(
+                W + offs_n[:, None] * stride_wn + offs_k[None, :],
+                mask=(offs_n[:, None] < N) & in_k[None, :],
+                other=0.0,
+            )
+            acc += tl.sum(w.to(tl.float32) * x[None, :], axis=1)
+        product = acc.to(Y.dtype.element_ty).to(tl.float32)
+        residual = tl.load(R + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)
+        tl.store(Y + offs_n, (product + residual).to(Y.dtype.element_ty), mask=offs_n < N)
+
 
 def launch_options(out_features: int, in_features: int) -> dict:
     """The kernel's launch for a weight of these sizes: 1024 input features a block (fewer for a
@@ -125,3 +182,93 @@ def _(x, weight, bias):
 
 
 row_linear_op = torch.ops.areno.row_linear.default
+
+
+# The products of a decoder layer's MLP half at one row, with the operators around them folded
+# in: the residual add and the norm before `gate_up`, the activation before `down` and the
+# residual add after it. Each leaves a kernel launch a layer out of a one-row decode step.
+
+
+def add_norm_row_linear(
+    a: torch.Tensor,
+    residual: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    offset: float,
+    weight: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weight @ rms_norm(a + residual), a + residual) for one row: the norm's weight plus
+    `offset` (1 for the norms that scale by 1 + weight), in one kernel; the reference where the
+    kernels do not run."""
+    if not use_triton(weight):
+        return add_norm_linear_reference(a, residual, norm_weight, eps, offset, weight)
+    return add_norm_gemv(a, residual, norm_weight, eps, offset, weight)
+
+
+def add_norm_gemv(a, residual, norm_weight, eps, offset, weight):
+    in_features, out_features = a.shape[-1], weight.shape[0]
+    a, residual = a.contiguous(), residual.contiguous()
+    out = a.new_empty(*a.shape[:-1], out_features)
+    summed = torch.empty_like(a)
+    options = launch_options(out_features, in_features)
+    _add_norm_gemv_kernel[(triton.cdiv(out_features, options["BLOCK_N"]),)](
+        a, residual, norm_weight, weight, out, summed, out_features, in_features, eps, offset,
+        weight.stride(0), **options,
+    )  # fmt: skip
+    return out, summed
+
+
+def silu_row_linear(
+    gate_up: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor
+) -> torch.Tensor:
+    """residual + weight @ (silu(gate) * up) for one row, gate and up the halves of `gate_up`,
+    in one kernel; the reference where the kernels do not run."""
+    if not use_triton(weight):
+        return silu_linear_reference(gate_up, weight, residual)
+    return silu_gemv(gate_up, weight, residual)
+
+
+def silu_gemv(gate_up, weight, residual):
+    out_features, in_features = weight.shape
+    gate_up, residual = gate_up.contiguous(), residual.contiguous()
+    out = torch.empty_like(residual)
+    options = launch_options(out_features, in_features)
+    _silu_gemv_kernel[(triton.cdiv(out_features, options["BLOCK_N"]),)](
+        gate_up, residual, weight, out, out_features, in_features, weight.stride(0), **options
+    )
+    return out
+
+
+def add_norm_linear_reference(a, residual, norm_weight, eps, offset, weight):
+    summed = a + residual
+    x = summed.float()
+    normed = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return F.linear((normed * (norm_weight.float() + offset)).to(a.dtype), weight), summed
+
+
+def silu_linear_reference(gate_up, weight, residual):
+    gate, up = gate_up.chunk(2, dim=-1)
+    return residual + F.linear(F.silu(gate) * up, weight)
+
+
+_LIBRARY.define(
+    "add_norm_row_linear(Tensor a, Tensor residual, Tensor norm_weight, float eps, float offset,"
+    " Tensor weight) -> (Tensor, Tensor)"
+)
+_LIBRARY.impl("add_norm_row_linear", add_norm_row_linear, "CompositeExplicitAutograd")
+_LIBRARY.define("silu_row_linear(Tensor gate_up, Tensor weight, Tensor residual) -> Tensor")
+_LIBRARY.impl("silu_row_linear", silu_row_linear, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("areno::add_norm_row_linear")
+def _(a, residual, norm_weight, eps, offset, weight):
+    return a.new_empty((*a.shape[:-1], weight.shape[0])), torch.empty_like(a)
+
+
+@torch.library.register_fake("areno::silu_row_linear")
+def _(gate_up, weight, residual):
+    return torch.empty_like(residual)
+
+
+add_norm_row_linear_op = torch.ops.areno.add_norm_row_linear.default
+silu_row_linear_op = torch.ops.areno.silu_row_linear.default
