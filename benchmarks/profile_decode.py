@@ -132,8 +132,8 @@ def profile_steps(runner: ModelRunner, args: argparse.Namespace, rows: int) -> d
 
 def print_result(result: dict, floor_ms: float) -> None:
     print(
-        f"\n{result['rows']} rows, one-row gemv {result['gemv']}, MLP half fused "
-        f"{result['row_mlp']}: step {result['step_ms']:.2f} ms (profiled "
+        f"\n{result['rows']} rows, one-row gemv {result['gemv']}, fused layer "
+        f"{result['row_layer']}: step {result['step_ms']:.2f} ms (profiled "
         f"{result['profiled_ms_per_step']:.2f}); byte floor {floor_ms:.2f} ms = "
         f"{floor_ms / result['step_ms']:.0%} of the step"
     )
@@ -175,12 +175,13 @@ def main() -> None:
         "profile the same rows once each, one runner after another",
     )
     parser.add_argument(
-        "--row-mlp",
+        "--row-layer",
         nargs="+",
         choices=["on", "off"],
-        default=["on"],
-        help="with the one-row kernel, a Qwen-style layer's MLP half at one row in two kernels "
-        "(the runner's row_mlp); several values profile each with each --one-row-gemv value",
+        default=["off"],
+        help="with the one-row kernel, a Qwen-style layer at one row with its norms, residual adds "
+        "and activation folded into its products (the runner's row_layer); several values "
+        "profile each with each --one-row-gemv value",
     )
     parser.add_argument(
         "--linear-state-dtype",
@@ -203,9 +204,9 @@ def main() -> None:
     model = build(args)
     vocab = min(model.config.get_text_config().vocab_size, 400)  # ids the tiny tokenizer knows
     results, prefill_ms = [], {}
-    for gemv, row_mlp in itertools.product(args.one_row_gemv, args.row_mlp):
-        if row_mlp == "on" and gemv == "off" and len(args.row_mlp) > 1:
-            continue  # the same runner as row_mlp off
+    for gemv, row_layer in itertools.product(args.one_row_gemv, args.row_layer):
+        if row_layer == "on" and gemv == "off" and len(args.row_layer) > 1:
+            continue  # the same runner as row_layer off
         runner = ModelRunner(
             model,
             num_slots=max(args.rows),
@@ -216,12 +217,12 @@ def main() -> None:
             fuse_projections=args.fuse_projections == "on"
             or (args.fuse_projections == "auto" and on_cuda),
             one_row_gemv=gemv == "on" or (gemv == "auto" and on_cuda),
-            row_mlp=row_mlp == "on",
+            row_layer=row_layer == "on",
             linear_state_dtype=getattr(torch, args.linear_state_dtype),
         )
-        prefill_ms[f"{gemv}/{row_mlp}"] = fill(runner, args, vocab)
+        prefill_ms[f"{gemv}/{row_layer}"] = fill(runner, args, vocab)
         results += [
-            dict(profile_steps(runner, args, rows), gemv=gemv, row_mlp=row_mlp)
+            dict(profile_steps(runner, args, rows), gemv=gemv, row_layer=row_layer)
             for rows in args.rows
         ]
         device = runner.device
@@ -255,7 +256,7 @@ def main() -> None:
     print(
         f"\n{args.model} on {report['meta']['device']}, prompt {args.prompt_len}, graphs "
         f"{args.graphs}, compile {args.compile}, linear state {args.linear_state_dtype}; "
-        f"prefill ms per prompt {', '.join(f'{v:.1f} (gemv/MLP {k})' for k, v in prefill_ms.items())}"
+        f"prefill ms per prompt {', '.join(f'{v:.1f} (gemv/fused layer {k})' for k, v in prefill_ms.items())}"
     )
     for result in results:
         print_result(result, result["floor_ms"])

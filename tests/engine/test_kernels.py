@@ -185,11 +185,12 @@ MLP_SHAPES = [(48, 96), (10, 1500)] + ([(12288, 2048), (2048, 6144)] if DEVICE =
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("out_features, in_features", MLP_SHAPES)
 @pytest.mark.parametrize("offset", [0.0, 1.0])
-def test_the_mlp_halfs_fused_products_match_the_operators_they_replace(
+def test_a_layers_fused_products_match_the_operators_they_replace(
     dtype, out_features, in_features, offset
 ):
-    """The residual add, rms norm and product of `add_norm_row_linear`, and the activation,
-    product and residual add of `silu_row_linear`, against the same operators one by one."""
+    """The residual add, rms norm and product of `add_norm_row_linear`, the norm and product of
+    `norm_row_linear`, and the activation, product and residual add of `silu_row_linear`,
+    against the same operators one by one."""
     torch.manual_seed(0)
 
     def rand(*shape, scale=1.0):
@@ -207,6 +208,13 @@ def test_the_mlp_halfs_fused_products_match_the_operators_they_replace(
     torch.testing.assert_close(summed.float(), want_summed, atol=0, rtol=TOLERANCE[dtype])
     if dtype == torch.float32 or DEVICE == "cuda":
         assert torch.equal(summed, a + residual)
+    atol = TOLERANCE[dtype] * float(want.abs().mean())
+    torch.testing.assert_close(have.float(), want, atol=atol, rtol=TOLERANCE[dtype])
+
+    have = gemv_kernel.norm_row_linear(a, norm_weight, 1e-6, offset, weight)
+    want = gemv_kernel.norm_linear_reference(
+        a.float(), norm_weight.float(), 1e-6, offset, weight.float()
+    )
     atol = TOLERANCE[dtype] * float(want.abs().mean())
     torch.testing.assert_close(have.float(), want, atol=atol, rtol=TOLERANCE[dtype])
 
@@ -229,11 +237,11 @@ def _tiny_qwen3() -> torch.nn.Module:
     return Qwen3ForCausalLM(config).to(DEVICE).requires_grad_(False)
 
 
-def _one_row_greedy(model, row_mlp: bool, **runner) -> tuple[list[int], torch.Tensor]:
+def _one_row_greedy(model, row_layer: bool, **runner) -> tuple[list[int], torch.Tensor]:
     """A lone request decoding 3 tokens: its tokens and its last step's logits."""
     runner = ModelRunner(
         model, num_slots=1, max_len=64, fuse_projections=True, one_row_gemv=True,
-        row_mlp=row_mlp, **runner,
+        row_layer=row_layer, **runner,
     )  # fmt: skip
     ids = list(range(5, 17))
     tokens = [int(runner.prefill(PromptInputs(ids, {}), [0]).argmax())]
@@ -245,10 +253,13 @@ def _one_row_greedy(model, row_mlp: bool, **runner) -> tuple[list[int], torch.Te
 
 @needs_kernels
 @pytest.mark.parametrize("family, graphs", [("qwen3", "off"), ("qwen3_5", "static")])
-def test_a_one_row_step_runs_the_mlp_half_in_two_kernels(tiny_path, family, graphs, monkeypatch):
-    """Qwen3's layers at one row eagerly, Qwen3.5's compiled into a static step (on a GPU both,
-    captured): the MLP half's fused kernels run (two a layer a step) and give the unfused step's
-    tokens."""
+def test_a_one_row_step_runs_each_layer_in_its_fused_kernels(
+    tiny_path, family, graphs, monkeypatch
+):
+    """Qwen3's layers at one row eagerly, Qwen3.5's (linear and full attention) compiled into a
+    static step (on a GPU captured): each layer's input projections with its norm, its gate_up
+    with the residual add and norm, its down with the activation and residual add (three fused
+    kernels a layer a step), giving the unfused step's tokens."""
     from areno.models import get_adapter
     from areno.models.registry import read_model_type
 
@@ -258,7 +269,7 @@ def test_a_one_row_step_runs_the_mlp_half_in_two_kernels(tiny_path, family, grap
         path = tiny_path(family)
         model = get_adapter(read_model_type(path)).load_model(path, dtype=torch.float32)
         model = model.to(DEVICE)
-    calls = {"add_norm_gemv": 0, "silu_gemv": 0}
+    calls = {"norm_gemv": 0, "add_norm_gemv": 0, "silu_gemv": 0}
     for name in calls:
         monkeypatch.setattr(gemv_kernel, name, _counted(getattr(gemv_kernel, name), name, calls))
     runner = {"graphs": "off", "compile": "off"}
@@ -268,29 +279,28 @@ def test_a_one_row_step_runs_the_mlp_half_in_two_kernels(tiny_path, family, grap
             "graphs": "capture" if on_cuda else "static",
             "compile": "inductor" if on_cuda else "aot_eager",
         }
-    want_tokens, want = _one_row_greedy(model, row_mlp=False, **runner)
+    want_tokens, want = _one_row_greedy(model, row_layer=False, **runner)
     assert not any(calls.values())
     torch._dynamo.reset()
-    have_tokens, have = _one_row_greedy(model, row_mlp=True, **runner)
+    have_tokens, have = _one_row_greedy(model, row_layer=True, **runner)
     assert have_tokens == want_tokens
     torch.testing.assert_close(have, want, atol=1e-4, rtol=1e-4)
     layers = model.config.get_text_config().num_hidden_layers
     if runner["graphs"] == "capture":  # launched while capturing, replayed since
-        assert calls["add_norm_gemv"] == calls["silu_gemv"] > 0
+        assert calls["norm_gemv"] == calls["add_norm_gemv"] == calls["silu_gemv"] > 0
     else:
-        assert calls["add_norm_gemv"] == calls["silu_gemv"] == 3 * layers
+        assert calls == dict.fromkeys(calls, 3 * layers)
 
 
 @needs_kernels
-def test_layers_with_adapter_slots_keep_their_own_mlp(monkeypatch):
-    """LoRA hooks the MLP's products, which the fused kernels would skip: a runner with adapter
-    slots routes no layer there."""
-    calls = {"add_norm_gemv": 0}
-    monkeypatch.setattr(
-        gemv_kernel, "add_norm_gemv", _counted(gemv_kernel.add_norm_gemv, "add_norm_gemv", calls)
-    )
-    tokens, _ = _one_row_greedy(_tiny_qwen3(), row_mlp=True, graphs="off", max_loras=1)
-    assert len(tokens) == 4 and calls["add_norm_gemv"] == 0
+def test_layers_with_adapter_slots_keep_their_own_code(monkeypatch):
+    """LoRA hooks the layers' products (adding to each from its input), which the fused kernels
+    would skip or feed another input: a runner with adapter slots routes no layer there."""
+    calls = {"norm_gemv": 0, "add_norm_gemv": 0}
+    for name in calls:
+        monkeypatch.setattr(gemv_kernel, name, _counted(getattr(gemv_kernel, name), name, calls))
+    tokens, _ = _one_row_greedy(_tiny_qwen3(), row_layer=True, graphs="off", max_loras=1)
+    assert len(tokens) == 4 and not any(calls.values())
 
 
 def _keys(rows: int, seed: int | None = 0) -> torch.Tensor:

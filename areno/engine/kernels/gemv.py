@@ -55,11 +55,12 @@ if triton is not None:
     @triton.jit
     def _add_norm_gemv_kernel(
         A, R, G, W, Y, H, N, K, eps, offset, stride_wn,
-        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        ADD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     ):  # fmt: skip
-        # y = W @ rms_norm(a + r): the sum rounded to the activations' dtype (program 0 stores
-        # it in H), each input scaled by its norm weight (plus `offset`) on the way in and the
-        # row's 1 / rms applied to the finished sums, so one pass over the input does both.
+        # y = W @ rms_norm(a + r) (`ADD`; else of a): the sum rounded to the activations' dtype
+        # (program 0 stores it in H), each input scaled by its norm weight (plus `offset`) on
+        # the way in and the row's 1 / rms applied to the finished sums, so one pass over the
+        # input does both.
         pid = tl.program_id(0)
         offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         acc = tl.zeros([BLOCK_N], tl.float32)
@@ -68,10 +69,11 @@ if triton is not None:
             offs_k = start + tl.arange(0, BLOCK_K)
             in_k = offs_k < K
             x = tl.load(A + offs_k, mask=in_k, other=0.0).to(tl.float32)
-            x += tl.load(R + offs_k, mask=in_k, other=0.0).to(tl.float32)
-            x = x.to(H.dtype.element_ty)
-            tl.store(H + offs_k, x, mask=in_k & (pid == 0))
-            x = x.to(tl.float32)
+            if ADD:
+                x += tl.load(R + offs_k, mask=in_k, other=0.0).to(tl.float32)
+                x = x.to(H.dtype.element_ty)
+                tl.store(H + offs_k, x, mask=in_k & (pid == 0))
+                x = x.to(tl.float32)
             squares += x * x
             g = tl.load(G + offs_k, mask=in_k, other=0.0).to(tl.float32) + offset
             w = tl.load(
@@ -123,6 +125,15 @@ def launch_options(out_features: int, in_features: int) -> dict:
         "num_warps": 4,
         "num_stages": 4 if in_features >= 4096 else 2,
     }
+
+
+def fused_launch_options(out_features: int, in_features: int) -> dict:
+    """A fused kernel's launch (`add_norm_row_linear`, `norm_row_linear`, `silu_row_linear`):
+    `launch_options` with 8 output features a program. Every program works its whole input over
+    (the add, the norm's weight and squares, the activation) beside its rows of the weight: at
+    2-4 outputs a program that work outweighs the products' (on an H100 the 1.7B shape's fused
+    products at the plain kernel's launch took 3 us a layer more than the unfused ones)."""
+    return launch_options(out_features, in_features) | {"BLOCK_N": 8}
 
 
 def gemv(
@@ -184,9 +195,10 @@ def _(x, weight, bias):
 row_linear_op = torch.ops.areno.row_linear.default
 
 
-# The products of a decoder layer's MLP half at one row, with the operators around them folded
-# in: the residual add and the norm before `gate_up`, the activation before `down` and the
-# residual add after it. Each leaves a kernel launch a layer out of a one-row decode step.
+# The products of a decoder layer at one row with the operators around them folded in: the norm
+# before the token mixer's input projections, the residual add and the norm before `gate_up`,
+# the activation before `down` and the residual add after it. Each leaves a kernel launch a
+# layer out of a one-row decode step (areno/engine/layers/row_layer.py).
 
 
 def add_norm_row_linear(
@@ -210,12 +222,34 @@ def add_norm_gemv(a, residual, norm_weight, eps, offset, weight):
     a, residual = a.contiguous(), residual.contiguous()
     out = a.new_empty(*a.shape[:-1], out_features)
     summed = torch.empty_like(a)
-    options = launch_options(out_features, in_features)
+    options = fused_launch_options(out_features, in_features)
     _add_norm_gemv_kernel[(triton.cdiv(out_features, options["BLOCK_N"]),)](
         a, residual, norm_weight, weight, out, summed, out_features, in_features, eps, offset,
-        weight.stride(0), **options,
+        weight.stride(0), ADD=True, **options,
     )  # fmt: skip
     return out, summed
+
+
+def norm_row_linear(
+    x: torch.Tensor, norm_weight: torch.Tensor, eps: float, offset: float, weight: torch.Tensor
+) -> torch.Tensor:
+    """weight @ rms_norm(x) for one row (the norm's weight plus `offset`), in one kernel; the
+    reference where the kernels do not run."""
+    if not use_triton(weight):
+        return norm_linear_reference(x, norm_weight, eps, offset, weight)
+    return norm_gemv(x, norm_weight, eps, offset, weight)
+
+
+def norm_gemv(x, norm_weight, eps, offset, weight):
+    in_features, out_features = x.shape[-1], weight.shape[0]
+    x = x.contiguous()
+    out = x.new_empty(*x.shape[:-1], out_features)
+    options = fused_launch_options(out_features, in_features)
+    _add_norm_gemv_kernel[(triton.cdiv(out_features, options["BLOCK_N"]),)](
+        x, x, norm_weight, weight, out, x, out_features, in_features, eps, offset,
+        weight.stride(0), ADD=False, **options,
+    )  # fmt: skip
+    return out
 
 
 def silu_row_linear(
@@ -232,18 +266,22 @@ def silu_gemv(gate_up, weight, residual):
     out_features, in_features = weight.shape
     gate_up, residual = gate_up.contiguous(), residual.contiguous()
     out = torch.empty_like(residual)
-    options = launch_options(out_features, in_features)
+    options = fused_launch_options(out_features, in_features)
     _silu_gemv_kernel[(triton.cdiv(out_features, options["BLOCK_N"]),)](
         gate_up, residual, weight, out, out_features, in_features, weight.stride(0), **options
     )
     return out
 
 
+def norm_linear_reference(x, norm_weight, eps, offset, weight):
+    x32 = x.float()
+    normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return F.linear((normed * (norm_weight.float() + offset)).to(x.dtype), weight)
+
+
 def add_norm_linear_reference(a, residual, norm_weight, eps, offset, weight):
     summed = a + residual
-    x = summed.float()
-    normed = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
-    return F.linear((normed * (norm_weight.float() + offset)).to(a.dtype), weight), summed
+    return norm_linear_reference(summed, norm_weight, eps, offset, weight), summed
 
 
 def silu_linear_reference(gate_up, weight, residual):
@@ -256,6 +294,11 @@ _LIBRARY.define(
     " Tensor weight) -> (Tensor, Tensor)"
 )
 _LIBRARY.impl("add_norm_row_linear", add_norm_row_linear, "CompositeExplicitAutograd")
+_LIBRARY.define(
+    "norm_row_linear(Tensor x, Tensor norm_weight, float eps, float offset, Tensor weight)"
+    " -> Tensor"
+)
+_LIBRARY.impl("norm_row_linear", norm_row_linear, "CompositeExplicitAutograd")
 _LIBRARY.define("silu_row_linear(Tensor gate_up, Tensor weight, Tensor residual) -> Tensor")
 _LIBRARY.impl("silu_row_linear", silu_row_linear, "CompositeExplicitAutograd")
 
@@ -265,10 +308,16 @@ def _(a, residual, norm_weight, eps, offset, weight):
     return a.new_empty((*a.shape[:-1], weight.shape[0])), torch.empty_like(a)
 
 
+@torch.library.register_fake("areno::norm_row_linear")
+def _(x, norm_weight, eps, offset, weight):
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
 @torch.library.register_fake("areno::silu_row_linear")
 def _(gate_up, weight, residual):
     return torch.empty_like(residual)
 
 
 add_norm_row_linear_op = torch.ops.areno.add_norm_row_linear.default
+norm_row_linear_op = torch.ops.areno.norm_row_linear.default
 silu_row_linear_op = torch.ops.areno.silu_row_linear.default

@@ -50,6 +50,9 @@ class _Group:
                 self.bias = _parameter(torch.cat([m.bias for m in linears]))
         self.input: torch.Tensor | None = None
         self.outputs: list[torch.Tensor] | None = None
+        # A norm (weight, eps, offset) the next product applies to its input first, set for
+        # one call by a decoder layer that folds its input norm in (row_layer.py).
+        self.norm: tuple[torch.Tensor, float, float] | None = None
         # The fused matmul, x -> x @ weight.T + bias; the CPU's packed layers swap in their own
         # while active (areno/engine/layers/cpu_linear.py).
         self.linear = self.plain_linear

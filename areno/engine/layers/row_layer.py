@@ -1,21 +1,35 @@
-"""A decoder layer's MLP half at one row (a decode step of one sequence) in two kernels.
+"""A Qwen-style decoder layer at one row (a decode step of one sequence) with its norms, residual
+adds and activation folded into its products.
 
 At one row a layer's step is a dozen short kernels, each a few microseconds of launch and tail
-for little work (docs/performance.md, "Where a step's time goes"). After the token mixer a
-Qwen-style layer runs: the residual add and the norm (one kernel), `gate_up`, the activation
-(one kernel), `down`, and leaves its residual add to the next layer's norm. Here
-`areno::add_norm_row_linear` adds the residual, normalizes and multiplies by `gate_up` in one
-pass over the input (the row's 1 / rms scales the finished sums), and `areno::silu_row_linear`
-takes the activation on the way into `down` and adds the residual to its output, so the next
-layer's norm has no add to do (kernels/gemv.py). Two kernels a layer fewer.
+for little work (docs/performance.md, "Where a step's time goes"). A Qwen-style layer runs: the
+input norm (one kernel, with the last layer's residual add), the token mixer's input
+projections, the mixer, the residual add and the norm (one kernel), `gate_up`, the activation
+(one kernel) and `down`. Here (kernels/gemv.py):
+- the mixer's fused input projections apply the input norm as they read their input
+  (`areno::norm_row_linear`: each input scaled by its norm weight on the way in, the row's
+  1 / rms applied to the finished sums, so one pass does both);
+- `areno::add_norm_row_linear` adds the residual, normalizes and multiplies by `gate_up`;
+- `areno::silu_row_linear` takes the activation on the way into `down` and adds the residual
+  to its output, so the next layer's input is whole.
+Three kernels a layer fewer.
 
-Only layers whose code this module mirrors take it (`MIXERS`: Qwen3's, Qwen3.5's), with a norm
+Not yet a gain, so the runner keeps it off (`ModelRunner(row_layer=...)`). On an H100
+(`benchmarks/profile_decode.py --model qwen3-1.7b --rows 1 --one-row-gemv on --row-layer off
+on`) the three kernels a layer went (0.13 ms of the 1.7B shape's step), but at the plain
+kernel's launch (2-4 outputs a program) every program's work over the whole input made the
+fused products as much slower: 2.08 -> 2.07 ms a step; the 8B shape 6.17 -> 6.30 ms. Their
+launch now gives a program 8 outputs (`fused_launch_options`), not yet measured on a GPU.
+
+Only layers whose code this module mirrors take it (`MIXERS`: Qwen3's, Qwen3.5's), with norms
 it knows (`NORM_OFFSETS`), an MLP of SiLU-gated plain linear layers without bias whose gate and
-up are fused (fused_linear.py), and no hooks on them (LoRA's adapters add to those products, so a
-runner with adapter slots keeps the layer's own code). Like the engine's other layers it is in
-force only inside the engine's forwards (`with row_mlps:`), and there only where the step has
-one row (decided at trace time where torch.compile runs it); every other call runs the layer's
-own forward.
+up are fused (fused_linear.py), and no hooks on their linear layers (LoRA's adapters add to those
+products from their inputs, so a runner with adapter slots keeps the layer's own code). The input
+norm is folded where the mixer's input projections are one fused group without bias; elsewhere
+the norm runs as the layer's code runs it. Like the engine's other layers it is in force only
+inside the engine's forwards (`with row_layers:`), and there only where the step has one row
+(decided at trace time where torch.compile runs it); every other call runs the layer's own
+forward.
 """
 
 from __future__ import annotations
@@ -104,9 +118,10 @@ def _eps(norm: nn.Module) -> float:
 
 
 class _Layer:
-    """One decoder layer that takes the fused MLP half: its modules and fused gate-up weight."""
+    """One decoder layer that takes the fused path: its modules, its fused gate-up weight and
+    the fused group of its mixer's input projections (None: its input norm runs apart)."""
 
-    def __init__(self, layer: nn.Module, gate_up: nn.Parameter):
+    def __init__(self, layer: nn.Module, gate_up: nn.Parameter, groups: dict[int, object]):
         self.layer = layer
         self.mixer = MIXERS[type(layer).__name__]
         self.input_norm = layer.input_layernorm
@@ -116,13 +131,23 @@ class _Layer:
         self.mlp = layer.mlp
         self.gate_up = gate_up
         self.original = layer.forward
+        self.linears = [m for m in layer.modules() if isinstance(m, nn.Linear)]
+        mixer = getattr(layer, "self_attn", None) or getattr(layer, "linear_attn", None)
+        first = getattr(mixer, "q_proj", None) or getattr(mixer, "in_proj_qkv", None)
+        self.input_group = groups.get(id(first))
+        if self.input_group is not None:
+            self.input_group = (
+                self.input_group
+                if self.input_group.bias is None and type(self.input_norm).__name__ in NORM_OFFSETS
+                else None
+            )
+        self.input_eps = _eps(self.input_norm)
+        self.input_offset = NORM_OFFSETS.get(type(self.input_norm).__name__, 0.0)
 
     def hooked(self) -> bool:
-        """Whether anything hooks the MLP's products (LoRA's adapters), which the kernels skip."""
-        return any(
-            m._forward_hooks or m._forward_pre_hooks
-            for m in (self.mlp, self.mlp.gate_proj, self.mlp.up_proj, self.mlp.down_proj)
-        )
+        """Whether anything hooks the layer's products (LoRA's adapters, which add to a product
+        from its input): the kernels would skip those hooks, or give them another input."""
+        return any(m._forward_hooks or m._forward_pre_hooks for m in (self.mlp, *self.linears))
 
     def takes(self, x: torch.Tensor) -> bool:
         """Eagerly: whether the kernels compute this call (one row, on the kernels' device, of
@@ -137,7 +162,14 @@ class _Layer:
     def fused(self, hidden: torch.Tensor, args: tuple, kwargs: dict, ops: bool) -> torch.Tensor:
         add_norm = add_norm_row_linear_op if ops else add_norm_row_linear
         silu = silu_row_linear_op if ops else silu_row_linear
-        mixed = self.mixer(self.layer, self.input_norm(hidden), *args, **kwargs)
+        if self.input_group is None:
+            mixed = self.mixer(self.layer, self.input_norm(hidden), *args, **kwargs)
+        else:
+            # The group's next product (the mixer's first projection of its input) applies
+            # the norm; the other projections take their slices of it.
+            self.input_group.norm = (self.input_norm.weight, self.input_eps, self.input_offset)
+            mixed = self.mixer(self.layer, hidden, *args, **kwargs)
+            self.input_group.norm = None
         gate_up, summed = add_norm(
             mixed, hidden, self.norm.weight, self.eps, self.offset, self.gate_up
         )
@@ -159,10 +191,10 @@ def _fusable(layer: nn.Module, gate_ups: dict[int, nn.Parameter]) -> bool:
     )
 
 
-class RowMlps:
+class RowLayers:
     """Routes the one-row calls of the decoder layers among `modules` that can take it (see the
-    module's docstring) to the fused MLP half while active. The routing is installed once:
-    entering and leaving, which every forward of the runner does, only flips `active`."""
+    module's docstring) to the fused path while active. The routing is installed once: entering
+    and leaving, which every forward of the runner does, only flips `active`."""
 
     def __init__(self, modules: Iterable[nn.Module], fused: FusedLinears):
         gate_ups = {
@@ -170,8 +202,9 @@ class RowMlps:
             for group in fused.groups
             if group.names == ("gate_proj", "up_proj")
         }
+        groups = {id(group.linears[0]): group for group in fused.groups}
         self._layers = [
-            _Layer(m, gate_ups[id(m.mlp.gate_proj)])
+            _Layer(m, gate_ups[id(m.mlp.gate_proj)], groups)
             for m in dict.fromkeys(modules)
             if _fusable(m, gate_ups)
         ]
@@ -185,7 +218,12 @@ class RowMlps:
         """The decoder layers it routes."""
         return len(self._layers)
 
-    def __enter__(self) -> RowMlps:
+    @property
+    def input_norms(self) -> int:
+        """Of those, the layers whose input norm is folded into their mixer's projections."""
+        return sum(entry.input_group is not None for entry in self._layers)
+
+    def __enter__(self) -> RowLayers:
         with self._lock:
             self._depth += 1
             self.active = True

@@ -21,7 +21,12 @@ import torch.nn.functional as F
 from torch import nn
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from areno.engine.kernels.gemv import row_linear, row_linear_op
+from areno.engine.kernels.gemv import (
+    norm_row_linear,
+    norm_row_linear_op,
+    row_linear,
+    row_linear_op,
+)
 from areno.engine.layers.fused_linear import FusedLinears
 
 
@@ -67,6 +72,12 @@ class RowLinears:
         def forward(x: torch.Tensor) -> torch.Tensor:
             if not self.active:
                 return F.linear(x, owner.weight, owner.bias)
+            norm = getattr(owner, "norm", None)
+            if norm is not None:  # a fused group given its layer's input norm, for this call
+                owner.norm = None
+                if torch.compiler.is_compiling():
+                    return norm_row_linear_op(x, *norm, owner.weight)
+                return norm_row_linear(x, *norm, owner.weight)
             if torch.compiler.is_compiling():
                 # Traced, the op only where the graph has one row for certain (torch.compile
                 # specializes a size of 1): a graph of several rows keeps inductor's own

@@ -47,7 +47,7 @@ from areno.engine.layers.cpu_linear import PackedLinears, can_pack
 from areno.engine.layers.fused_linear import FusedLinears
 from areno.engine.layers.linear_attention import EngineKernels
 from areno.engine.layers.lora import LoraLayers
-from areno.engine.layers.row_layer import RowMlps
+from areno.engine.layers.row_layer import RowLayers
 from areno.engine.layers.row_linear import RowLinears
 from areno.engine.runner.batched_prefill import (
     PromptPart,
@@ -98,7 +98,7 @@ class ModelRunner:
         packed_linear: bool = False,
         fuse_projections: bool = False,
         one_row_gemv: bool = False,
-        row_mlp: bool = True,
+        row_layer: bool = False,
         state_rows: int = 0,
         encoder_cache_bytes: int = 0,
         max_loras: int = 0,
@@ -117,9 +117,10 @@ class ModelRunner:
         `fuse_projections`: sibling projections of one input run as one matmul (packed whole
         where the layers are packed; areno/engine/layers/fused_linear.py). `one_row_gemv`: the text
         stack's products of one row, and the LM head's, on the matrix-vector kernel where the
-        layers are not packed (areno/engine/layers/row_linear.py); with `row_mlp` and fused
-        projections too, a Qwen-style layer's MLP half at one row in two kernels, its residual
-        adds, norm and activation folded in (areno/engine/layers/row_layer.py). `state_rows`:
+        layers are not packed (areno/engine/layers/row_linear.py); with `row_layer` and fused
+        projections too, a Qwen-style layer at one row with its norms, residual adds and
+        activation folded into its products (areno/engine/layers/row_layer.py; off by default:
+        not yet faster on an H100, docs/performance.md). `state_rows`:
         spare rows of slot state (linear-attention states, sliding rings) that the prefix cache
         saves states in (areno/engine/kv/state_cache.py); none where every layer keeps only
         keys.
@@ -208,9 +209,9 @@ class ModelRunner:
         if one_row_gemv and self.linears is None:
             modules = [*self._text_stack.modules(), model.get_output_embeddings()]
             self.row_linears = RowLinears(modules, self.fused)
-        self.row_mlps = None
-        if self.row_linears is not None and row_mlp and self.fused is not None:
-            self.row_mlps = RowMlps(self._text_stack.modules(), self.fused)
+        self.row_layers = None
+        if self.row_linears is not None and row_layer and self.fused is not None:
+            self.row_layers = RowLayers(self._text_stack.modules(), self.fused)
         self.graphs = None
         if graphs != "off":
             self.graphs = DecodeGraphs(
@@ -230,8 +231,8 @@ class ModelRunner:
             stack.enter_context(self.linears)
         if self.row_linears is not None:
             stack.enter_context(self.row_linears)
-        if self.row_mlps is not None:
-            stack.enter_context(self.row_mlps)
+        if self.row_layers is not None:
+            stack.enter_context(self.row_layers)
         if self.fused is not None:
             stack.enter_context(self.fused)
         if self.lora is not None:
