@@ -12,8 +12,16 @@ import sys
 import pytest
 import torch
 
-from areno.engine.runner.saved_traces import _reusable_guards
+from areno.engine.runner.saved_traces import _reusable_guards, unsaved_backend_reason
 from tests.engine.generating import FAMILIES
+
+# torch 2.11 cannot save aot_eager's graphs with a trace (`unsaved_backend_reason`): there the
+# engines of these tests save nothing, and Inductor's traces (`test_a_loaded_trace_reads...`)
+# stand for the saving.
+saves_aot_eager = pytest.mark.skipif(
+    unsaved_backend_reason("aot_eager") is not None,
+    reason=str(unsaved_backend_reason("aot_eager")),
+)
 
 # One engine start in a fresh process, as `areno serve` builds it: greedy outputs of a few
 # prompts, the start-up line and the trace counts, as one JSON line.
@@ -60,6 +68,7 @@ def start(path, compile: str, cache) -> dict:
 
 
 @pytest.mark.slow
+@saves_aot_eager
 @pytest.mark.parametrize("family", FAMILIES)
 def test_a_second_start_loads_the_traces_and_generates_the_same(tiny_path, tmp_path, family):
     path = tiny_path(family)
@@ -77,6 +86,7 @@ def test_a_second_start_loads_the_traces_and_generates_the_same(tiny_path, tmp_p
 
 
 @pytest.mark.slow
+@saves_aot_eager
 def test_a_saved_trace_that_does_not_load_is_traced_again(tiny_path, tmp_path):
     """A damaged file: the start says so once, traces that forward again and generates what
     the start that saved it did."""
@@ -104,9 +114,8 @@ def test_no_trace_is_saved_with_the_compile_cache_off(tiny_path, tmp_path, monke
 def test_a_torch_that_cannot_save_traces_compiles_as_torch_compile_does(
     tmp_path, monkeypatch, caplog
 ):
-    """A torch without `torch.compiler.load_compiled_function` (the GPU machines' 2.11 has no
-    `aot_compile` either): the forward compiles unsaved from the start, nothing is written
-    under the compile cache, and the engine says why once."""
+    """A torch without `torch.compiler.load_compiled_function`: the forward compiles unsaved
+    from the start, nothing is written under the compile cache, and the engine says why once."""
     from areno.engine import compile_cache
     from areno.engine.runner import saved_traces
     from areno.engine.runner.compiled import CompiledForward
@@ -162,6 +171,7 @@ class _Breaking(torch.nn.Module):
         return x.relu()
 
 
+@saves_aot_eager
 def test_a_forward_that_breaks_compiles_unsaved_and_later_starts_do_not_try(tmp_path, monkeypatch):
     """A graph break leaves no whole graph to save: the call runs through torch.compile, and the
     forward's directory says so, so that the next start compiles it unsaved at once."""
@@ -194,7 +204,14 @@ class _Small(torch.nn.Module):
         return self.linear(x).relu() * scale
 
 
-def test_a_loaded_trace_reads_the_weights_the_model_has_now(tmp_path):
+@pytest.mark.parametrize(
+    "backend",
+    [
+        pytest.param("aot_eager", marks=saves_aot_eager),
+        pytest.param("inductor", marks=pytest.mark.slow),
+    ],
+)
+def test_a_loaded_trace_reads_the_weights_the_model_has_now(tmp_path, backend):
     """The weights are the trace's inputs, not its constants: a weight update (copied in place,
     as `update_weights` does) reaches a trace loaded before it; other shapes get a trace of
     their own, saved beside the first."""
@@ -202,10 +219,10 @@ def test_a_loaded_trace_reads_the_weights_the_model_has_now(tmp_path):
 
     module = _Small()
     x = torch.randn(3, 4)
-    first = SavedTraces(module.forward, "aot_eager", tmp_path, "a small forward")
+    first = SavedTraces(module.forward, backend, tmp_path, "a small forward")
     with torch.no_grad():
         assert torch.equal(first(x), module(x))
-    loaded = SavedTraces(module.forward, "aot_eager", tmp_path, "a small forward")
+    loaded = SavedTraces(module.forward, backend, tmp_path, "a small forward")
     with torch.no_grad():
         module.linear.weight.mul_(-2.0)
         assert torch.equal(loaded(x), module(x))
@@ -214,3 +231,30 @@ def test_a_loaded_trace_reads_the_weights_the_model_has_now(tmp_path):
         assert torch.equal(loaded(y), module(y))
     assert loaded.num_traced == 1
     assert sorted(p.name for p in loaded.directory.glob("*.bin")) == ["0.bin", "1.bin"]
+
+
+def test_traces_save_and_load_where_torch_offers_aot_compile_only_when_asked(tmp_path, monkeypatch):
+    """torch 2.11 gives a compiled function `aot_compile` only while
+    `torch._dynamo.config.enable_aot_compile` is set, and it is off there by default (as here):
+    traces are made, saved and loaded all the same, and compiles made elsewhere keep the
+    default."""
+    from areno.engine.runner import saved_traces
+    from areno.engine.runner.saved_traces import SavedTraces
+
+    monkeypatch.setattr(torch._dynamo.config, "enable_aot_compile", False)
+    saved_traces.supported.cache_clear()
+    try:
+        assert saved_traces.supported()
+    finally:
+        saved_traces.supported.cache_clear()
+    backend = "aot_eager" if unsaved_backend_reason("aot_eager") is None else "inductor"
+    module = _Small()
+    x = torch.randn(3, 4)
+    with torch.no_grad():
+        first = SavedTraces(module.forward, backend, tmp_path, "a small forward")
+        assert torch.equal(first(x), module(x)) and first.num_traced == 1
+        loaded = SavedTraces(module.forward, backend, tmp_path, "a small forward")
+        assert torch.equal(loaded(x), module(x))
+    assert loaded.num_loaded == 1 and loaded.num_traced == 0
+    assert not torch._dynamo.config.enable_aot_compile
+    assert not hasattr(torch.compile(module.forward, fullgraph=True), "aot_compile")

@@ -20,6 +20,7 @@ and its directory's `unsaved` file says why, so that later starts do not try aga
 
 from __future__ import annotations
 
+import contextlib
 import dis
 import functools
 import hashlib
@@ -117,13 +118,16 @@ class SavedTraces:
     def _trace(self, args: tuple, kwargs: dict) -> Any:
         if len(self.traces) >= torch._dynamo.config.recompile_limit:
             raise RuntimeError(f"more than {len(self.traces)} traces of one forward")
-        compiled = torch.compile(
-            self.method,
-            backend=self.backend,
-            dynamic=True,
-            fullgraph=True,
-            options={"guard_filter_fn": _reusable_guards},
-        )
+        if (reason := unsaved_backend_reason(self.backend)) is not None:
+            raise RuntimeError(reason)
+        with _aot_compile_enabled():
+            compiled = torch.compile(
+                self.method,
+                backend=self.backend,
+                dynamic=True,
+                fullgraph=True,
+                options={"guard_filter_fn": _reusable_guards},
+            )
         with _dim_marks_kept():
             trace = compiled.aot_compile((args, kwargs))
         self._save(trace, len(self.traces))
@@ -149,9 +153,12 @@ class SavedTraces:
         partial = names.with_suffix(f".{os.getpid()}.tmp")
         partial.write_text(json.dumps(modules))
         partial.replace(names)
-        trace.save_compiled_function(
-            str(self.directory / f"{index}.bin"), external_data=self._external_data()
-        )
+        # torch 2.11 writes the file in place (later ones write it atomically): a start that
+        # stopped midway, or another reading it meanwhile, would find it cut short.
+        path = self.directory / f"{index}.bin"
+        partial = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        trace.save_compiled_function(str(partial), external_data=self._external_data())
+        partial.replace(path)
 
     def _load(self) -> None:
         self.traces = []
@@ -198,15 +205,42 @@ class SavedTraces:
 def supported() -> bool:
     """Whether this torch traces a forward to save it and loads it back (`aot_compile`,
     `torch.compiler.load_compiled_function`); logs once where it does not."""
-    # Asked of a whole-graph compile, the kind `_trace` makes. (torch 2.11 has `aot_compile` on
-    # neither kind: an H100's probe.)
-    compiled = torch.compile(_nothing, fullgraph=True)
+    # Asked of a whole-graph compile, the kind `_trace` makes.
+    with _aot_compile_enabled():
+        compiled = torch.compile(_nothing, fullgraph=True)
     can = callable(getattr(compiled, "aot_compile", None)) and hasattr(
         torch.compiler, "load_compiled_function"
     )
     if not can:
         log.info("torch %s does not save Dynamo traces: each start traces again", torch.__version__)
     return can
+
+
+def unsaved_backend_reason(backend: str) -> str | None:
+    """Why this torch cannot save a trace compiled with `backend`; None where it can.
+
+    NOTE: a trace saves AOTAutograd's graphs as its cache does, which demands that the backend's
+    compiled forward be an `OutputCode`. Inductor's is; aot_eager's is in later torches
+    (`AOTEagerOutputCode`, 2.13 has it), but torch 2.11's is a plain function and its
+    `aot_compile` fails with "expected OutputCode" after the whole trace. Said before tracing,
+    it costs nothing."""
+    debugging = importlib.import_module("torch._dynamo.backends.debugging")
+    if backend == "aot_eager" and not hasattr(debugging, "AOTEagerOutputCode"):
+        return f"torch {torch.__version__} cannot save aot_eager's graphs (no AOTEagerOutputCode)"
+    return None
+
+
+def _aot_compile_enabled() -> contextlib.AbstractContextManager:
+    """Within the block, `torch.compile` gives its whole-graph compiles an `aot_compile`.
+
+    NOTE: torch attaches `aot_compile` to a compiled function as it makes it, and only while
+    `torch._dynamo.config.enable_aot_compile` is set: off by default in torch 2.11 (whose
+    `aot_compile`, `save_compiled_function` and `torch.compiler.load_compiled_function` are
+    otherwise those `SavedTraces` uses), on in 2.13 and later. Set only around the compiles
+    made here: every other compile keeps torch's default."""
+    if getattr(torch._dynamo.config, "enable_aot_compile", True):
+        return contextlib.nullcontext()
+    return torch._dynamo.config.patch(enable_aot_compile=True)
 
 
 def traced_method(forward: Callable) -> types.MethodType | None:
