@@ -25,6 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
+from areno.engine.layers.switch import Switch
+
 # Siblings fused, in the order the model code calls them.
 GROUPS = (
     ("q_proj", "k_proj", "v_proj"),
@@ -106,7 +108,7 @@ _FUSED: weakref.WeakKeyDictionary[torch.nn.Module, FusedLinears] = weakref.WeakK
 _FUSED_LOCK = threading.Lock()
 
 
-class FusedLinears:
+class FusedLinears(Switch):
     """The fused sibling projections of one model's text stack; active only inside `with`.
 
     Build it with `FusedLinears.of(text_stack)`, which hands every runner over one model the same
@@ -122,9 +124,7 @@ class FusedLinears:
             return fused
 
     def __init__(self, text_stack: torch.nn.Module):
-        self.active = False
-        self._depth = 0
-        self._lock = threading.Lock()
+        super().__init__()
         self.groups: list[_Group] = []
         for parent in text_stack.modules():
             for names in GROUPS:
@@ -144,17 +144,6 @@ class FusedLinears:
 
         return forward
 
-    def __enter__(self) -> FusedLinears:
-        with self._lock:
-            self._depth += 1
-            self.active = True
-        return self
-
-    def __exit__(self, *exc) -> None:
-        with self._lock:
-            self._depth -= 1
-            if self._depth:
-                return
-            self.active = False
-            for group in self.groups:
-                group.release()
+    def switched_off(self) -> None:
+        for group in self.groups:
+            group.release()

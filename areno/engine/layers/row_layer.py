@@ -34,7 +34,6 @@ forward.
 
 from __future__ import annotations
 
-import threading
 import types
 from collections.abc import Callable, Iterable
 
@@ -50,6 +49,7 @@ from areno.engine.kernels.gemv import (
     silu_row_linear_op,
 )
 from areno.engine.layers.fused_linear import FusedLinears
+from areno.engine.layers.switch import Switch
 
 # The activations the kernel computes (torch's and transformers' SiLU).
 SILU = ("SiLU", "SiLUActivation")
@@ -191,7 +191,7 @@ def _fusable(layer: nn.Module, gate_ups: dict[int, nn.Parameter]) -> bool:
     )
 
 
-class RowLayers:
+class RowLayers(Switch):
     """Routes the one-row calls of the decoder layers among `modules` that can take it (see the
     module's docstring) to the fused path while active. The routing is installed once: entering
     and leaving, which every forward of the runner does, only flips `active`."""
@@ -208,9 +208,7 @@ class RowLayers:
             for m in dict.fromkeys(modules)
             if _fusable(m, gate_ups)
         ]
-        self.active = False
-        self._lock = threading.Lock()
-        self._depth = 0
+        super().__init__()
         for entry in self._layers:
             entry.layer.forward = types.MethodType(self._routed(entry), entry.layer)
 
@@ -222,17 +220,6 @@ class RowLayers:
     def input_norms(self) -> int:
         """Of those, the layers whose input norm is folded into their mixer's projections."""
         return sum(entry.input_group is not None for entry in self._layers)
-
-    def __enter__(self) -> RowLayers:
-        with self._lock:
-            self._depth += 1
-            self.active = True
-        return self
-
-    def __exit__(self, *exc) -> None:
-        with self._lock:
-            self._depth -= 1
-            self.active = self._depth > 0
 
     def _routed(self, entry: _Layer):
         def forward(layer, hidden_states, *args, **kwargs):

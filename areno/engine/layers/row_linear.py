@@ -13,7 +13,6 @@ output.
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Iterable
 
 import torch
@@ -28,9 +27,10 @@ from areno.engine.kernels.gemv import (
     row_linear_op,
 )
 from areno.engine.layers.fused_linear import FusedLinears
+from areno.engine.layers.switch import Switch
 
 
-class RowLinears:
+class RowLinears(Switch):
     """Routes the plain `nn.Linear` layers among `modules` (those of a fused group through the
     group) to `areno::row_linear` while active. The routing is installed once: entering and
     leaving, which every forward of the runner does, only flips `active`."""
@@ -43,9 +43,7 @@ class RowLinears:
             for m in dict.fromkeys(modules)
             if type(m) is nn.Linear and type(m.weight) is nn.Parameter and id(m) not in grouped
         ]
-        self.active = False
-        self._lock = threading.Lock()
-        self._depth = 0
+        super().__init__()
         for layer in self._layers:
             layer.forward = self._routed(layer)
         for group in self._groups:
@@ -54,17 +52,6 @@ class RowLinears:
     def __len__(self) -> int:
         """The matmuls it routes: one per layer, one per fused group."""
         return len(self._layers) + len(self._groups)
-
-    def __enter__(self) -> RowLinears:
-        with self._lock:
-            self._depth += 1
-            self.active = True
-        return self
-
-    def __exit__(self, *exc) -> None:
-        with self._lock:
-            self._depth -= 1
-            self.active = self._depth > 0
 
     def _routed(self, owner):
         """`owner`'s product (an nn.Linear or a fused group: each has `weight` and `bias`)."""
