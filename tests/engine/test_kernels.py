@@ -176,9 +176,9 @@ def test_a_compiled_forward_takes_the_one_row_kernel_only_where_it_has_one_row(m
     assert calls["gemv"] == 2
 
 
-# (out features, in features): several programs and a partial block; on a GPU the Qwen3-1.7B
-# shape's gate_up and down products.
-MLP_SHAPES = [(48, 96), (10, 1500)] + ([(12288, 2048), (2048, 6144)] if DEVICE == "cuda" else [])
+# (out features, in features): several programs and a partial block (a gate and up of 24 and of
+# 5); on a GPU the Qwen3-1.7B shape's gate_up and o products.
+MLP_SHAPES = [(48, 96), (10, 1500)] + ([(12288, 2048), (2048, 2048)] if DEVICE == "cuda" else [])
 
 
 @needs_kernels
@@ -188,42 +188,47 @@ MLP_SHAPES = [(48, 96), (10, 1500)] + ([(12288, 2048), (2048, 6144)] if DEVICE =
 def test_a_layers_fused_products_match_the_operators_they_replace(
     dtype, out_features, in_features, offset
 ):
-    """The residual add, rms norm and product of `add_norm_row_linear`, the norm and product of
-    `norm_row_linear`, and the activation, product and residual add of `silu_row_linear`,
-    against the same operators one by one."""
+    """The residual add, rms norm and product of `add_norm_row_linear` (and with a gate and up,
+    their activation), the norm and product of `norm_row_linear`, and the product and residual
+    add of `residual_row_linear`, against the same operators one by one."""
     torch.manual_seed(0)
 
     def rand(*shape, scale=1.0):
         return torch.randn(*shape, dtype=dtype, device=DEVICE) * scale
 
+    def close(have, want):
+        assert have.dtype == dtype
+        atol = TOLERANCE[dtype] * float(want.abs().mean())
+        torch.testing.assert_close(have.float(), want, atol=atol, rtol=TOLERANCE[dtype])
+
     a, residual = rand(1, 1, in_features), rand(1, 1, in_features)
     norm_weight = rand(in_features, scale=0.2)
     weight = rand(out_features, in_features, scale=in_features**-0.5)
-    have, summed = gemv_kernel.add_norm_row_linear(a, residual, norm_weight, 1e-6, offset, weight)
-    want, want_summed = gemv_kernel.add_norm_linear_reference(
-        a.float(), residual.float(), norm_weight.float(), 1e-6, offset, weight.float()
+    floats = [t.float() for t in (a, residual, norm_weight)]
+    for gated in (False, True):
+        have, summed = gemv_kernel.add_norm_row_linear(
+            a, residual, norm_weight, 1e-6, offset, weight, gated
+        )
+        want, want_summed = gemv_kernel.add_norm_linear_reference(
+            *floats, 1e-6, offset, weight.float(), gated
+        )
+        assert have.shape == (1, 1, out_features // 2 if gated else out_features)
+        close(have, want)
+        # The sum is rounded once, as the unfused add rounds it (the interpreter rounds toward
+        # zero).
+        torch.testing.assert_close(summed.float(), want_summed, atol=0, rtol=TOLERANCE[dtype])
+        if dtype == torch.float32 or DEVICE == "cuda":
+            assert torch.equal(summed, a + residual)
+    close(
+        gemv_kernel.norm_row_linear(a, norm_weight, 1e-6, offset, weight),
+        gemv_kernel.norm_linear_reference(floats[0], floats[2], 1e-6, offset, weight.float()),
     )
-    assert have.shape == (1, 1, out_features) and summed.shape == a.shape
-    # The sum is rounded once, as the unfused add rounds it (the interpreter rounds toward zero).
-    torch.testing.assert_close(summed.float(), want_summed, atol=0, rtol=TOLERANCE[dtype])
-    if dtype == torch.float32 or DEVICE == "cuda":
-        assert torch.equal(summed, a + residual)
-    atol = TOLERANCE[dtype] * float(want.abs().mean())
-    torch.testing.assert_close(have.float(), want, atol=atol, rtol=TOLERANCE[dtype])
-
-    have = gemv_kernel.norm_row_linear(a, norm_weight, 1e-6, offset, weight)
-    want = gemv_kernel.norm_linear_reference(
-        a.float(), norm_weight.float(), 1e-6, offset, weight.float()
+    down = rand(in_features, out_features, scale=out_features**-0.5)
+    x = rand(1, 1, out_features)
+    close(
+        gemv_kernel.residual_row_linear(x, down, a),
+        gemv_kernel.residual_linear_reference(x.float(), down.float(), a.float()),
     )
-    atol = TOLERANCE[dtype] * float(want.abs().mean())
-    torch.testing.assert_close(have.float(), want, atol=atol, rtol=TOLERANCE[dtype])
-
-    gate_up, down = rand(1, 1, 2 * out_features), rand(in_features, out_features, scale=0.05)
-    have = gemv_kernel.silu_row_linear(gate_up, down, a)
-    want = gemv_kernel.silu_linear_reference(gate_up.float(), down.float(), a.float())
-    assert have.shape == a.shape and have.dtype == dtype
-    atol = TOLERANCE[dtype] * float(want.abs().mean())
-    torch.testing.assert_close(have.float(), want, atol=atol, rtol=TOLERANCE[dtype])
 
 
 def _tiny_qwen3() -> torch.nn.Module:
@@ -258,7 +263,7 @@ def test_a_one_row_step_runs_each_layer_in_its_fused_kernels(
 ):
     """Qwen3's layers at one row eagerly, Qwen3.5's (linear and full attention) compiled into a
     static step (on a GPU captured): each layer's input projections with its norm, its gate_up
-    with the residual add and norm, its down with the activation and residual add (three fused
+    with the residual add, norm and activation, its down with the residual add (three fused
     kernels a layer a step), giving the unfused step's tokens."""
     from areno.models import get_adapter
     from areno.models.registry import read_model_type
@@ -269,7 +274,7 @@ def test_a_one_row_step_runs_each_layer_in_its_fused_kernels(
         path = tiny_path(family)
         model = get_adapter(read_model_type(path)).load_model(path, dtype=torch.float32)
         model = model.to(DEVICE)
-    calls = {"norm_gemv": 0, "add_norm_gemv": 0, "silu_gemv": 0}
+    calls = {"norm_gemv": 0, "add_norm_gemv": 0, "residual_gemv": 0}
     for name in calls:
         monkeypatch.setattr(gemv_kernel, name, _counted(getattr(gemv_kernel, name), name, calls))
     runner = {"graphs": "off", "compile": "off"}
@@ -287,7 +292,7 @@ def test_a_one_row_step_runs_each_layer_in_its_fused_kernels(
     torch.testing.assert_close(have, want, atol=1e-4, rtol=1e-4)
     layers = model.config.get_text_config().num_hidden_layers
     if runner["graphs"] == "capture":  # launched while capturing, replayed since
-        assert calls["norm_gemv"] == calls["add_norm_gemv"] == calls["silu_gemv"] > 0
+        assert calls["norm_gemv"] == calls["add_norm_gemv"] == calls["residual_gemv"] > 0
     else:
         assert calls == dict.fromkeys(calls, 3 * layers)
 

@@ -55,15 +55,18 @@ if triton is not None:
     @triton.jit
     def _add_norm_gemv_kernel(
         A, R, G, W, Y, H, N, K, eps, offset, stride_wn,
-        ADD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        ADD: tl.constexpr, GATED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     ):  # fmt: skip
         # y = W @ rms_norm(a + r) (`ADD`; else of a): the sum rounded to the activations' dtype
         # (program 0 stores it in H), each input scaled by its norm weight (plus `offset`) on
         # the way in and the row's 1 / rms applied to the finished sums, so one pass over the
-        # input does both.
+        # input does both. `GATED`: W's rows are a gate's N then an up's N, and a program takes
+        # output n of both, so it can store silu(gate) * up: N outputs.
         pid = tl.program_id(0)
         offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+        in_n = offs_n < N
         acc = tl.zeros([BLOCK_N], tl.float32)
+        acc_up = tl.zeros([BLOCK_N], tl.float32)
         squares = tl.zeros([BLOCK_K], tl.float32)
         for start in range(0, K, BLOCK_K):
             offs_k = start + tl.arange(0, BLOCK_K)
@@ -76,31 +79,36 @@ if triton is not None:
                 x = x.to(tl.float32)
             squares += x * x
             g = tl.load(G + offs_k, mask=in_k, other=0.0).to(tl.float32) + offset
-            w = tl.load(
-                W + offs_n[:, None] * stride_wn + offs_k[None, :],
-                mask=(offs_n[:, None] < N) & in_k[None, :],
-                other=0.0,
-            )
-            acc += tl.sum(w.to(tl.float32) * (x * g)[None, :], axis=1)
+            xg = (x * g)[None, :]
+            rows = W + offs_n[:, None] * stride_wn + offs_k[None, :]
+            mask = in_n[:, None] & in_k[None, :]
+            acc += tl.sum(tl.load(rows, mask=mask, other=0.0).to(tl.float32) * xg, axis=1)
+            if GATED:
+                up = tl.load(rows + N * stride_wn, mask=mask, other=0.0).to(tl.float32)
+                acc_up += tl.sum(up * xg, axis=1)
         scale = 1.0 / tl.sqrt(tl.sum(squares, axis=0) / K + eps)
-        tl.store(Y + offs_n, (acc * scale).to(Y.dtype.element_ty), mask=offs_n < N)
+        out = (acc * scale).to(Y.dtype.element_ty)
+        if GATED:
+            # Rounded as the unfused operators round: gate and up, the activation, the product.
+            gate = out.to(tl.float32)
+            act = (gate * tl.sigmoid(gate)).to(Y.dtype.element_ty).to(tl.float32)
+            up = (acc_up * scale).to(Y.dtype.element_ty).to(tl.float32)
+            out = (act * up).to(Y.dtype.element_ty)
+        tl.store(Y + offs_n, out, mask=in_n)
 
     @triton.jit
-    def _silu_gemv_kernel(
-        GU, R, W, Y, N, K, stride_wn, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    def _residual_gemv_kernel(
+        X, R, W, Y, N, K, stride_wn, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     ):  # fmt: skip
-        # y = r + W @ (silu(gate) * up), gate and up the two halves of GU; each step rounded to
-        # the activations' dtype as the unfused operators round it.
+        # y = r + W @ x, the product rounded to the activations' dtype before the add, as the
+        # unfused operators round it.
         pid = tl.program_id(0)
         offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         acc = tl.zeros([BLOCK_N], tl.float32)
         for start in range(0, K, BLOCK_K):
             offs_k = start + tl.arange(0, BLOCK_K)
             in_k = offs_k < K
-            gate = tl.load(GU + offs_k, mask=in_k, other=0.0).to(tl.float32)
-            up = tl.load(GU + K + offs_k, mask=in_k, other=0.0)
-            act = (gate * tl.sigmoid(gate)).to(up.dtype)
-            x = (act.to(tl.float32) * up.to(tl.float32)).to(up.dtype).to(tl.float32)
+            x = tl.load(X + offs_k, mask=in_k, other=0.0).to(tl.float32)
             w = tl.load(
                 W + offs_n[:, None] * stride_wn + offs_k[None, :],
                 mask=(offs_n[:, None] < N) & in_k[None, :],
@@ -127,13 +135,14 @@ def launch_options(out_features: int, in_features: int) -> dict:
     }
 
 
-def fused_launch_options(out_features: int, in_features: int) -> dict:
-    """A fused kernel's launch (`add_norm_row_linear`, `norm_row_linear`, `silu_row_linear`):
-    `launch_options` with 8 output features a program. Every program works its whole input over
-    (the add, the norm's weight and squares, the activation) beside its rows of the weight: at
-    2-4 outputs a program that work outweighs the products' (on an H100 the 1.7B shape's fused
-    products at the plain kernel's launch took 3 us a layer more than the unfused ones)."""
-    return launch_options(out_features, in_features) | {"BLOCK_N": 8}
+def fused_launch_options(out_features: int, in_features: int, gated: bool = False) -> dict:
+    """A launch of the norm's kernel (`add_norm_row_linear`, `norm_row_linear`): `launch_options`
+    with 8 output features a program (4 of a gate and 4 of an up where `gated`: 8 weight rows).
+    Every program works its whole input over (the add, the norm's weight and squares) beside its
+    rows of the weight: at 2-4 rows a program that work outweighs the products' (on an H100 the
+    1.7B shape's fused products at the plain kernel's launch took 3 us a layer more than the
+    unfused ones)."""
+    return launch_options(out_features, in_features) | {"BLOCK_N": 4 if gated else 8}
 
 
 def gemv(
@@ -196,9 +205,9 @@ row_linear_op = torch.ops.areno.row_linear.default
 
 
 # The products of a decoder layer at one row with the operators around them folded in: the norm
-# before the token mixer's input projections, the residual add and the norm before `gate_up`,
-# the activation before `down` and the residual add after it. Each leaves a kernel launch a
-# layer out of a one-row decode step (areno/engine/layers/row_layer.py).
+# before the token mixer's input projections; the residual add and the norm before `gate_up`, and
+# the activation after it; the residual add after `down`. Each leaves a kernel launch a layer out
+# of a one-row decode step (areno/engine/layers/row_layer.py).
 
 
 def add_norm_row_linear(
@@ -208,25 +217,20 @@ def add_norm_row_linear(
     eps: float,
     offset: float,
     weight: torch.Tensor,
+    gated: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(weight @ rms_norm(a + residual), a + residual) for one row: the norm's weight plus
-    `offset` (1 for the norms that scale by 1 + weight), in one kernel; the reference where the
-    kernels do not run."""
+    """(weight @ rms_norm(a + residual), a + residual) for one row, the norm's weight plus
+    `offset` (1 for the norms that scale by 1 + weight); `gated`: weight is a gate's rows then an
+    up's, and the first is silu(gate) * up. One kernel; the reference where the kernels do not
+    run."""
     if not use_triton(weight):
-        return add_norm_linear_reference(a, residual, norm_weight, eps, offset, weight)
-    return add_norm_gemv(a, residual, norm_weight, eps, offset, weight)
+        return add_norm_linear_reference(a, residual, norm_weight, eps, offset, weight, gated)
+    return add_norm_gemv(a, residual, norm_weight, eps, offset, weight, gated)
 
 
-def add_norm_gemv(a, residual, norm_weight, eps, offset, weight):
-    in_features, out_features = a.shape[-1], weight.shape[0]
-    a, residual = a.contiguous(), residual.contiguous()
-    out = a.new_empty(*a.shape[:-1], out_features)
+def add_norm_gemv(a, residual, norm_weight, eps, offset, weight, gated):
     summed = torch.empty_like(a)
-    options = fused_launch_options(out_features, in_features)
-    _add_norm_gemv_kernel[(triton.cdiv(out_features, options["BLOCK_N"]),)](
-        a, residual, norm_weight, weight, out, summed, out_features, in_features, eps, offset,
-        weight.stride(0), ADD=True, **options,
-    )  # fmt: skip
+    out = _norm_gemv(a, residual, summed, norm_weight, eps, offset, weight, gated)
     return out, summed
 
 
@@ -241,34 +245,41 @@ def norm_row_linear(
 
 
 def norm_gemv(x, norm_weight, eps, offset, weight):
-    in_features, out_features = x.shape[-1], weight.shape[0]
+    return _norm_gemv(x, None, None, norm_weight, eps, offset, weight, False)
+
+
+def _norm_gemv(x, residual, summed, norm_weight, eps, offset, weight, gated):
+    in_features = x.shape[-1]
+    out_features = weight.shape[0] // 2 if gated else weight.shape[0]
     x = x.contiguous()
     out = x.new_empty(*x.shape[:-1], out_features)
-    options = fused_launch_options(out_features, in_features)
+    options = fused_launch_options(out_features, in_features, gated)
+    add = residual is not None
     _add_norm_gemv_kernel[(triton.cdiv(out_features, options["BLOCK_N"]),)](
-        x, x, norm_weight, weight, out, x, out_features, in_features, eps, offset,
-        weight.stride(0), ADD=False, **options,
+        x, residual.contiguous() if add else x, norm_weight, weight, out,
+        summed if add else x, out_features, in_features, eps, offset, weight.stride(0),
+        ADD=add, GATED=gated, **options,
     )  # fmt: skip
     return out
 
 
-def silu_row_linear(
-    gate_up: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor
+def residual_row_linear(
+    x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor
 ) -> torch.Tensor:
-    """residual + weight @ (silu(gate) * up) for one row, gate and up the halves of `gate_up`,
-    in one kernel; the reference where the kernels do not run."""
+    """residual + weight @ x for one row, in one kernel; the reference where the kernels do not
+    run."""
     if not use_triton(weight):
-        return silu_linear_reference(gate_up, weight, residual)
-    return silu_gemv(gate_up, weight, residual)
+        return residual_linear_reference(x, weight, residual)
+    return residual_gemv(x, weight, residual)
 
 
-def silu_gemv(gate_up, weight, residual):
+def residual_gemv(x, weight, residual):
     out_features, in_features = weight.shape
-    gate_up, residual = gate_up.contiguous(), residual.contiguous()
+    x, residual = x.contiguous(), residual.contiguous()
     out = torch.empty_like(residual)
-    options = fused_launch_options(out_features, in_features)
-    _silu_gemv_kernel[(triton.cdiv(out_features, options["BLOCK_N"]),)](
-        gate_up, residual, weight, out, out_features, in_features, weight.stride(0), **options
+    options = launch_options(out_features, in_features)
+    _residual_gemv_kernel[(triton.cdiv(out_features, options["BLOCK_N"]),)](
+        x, residual, weight, out, out_features, in_features, weight.stride(0), **options
     )
     return out
 
@@ -279,19 +290,22 @@ def norm_linear_reference(x, norm_weight, eps, offset, weight):
     return F.linear((normed * (norm_weight.float() + offset)).to(x.dtype), weight)
 
 
-def add_norm_linear_reference(a, residual, norm_weight, eps, offset, weight):
+def add_norm_linear_reference(a, residual, norm_weight, eps, offset, weight, gated):
     summed = a + residual
-    return norm_linear_reference(summed, norm_weight, eps, offset, weight), summed
+    out = norm_linear_reference(summed, norm_weight, eps, offset, weight)
+    if gated:
+        gate, up = out.chunk(2, dim=-1)
+        out = F.silu(gate) * up
+    return out, summed
 
 
-def silu_linear_reference(gate_up, weight, residual):
-    gate, up = gate_up.chunk(2, dim=-1)
-    return residual + F.linear(F.silu(gate) * up, weight)
+def residual_linear_reference(x, weight, residual):
+    return residual + F.linear(x, weight)
 
 
 _LIBRARY.define(
     "add_norm_row_linear(Tensor a, Tensor residual, Tensor norm_weight, float eps, float offset,"
-    " Tensor weight) -> (Tensor, Tensor)"
+    " Tensor weight, bool gated) -> (Tensor, Tensor)"
 )
 _LIBRARY.impl("add_norm_row_linear", add_norm_row_linear, "CompositeExplicitAutograd")
 _LIBRARY.define(
@@ -299,13 +313,14 @@ _LIBRARY.define(
     " -> Tensor"
 )
 _LIBRARY.impl("norm_row_linear", norm_row_linear, "CompositeExplicitAutograd")
-_LIBRARY.define("silu_row_linear(Tensor gate_up, Tensor weight, Tensor residual) -> Tensor")
-_LIBRARY.impl("silu_row_linear", silu_row_linear, "CompositeExplicitAutograd")
+_LIBRARY.define("residual_row_linear(Tensor x, Tensor weight, Tensor residual) -> Tensor")
+_LIBRARY.impl("residual_row_linear", residual_row_linear, "CompositeExplicitAutograd")
 
 
 @torch.library.register_fake("areno::add_norm_row_linear")
-def _(a, residual, norm_weight, eps, offset, weight):
-    return a.new_empty((*a.shape[:-1], weight.shape[0])), torch.empty_like(a)
+def _(a, residual, norm_weight, eps, offset, weight, gated):
+    out_features = weight.shape[0] // 2 if gated else weight.shape[0]
+    return a.new_empty((*a.shape[:-1], out_features)), torch.empty_like(a)
 
 
 @torch.library.register_fake("areno::norm_row_linear")
@@ -313,11 +328,11 @@ def _(x, norm_weight, eps, offset, weight):
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 
-@torch.library.register_fake("areno::silu_row_linear")
-def _(gate_up, weight, residual):
+@torch.library.register_fake("areno::residual_row_linear")
+def _(x, weight, residual):
     return torch.empty_like(residual)
 
 
 add_norm_row_linear_op = torch.ops.areno.add_norm_row_linear.default
 norm_row_linear_op = torch.ops.areno.norm_row_linear.default
-silu_row_linear_op = torch.ops.areno.silu_row_linear.default
+residual_row_linear_op = torch.ops.areno.residual_row_linear.default

@@ -9,17 +9,21 @@ projections, the mixer, the residual add and the norm (one kernel), `gate_up`, t
 - the mixer's fused input projections apply the input norm as they read their input
   (`areno::norm_row_linear`: each input scaled by its norm weight on the way in, the row's
   1 / rms applied to the finished sums, so one pass does both);
-- `areno::add_norm_row_linear` adds the residual, normalizes and multiplies by `gate_up`;
-- `areno::silu_row_linear` takes the activation on the way into `down` and adds the residual
-  to its output, so the next layer's input is whole.
+- `areno::add_norm_row_linear` adds the residual, normalizes, multiplies by `gate_up` and
+  takes the activation: a program computes output n of the gate and of the up, and stores
+  silu(gate) * up;
+- `areno::residual_row_linear` adds the residual to `down`'s output, so the next layer's input
+  is whole.
 Three kernels a layer fewer.
 
 Not yet a gain, so the runner keeps it off (`ModelRunner(row_layer=...)`). On an H100
 (`benchmarks/profile_decode.py --model qwen3-1.7b --rows 1 --one-row-gemv on --row-layer off
-on`) the three kernels a layer went (0.13 ms of the 1.7B shape's step), but at the plain
-kernel's launch (2-4 outputs a program) every program's work over the whole input made the
-fused products as much slower: 2.08 -> 2.07 ms a step; the 8B shape 6.17 -> 6.30 ms. Their
-launch now gives a program 8 outputs (`fused_launch_options`), not yet measured on a GPU.
+on`) the three kernels a layer went (0.13 ms of the 1.7B shape's step), but the first cut made
+the fused products as much slower (2.08 -> 2.07 ms a step; the 8B shape 6.17 -> 6.30 ms): at the
+plain kernel's launch (2-4 outputs a program) every program worked the whole input over, and
+`down`'s programs each took the activation of all of its input again. Since then the norm's
+programs take 8 weight rows (`fused_launch_options`) and the activation is taken once, in
+`gate_up`'s epilogue; not yet measured on a GPU.
 
 Only layers whose code this module mirrors take it (`MIXERS`: Qwen3's, Qwen3.5's), with norms
 it knows (`NORM_OFFSETS`), an MLP of SiLU-gated plain linear layers without bias whose gate and
@@ -45,8 +49,8 @@ from areno.engine.kernels import use_triton
 from areno.engine.kernels.gemv import (
     add_norm_row_linear,
     add_norm_row_linear_op,
-    silu_row_linear,
-    silu_row_linear_op,
+    residual_row_linear,
+    residual_row_linear_op,
 )
 from areno.engine.layers.fused_linear import FusedLinears
 from areno.engine.layers.switch import Switch
@@ -161,7 +165,7 @@ class _Layer:
 
     def fused(self, hidden: torch.Tensor, args: tuple, kwargs: dict, ops: bool) -> torch.Tensor:
         add_norm = add_norm_row_linear_op if ops else add_norm_row_linear
-        silu = silu_row_linear_op if ops else silu_row_linear
+        residual_linear = residual_row_linear_op if ops else residual_row_linear
         if self.input_group is None:
             mixed = self.mixer(self.layer, self.input_norm(hidden), *args, **kwargs)
         else:
@@ -170,10 +174,10 @@ class _Layer:
             self.input_group.norm = (self.input_norm.weight, self.input_eps, self.input_offset)
             mixed = self.mixer(self.layer, hidden, *args, **kwargs)
             self.input_group.norm = None
-        gate_up, summed = add_norm(
-            mixed, hidden, self.norm.weight, self.eps, self.offset, self.gate_up
+        activation, summed = add_norm(
+            mixed, hidden, self.norm.weight, self.eps, self.offset, self.gate_up, True
         )
-        return silu(gate_up, self.mlp.down_proj.weight, summed)
+        return residual_linear(activation, self.mlp.down_proj.weight, summed)
 
 
 def _fusable(layer: nn.Module, gate_ups: dict[int, nn.Parameter]) -> bool:
