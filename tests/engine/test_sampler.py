@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from areno.engine.kernels import INTERPRETED
+from areno.engine.sample import sampler
 from areno.engine.sample.sampler import (
     SamplingTensors,
     key_uniforms,
@@ -170,6 +171,45 @@ def test_top_k_and_top_p_renormalise_the_kept_tokens() -> None:
     assert torch.allclose(frequencies(SamplingParams(top_p=0.75)), kept, atol=0.02)
     kept3 = torch.tensor([0.5, 0.3, 0.15, 0.0]) / 0.95
     assert torch.allclose(frequencies(SamplingParams(top_p=0.85)), kept3, atol=0.02)
+
+
+@pytest.mark.parametrize("scale", [1.0, 3.0, 8.0])
+def test_top_k_and_top_p_over_the_best_tokens_keep_what_the_whole_sort_keeps(
+    scale, monkeypatch
+) -> None:
+    """The filters over each row's best tokens (`topk`) remove what a sort of the whole row
+    removes, for every mix of rows: top-k alone, top-p with and without a top_k, neither. A
+    peaked row finds its top_p in the window; a flat one (scale 1) does not, and then the whole
+    sort runs."""
+    monkeypatch.setattr(sampler, "TOP_P_WINDOW", 256)
+    sorts = {"n": 0}
+    whole_sort = sampler._sorted_filter
+
+    def counted(*args):
+        sorts["n"] += 1
+        return whole_sort(*args)
+
+    monkeypatch.setattr(sampler, "_sorted_filter", counted)
+    mixes = [
+        [SamplingParams(top_p=0.9)] * 3,
+        [SamplingParams(top_k=20), SamplingParams(), SamplingParams(top_k=50, top_p=0.8)],
+        [SamplingParams(top_k=10, top_p=0.5), SamplingParams(top_k=40, top_p=0.95)],
+        [SamplingParams(top_p=0.9), SamplingParams(top_k=30), SamplingParams(temperature=0)],
+    ]
+    generator = torch.Generator().manual_seed(0)
+    for params in mixes:
+        tensors = SamplingTensors.from_params(params, "cpu")
+        logits = torch.randn(len(params), 5000, generator=generator) * scale
+        before = sorts["n"]
+        have = sampler._filter(logits, tensors)
+        windowed = sorts["n"] == before
+        want = whole_sort(logits, tensors)
+        assert torch.equal(have.isinf(), want.isinf())
+        assert torch.equal(have[~have.isinf()], want[~want.isinf()])
+        # Rows with a top_k bound their top-p: never the whole sort. Without: the window is
+        # enough once the row is peaked.
+        if all(p.top_k > 0 for p in params if p.top_p < 1) or scale == 8.0:
+            assert windowed
 
 
 def test_min_p_drops_tokens_below_a_fraction_of_the_top() -> None:

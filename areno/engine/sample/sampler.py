@@ -104,6 +104,10 @@ class SamplingTensors:
     use_top_p: bool
     use_min_p: bool
     tempered_logprobs: bool
+    # The largest top_k of a sampled row (0: none), and whether every sampled row with a top_p
+    # has a top_k too: then the filters see only each row's best `max_top_k` tokens (`_filter`).
+    max_top_k: int = 0
+    top_k_bounds_top_p: bool = False
     # Rows with penalties (P,) and their three factors; None when no row has any.
     penalty_rows_P: Tensor | None = None
     presence_P: Tensor | None = None
@@ -159,6 +163,8 @@ class SamplingTensors:
             use_top_p=any(p.top_p < 1 for p in sampled),
             use_min_p=any(p.min_p > 0 for p in sampled),
             tempered_logprobs=any(_logprob_temperature(p) != 1.0 for p in params_list),
+            max_top_k=max((p.top_k for p in sampled if p.top_k > 0), default=0),
+            top_k_bounds_top_p=all(p.top_k > 0 for p in sampled if p.top_p < 1),
             **extra,
         )
 
@@ -306,34 +312,94 @@ def adjust_logits(
     return logits_BV
 
 
+# The tokens a row's top-p sees first where it has no top_k (on CPU, `_window_filter`): of Qwen3's
+# 151,936, the best 1,024 hold all but a sliver of a trained model's mass.
+TOP_P_WINDOW = 1024
+
+
 def _filter(logits_BV: Tensor, tensors: SamplingTensors) -> Tensor:
     """Temperature-scaled logits with tokens removed (-inf) by top-k, then top-p, then min-p
-    (the order Hugging Face applies them)."""
+    (the order Hugging Face applies them).
+
+    Top-k and top-p look at a row's tokens from the most likely down, which a sort of the whole
+    vocabulary gives (on 2 CPU cores 64 rows of 151,936 tokens take about half a second; on an
+    H100 1.7 ms). Where every sampled row's filters stop within its best W tokens, those W
+    (`topk`) are enough: W the largest top_k where every top-p row has a top_k, else, on CPU,
+    TOP_P_WINDOW, checked after (the rows without a top_k must find their top_p within it;
+    else the whole sort runs: the check reads one number back, which on CPU costs nothing)."""
     if tensors.use_top_k or tensors.use_top_p:
-        sorted_BV, order_BV = logits_BV.sort(dim=-1, descending=True)
         vocab_size = logits_BV.shape[-1]
-        remove_BV = torch.zeros_like(sorted_BV, dtype=torch.bool)
-        if tensors.use_top_k:
-            ranks_V = torch.arange(vocab_size, device=logits_BV.device)
-            top_k_B = torch.where(tensors.top_k_B > 0, tensors.top_k_B, vocab_size)
-            remove_BV |= ranks_V[None, :] >= top_k_B[:, None]
-        if tensors.use_top_p:
-            probs_BV = sorted_BV.masked_fill(remove_BV, float("-inf")).softmax(dim=-1)
-            mass_before_BV = probs_BV.cumsum(dim=-1) - probs_BV
-            # Keep the smallest prefix reaching top_p (the first token always stays); rows with
-            # top_p == 1 are exempt so float error in the cumsum never trims their tail.
-            remove_BV |= (mass_before_BV > tensors.top_p_B[:, None]) & (tensors.top_p_B < 1)[
-                :, None
-            ]
-        # Back from sorted order to vocab order, so the noise below is drawn per vocab entry and
-        # does not depend on how ties happened to sort.
-        remove_vocab_BV = torch.empty_like(remove_BV).scatter_(-1, order_BV, remove_BV)
-        logits_BV = logits_BV.masked_fill(remove_vocab_BV, float("-inf"))
+        if tensors.top_k_bounds_top_p:
+            width = tensors.max_top_k
+        elif logits_BV.device.type == "cpu":
+            width = max(TOP_P_WINDOW, tensors.max_top_k)
+        else:
+            width = vocab_size
+        filtered_BV = None
+        if width < vocab_size:
+            filtered_BV = _window_filter(logits_BV, tensors, width)
+        logits_BV = _sorted_filter(logits_BV, tensors) if filtered_BV is None else filtered_BV
     if tensors.use_min_p:
         probs_BV = logits_BV.softmax(dim=-1)
         floor_B1 = tensors.min_p_B[:, None] * probs_BV.amax(dim=-1, keepdim=True)
         logits_BV = logits_BV.masked_fill(probs_BV < floor_B1, float("-inf"))
     return logits_BV
+
+
+def _top_k_and_p(sorted_BW: Tensor, tensors: SamplingTensors, lse_B: Tensor | None) -> Tensor:
+    """Which of each row's tokens, sorted from the most likely down, top-k and top-p remove.
+    Top-p's probabilities are over the tokens top-k left (`lse_B`: a row's log normalizer
+    where that is not them alone: a row without a top_k, seen through a window)."""
+    width = sorted_BW.shape[-1]
+    remove_BW = torch.zeros_like(sorted_BW, dtype=torch.bool)
+    if tensors.use_top_k:
+        ranks_W = torch.arange(width, device=sorted_BW.device)
+        top_k_B = torch.where(tensors.top_k_B > 0, tensors.top_k_B, width)
+        remove_BW |= ranks_W[None, :] >= top_k_B[:, None]
+    if tensors.use_top_p:
+        kept_BW = sorted_BW.masked_fill(remove_BW, float("-inf"))
+        normalized_BW = kept_BW.log_softmax(dim=-1) if lse_B is None else kept_BW - lse_B[:, None]
+        probs_BW = normalized_BW.exp()
+        mass_before_BW = probs_BW.cumsum(dim=-1) - probs_BW
+        # Keep the smallest prefix reaching top_p (the first token always stays); rows with
+        # top_p == 1 are exempt so float error in the cumsum never trims their tail.
+        remove_BW |= (mass_before_BW > tensors.top_p_B[:, None]) & (tensors.top_p_B < 1)[:, None]
+    return remove_BW
+
+
+def _sorted_filter(logits_BV: Tensor, tensors: SamplingTensors) -> Tensor:
+    """Top-k and top-p over each row's whole vocabulary, sorted."""
+    sorted_BV, order_BV = logits_BV.sort(dim=-1, descending=True)
+    remove_BV = _top_k_and_p(sorted_BV, tensors, None)
+    # Back from sorted order to vocab order, so the noise below is drawn per vocab entry and
+    # does not depend on how ties happened to sort.
+    remove_vocab_BV = torch.empty_like(remove_BV).scatter_(-1, order_BV, remove_BV)
+    return logits_BV.masked_fill(remove_vocab_BV, float("-inf"))
+
+
+def _window_filter(logits_BV: Tensor, tensors: SamplingTensors, width: int) -> Tensor | None:
+    """Top-k and top-p over each row's best `width` tokens, everything past them removed; a row
+    with neither filter keeps its whole row. None where a row without a top_k would keep tokens
+    past the window (its best `width` hold no more than its top_p)."""
+    best_BW, ids_BW = logits_BV.topk(width, dim=-1)
+    lse_B = None
+    has_k_B = tensors.top_k_B > 0
+    if not tensors.top_k_bounds_top_p:
+        # A row without a top_k normalizes over its whole row, not the window.
+        window_lse_B = best_BW.masked_fill(
+            torch.arange(width, device=best_BW.device)[None, :] >= tensors.top_k_B[:, None],
+            float("-inf"),
+        ).logsumexp(dim=-1)
+        lse_B = torch.where(has_k_B, window_lse_B, logits_BV.logsumexp(dim=-1))
+        window_mass_B = (best_BW - lse_B[:, None]).exp().sum(dim=-1)
+        short_B = ~has_k_B & (tensors.top_p_B < 1) & (window_mass_B <= tensors.top_p_B)
+        if bool(short_B.any()):
+            return None
+    remove_BW = _top_k_and_p(best_BW, tensors, lse_B)
+    kept_BV = torch.full_like(logits_BV, float("-inf"))
+    kept_BV.scatter_(-1, ids_BW, best_BW.masked_fill(remove_BW, float("-inf")))
+    unfiltered_B = ~has_k_B & (tensors.top_p_B >= 1)
+    return torch.where(unfiltered_B[:, None], logits_BV, kept_BV)
 
 
 def _draw(logits_BV: Tensor, tensors: SamplingTensors, keys_B: Tensor) -> Tensor:
