@@ -138,13 +138,11 @@ class _Layer:
         self.linears = [m for m in layer.modules() if isinstance(m, nn.Linear)]
         mixer = getattr(layer, "self_attn", None) or getattr(layer, "linear_attn", None)
         first = getattr(mixer, "q_proj", None) or getattr(mixer, "in_proj_qkv", None)
-        self.input_group = groups.get(id(first))
-        if self.input_group is not None:
-            self.input_group = (
-                self.input_group
-                if self.input_group.bias is None and type(self.input_norm).__name__ in NORM_OFFSETS
-                else None
-            )
+        group = groups.get(id(first))
+        folds = group is not None and group.bias is None
+        self.input_group = (
+            group if folds and type(self.input_norm).__name__ in NORM_OFFSETS else None
+        )
         self.input_eps = _eps(self.input_norm)
         self.input_offset = NORM_OFFSETS.get(type(self.input_norm).__name__, 0.0)
 
@@ -173,7 +171,12 @@ class _Layer:
             # the norm; the other projections take their slices of it.
             self.input_group.norm = (self.input_norm.weight, self.input_eps, self.input_offset)
             mixed = self.mixer(self.layer, hidden, *args, **kwargs)
-            self.input_group.norm = None
+            if self.input_group.norm is not None:  # (when traced, said at trace time)
+                self.input_group.norm = None
+                raise RuntimeError(
+                    f"{type(self.layer).__name__}'s mixer did not call its first input "
+                    "projection first: its input norm cannot be folded into it"
+                )
         activation, summed = add_norm(
             mixed, hidden, self.norm.weight, self.eps, self.offset, self.gate_up, True
         )
@@ -219,11 +222,6 @@ class RowLayers(Switch):
     def __len__(self) -> int:
         """The decoder layers it routes."""
         return len(self._layers)
-
-    @property
-    def input_norms(self) -> int:
-        """Of those, the layers whose input norm is folded into their mixer's projections."""
-        return sum(entry.input_group is not None for entry in self._layers)
 
     def _routed(self, entry: _Layer):
         def forward(layer, hidden_states, *args, **kwargs):
