@@ -233,7 +233,7 @@ def test_a_loaded_trace_reads_the_weights_the_model_has_now(tmp_path, backend):
     assert sorted(p.name for p in loaded.directory.glob("*.bin")) == ["0.bin", "1.bin"]
 
 
-def test_traces_save_and_load_where_torch_offers_aot_compile_only_when_asked(tmp_path, monkeypatch):
+def test_traces_save_and_load_where_torch_offers_aot_compile_only_when_asked(tmp_path):
     """torch 2.11 gives a compiled function `aot_compile` only while
     `torch._dynamo.config.enable_aot_compile` is set, and it is off there by default (as here):
     traces are made, saved and loaded all the same, and compiles made elsewhere keep the
@@ -241,20 +241,24 @@ def test_traces_save_and_load_where_torch_offers_aot_compile_only_when_asked(tmp
     from areno.engine.runner import saved_traces
     from areno.engine.runner.saved_traces import SavedTraces
 
-    monkeypatch.setattr(torch._dynamo.config, "enable_aot_compile", False)
-    saved_traces.supported.cache_clear()
-    try:
-        assert saved_traces.supported()
-    finally:
+    default = torch._dynamo.config.enable_aot_compile
+    # NOTE: through the config's own patch: monkeypatch's undo deletes the entry (it reads it
+    # back as absent), which hides it from torch itself for the rest of the process.
+    with torch._dynamo.config.patch(enable_aot_compile=False):
         saved_traces.supported.cache_clear()
-    backend = "aot_eager" if unsaved_backend_reason("aot_eager") is None else "inductor"
-    module = _Small()
-    x = torch.randn(3, 4)
-    with torch.no_grad():
-        first = SavedTraces(module.forward, backend, tmp_path, "a small forward")
-        assert torch.equal(first(x), module(x)) and first.num_traced == 1
-        loaded = SavedTraces(module.forward, backend, tmp_path, "a small forward")
-        assert torch.equal(loaded(x), module(x))
-    assert loaded.num_loaded == 1 and loaded.num_traced == 0
-    assert not torch._dynamo.config.enable_aot_compile
-    assert not hasattr(torch.compile(module.forward, fullgraph=True), "aot_compile")
+        try:
+            assert saved_traces.supported()
+        finally:
+            saved_traces.supported.cache_clear()
+        backend = "aot_eager" if unsaved_backend_reason("aot_eager") is None else "inductor"
+        module = _Small()
+        x = torch.randn(3, 4)
+        with torch.no_grad():
+            first = SavedTraces(module.forward, backend, tmp_path, "a small forward")
+            assert torch.equal(first(x), module(x)) and first.num_traced == 1
+            loaded = SavedTraces(module.forward, backend, tmp_path, "a small forward")
+            assert torch.equal(loaded(x), module(x))
+        assert loaded.num_loaded == 1 and loaded.num_traced == 0
+        assert not torch._dynamo.config.enable_aot_compile
+        assert not hasattr(torch.compile(module.forward, fullgraph=True), "aot_compile")
+    assert torch._dynamo.config.enable_aot_compile == default
