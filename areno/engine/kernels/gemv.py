@@ -23,10 +23,12 @@ if triton is not None:
 
     @triton.jit
     def _gemv_kernel(
-        X, W, Bias, Y, N, K, stride_xm, stride_wn, stride_ym,
+        X, W, Bias, R, Y, N, K, stride_xm, stride_wn, stride_ym,
         M: tl.constexpr, M_PAD: tl.constexpr, HAS_BIAS: tl.constexpr,
-        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        HAS_RESIDUAL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     ):  # fmt: skip
+        # `HAS_RESIDUAL`: y = r + x @ W.T, the product rounded to the activations' dtype before
+        # the add, as the unfused operators round it (R strided as Y).
         pid = tl.program_id(0)
         offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         offs_m = tl.arange(0, M_PAD)
@@ -46,10 +48,14 @@ if triton is not None:
             acc += tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
         if HAS_BIAS:
             acc += tl.load(Bias + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
+        in_y = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+        if HAS_RESIDUAL:
+            acc = acc.to(Y.dtype.element_ty).to(tl.float32)
+            acc += tl.load(
+                R + offs_m[:, None] * stride_ym + offs_n[None, :], mask=in_y, other=0.0
+            ).to(tl.float32)
         tl.store(
-            Y + offs_m[:, None] * stride_ym + offs_n[None, :],
-            acc.to(Y.dtype.element_ty),
-            mask=(offs_m[:, None] < M) & (offs_n[None, :] < N),
+            Y + offs_m[:, None] * stride_ym + offs_n[None, :], acc.to(Y.dtype.element_ty), mask=in_y
         )
 
     @triton.jit
@@ -96,29 +102,6 @@ if triton is not None:
             out = (act * up).to(Y.dtype.element_ty)
         tl.store(Y + offs_n, out, mask=in_n)
 
-    @triton.jit
-    def _residual_gemv_kernel(
-        X, R, W, Y, N, K, stride_wn, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    ):  # fmt: skip
-        # y = r + W @ x, the product rounded to the activations' dtype before the add, as the
-        # unfused operators round it.
-        pid = tl.program_id(0)
-        offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-        acc = tl.zeros([BLOCK_N], tl.float32)
-        for start in range(0, K, BLOCK_K):
-            offs_k = start + tl.arange(0, BLOCK_K)
-            in_k = offs_k < K
-            x = tl.load(X + offs_k, mask=in_k, other=0.0).to(tl.float32)
-            w = tl.load(
-                W + offs_n[:, None] * stride_wn + offs_k[None, :],
-                mask=(offs_n[:, None] < N) & in_k[None, :],
-                other=0.0,
-            )
-            acc += tl.sum(w.to(tl.float32) * x[None, :], axis=1)
-        product = acc.to(Y.dtype.element_ty).to(tl.float32)
-        residual = tl.load(R + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)
-        tl.store(Y + offs_n, (product + residual).to(Y.dtype.element_ty), mask=offs_n < N)
-
 
 def launch_options(out_features: int, in_features: int) -> dict:
     """The kernel's launch for a weight of these sizes: 1024 input features a block (fewer for a
@@ -150,18 +133,24 @@ def gemv(
     weight_NK: torch.Tensor,
     bias_N: torch.Tensor | None = None,
     options: dict | None = None,
+    residual_MN: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """x @ weight.T + bias for a few rows x (M, K) (a benchmark's; the engine's have one) with
-    `launch_options` (or `options`). The weight's rows must be contiguous."""
+    """x @ weight.T + bias (+ residual, added to the rounded product) for a few rows x (M, K)
+    (a benchmark's; the engine's have one) with `launch_options` (or `options`). The weight's
+    rows must be contiguous."""
     rows, in_features = x_MK.shape
     out_features = weight_NK.shape[0]
     x_MK = x_MK if x_MK.stride(-1) == 1 else x_MK.contiguous()
     y = x_MK.new_empty(rows, out_features)
+    if residual_MN is not None:
+        residual_MN = residual_MN.reshape(rows, out_features).contiguous()
     options = options or launch_options(out_features, in_features)
     _gemv_kernel[(triton.cdiv(out_features, options["BLOCK_N"]),)](
-        x_MK, weight_NK, weight_NK if bias_N is None else bias_N, y,
+        x_MK, weight_NK, weight_NK if bias_N is None else bias_N,
+        y if residual_MN is None else residual_MN, y,
         out_features, in_features, x_MK.stride(0), weight_NK.stride(0), y.stride(0),
-        M=rows, M_PAD=triton.next_power_of_2(rows), HAS_BIAS=bias_N is not None, **options,
+        M=rows, M_PAD=triton.next_power_of_2(rows), HAS_BIAS=bias_N is not None,
+        HAS_RESIDUAL=residual_MN is not None, **options,
     )  # fmt: skip
     return y
 
@@ -274,14 +263,7 @@ def residual_row_linear(
 
 
 def residual_gemv(x, weight, residual):
-    out_features, in_features = weight.shape
-    x, residual = x.contiguous(), residual.contiguous()
-    out = torch.empty_like(residual)
-    options = launch_options(out_features, in_features)
-    _residual_gemv_kernel[(triton.cdiv(out_features, options["BLOCK_N"]),)](
-        x, residual, weight, out, out_features, in_features, weight.stride(0), **options
-    )
-    return out
+    return gemv(x.reshape(1, -1), weight, residual_MN=residual).view_as(residual)
 
 
 def norm_linear_reference(x, norm_weight, eps, offset, weight):
