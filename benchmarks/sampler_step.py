@@ -8,6 +8,7 @@ the device synchronized around each call), for both samplers on the same logits:
 - seeded:            temperature 1, every row with a seed of its own: a GRPO rollout's rows.
 - seeded, top-p 0.9: the same, filtered.
 - seeded, top-k 20, top-p 0.8: filtered as Qwen's model cards advise.
+- seeded, min-p 0.05: filtered by min-p alone.
 
 "before" is `areno/engine/sample/sampler.py` at --before (a git revision; default: the last
 commit whose sampler drew a seeded row's noise from a torch generator of its own), loaded
@@ -49,6 +50,7 @@ CONFIGS = {
     "seeded, top-k 20, top-p 0.8": lambda i: SamplingParams(
         temperature=1.0, top_k=20, top_p=0.8, seed=1000 + i
     ),
+    "seeded, min-p 0.05": lambda i: SamplingParams(temperature=1.0, min_p=0.05, seed=1000 + i),
 }
 
 

@@ -31,10 +31,11 @@ from areno.engine.kernels.decode_attention import (
 )
 from areno.engine.kernels.gated_delta import gated_delta, gated_delta_reference
 from areno.engine.kernels.gemv import row_linear
-from areno.engine.kernels.race import race
+from areno.engine.kernels.race import filtered_race, race
 from areno.engine.kernels.write_kv import write_kv, write_kv_reference
 from areno.engine.layers.row_linear import RowLinears
 from areno.engine.runner.model_runner import ModelRunner
+from areno.engine.sample import sampler
 from areno.engine.sample.sampler import SamplingTensors, row_keys, sample
 from areno.engine.sampling import SamplingParams
 from areno.processing.types import PromptInputs
@@ -390,6 +391,66 @@ def test_the_race_never_picks_a_removed_or_far_less_likely_token():
         counts = torch.bincount(tokens, minlength=vocab)
         assert counts.sum() == counts[kept].sum() and counts[kept].min() > rows / 5
         assert torch.all(race(far, _keys(rows, seed), _not(rows)) == 3)
+
+
+def _sorted_then_min_p(logits, tensors):
+    """What the filters keep of each row, the slow way: top-k and top-p over its sorted whole,
+    then min-p over what they left."""
+    filtered = sampler._sorted_filter(logits, tensors)
+    probs = filtered.softmax(-1)
+    floor = tensors.min_p_B[:, None] * probs.amax(-1, keepdim=True)
+    return filtered.masked_fill(probs < floor, float("-inf"))
+
+
+@needs_kernels
+@pytest.mark.parametrize("scale", [1.0, 3.0, 8.0])
+def test_the_filtered_race_draws_what_the_race_draws_over_the_sorted_filter(scale):
+    """Rows with a top-p, a min-p, both, neither, and greedy ones, flat (scale 1) to peaked,
+    over a vocabulary of several blocks, each with several keys: the token raced within the
+    filters is the race's over the row the whole sort filtered (a flat row with a top-p of 0.5
+    takes several rounds)."""
+    rows, vocab = 12, 5_000 if INTERPRETED else 151_936
+    params = [
+        SamplingParams(top_p=0.9), SamplingParams(top_p=0.5), SamplingParams(min_p=0.2),
+        SamplingParams(top_p=0.8, min_p=0.05), SamplingParams(temperature=0), SamplingParams(),
+    ] * 2  # fmt: skip
+    generator = torch.Generator(device=DEVICE).manual_seed(int(scale))
+    logits = torch.randn(rows, vocab, device=DEVICE, generator=generator) * scale
+    tensors = SamplingTensors.from_params(params, DEVICE)
+    filtered = _sorted_then_min_p(logits, tensors)
+    assert filtered.isinf().any(-1)[[0, 1, 2, 3]].all()  # every filter removes something
+    for seed in range(3):
+        keys = _keys(rows, 100 * seed)
+        have = filtered_race(logits, keys, tensors.greedy_B, tensors.top_p_B, tensors.min_p_B)
+        assert torch.equal(have, race(filtered, keys, tensors.greedy_B))
+
+
+@needs_kernels
+def test_the_sampler_filters_without_a_sort_where_the_kernels_run(monkeypatch):
+    """`sample` on the kernels' path, rows with and without a top_k beside min-p and greedy
+    rows: no row sorted, the same tokens as the race over the whole sort's filter."""
+    sorts = {"n": 0}
+    whole_sort = sampler._sorted_filter
+
+    def counted(*args):
+        sorts["n"] += 1
+        return whole_sort(*args)
+
+    monkeypatch.setattr(sampler, "_sorted_filter", counted)
+    params = [
+        SamplingParams(temperature=1.3, top_p=0.9), SamplingParams(top_k=20, top_p=0.8),
+        SamplingParams(top_k=5, min_p=0.3), SamplingParams(temperature=0),
+        SamplingParams(top_p=0.7, min_p=0.1), SamplingParams(top_k=50),
+    ] * 3  # fmt: skip
+    rows = len(params)
+    generator = torch.Generator(device=DEVICE).manual_seed(0)
+    logits = torch.randn(rows, 3_000, device=DEVICE, generator=generator) * 4
+    tensors = SamplingTensors.from_params(params, DEVICE)
+    keys = _keys(rows, 7)
+    tokens = sample(logits, tensors, keys).token_ids_B
+    assert sorts["n"] == 0
+    tempered = logits / tensors.temperature_B[:, None]
+    assert torch.equal(tokens, race(_sorted_then_min_p(tempered, tensors), keys, tensors.greedy_B))
 
 
 @needs_kernels

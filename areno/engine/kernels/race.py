@@ -37,6 +37,19 @@ if triton is not None:
         return z ^ (z >> 31)
 
     @triton.jit
+    def _score(x, key, offs, greedy):
+        # x + Gumbel noise hashed from the row's key and each token's index; -inf stays -inf,
+        # and a greedy row's score is x itself (the race is its argmax).
+        state = key + (offs + 1).to(tl.uint64) * 0x9E3779B97F4A7C15
+        bits = _splitmix64(state) >> 41
+        u = (bits.to(tl.float32) + 0.5) * (1.0 / 8388608.0)  # exact in float32, never 0 or 1
+        # NOTE: E = -log(u) is at least 2**-24 in exact arithmetic; the floor keeps a fast log's
+        # error near u = 1 from making it 0 (a score of +inf, a token that always wins).
+        clock = tl.maximum(-tl.log(u), 5.96e-8)
+        noise = tl.where(greedy, 0.0, -tl.log(clock))
+        return tl.where(x == float("-inf"), x, x + noise)
+
+    @triton.jit
     def _race_kernel(
         Logits, Keys, Greedy, Temperature, Best, BestIndex, V, stride_b, num_chunks,
         CHUNK: tl.constexpr, HAS_TEMPERATURE: tl.constexpr,
@@ -49,14 +62,7 @@ if triton is not None:
         if HAS_TEMPERATURE:
             x = x / tl.load(Temperature + b)
         key = tl.load(Keys + b).to(tl.uint64)
-        state = key + (offs + 1).to(tl.uint64) * 0x9E3779B97F4A7C15
-        bits = _splitmix64(state) >> 41
-        u = (bits.to(tl.float32) + 0.5) * (1.0 / 8388608.0)  # exact in float32, never 0 or 1
-        # NOTE: E = -log(u) is at least 2**-24 in exact arithmetic; the floor keeps a fast log's
-        # error near u = 1 from making it 0 (a score of +inf, a token that always wins).
-        clock = tl.maximum(-tl.log(u), 5.96e-8)
-        noise = tl.where(tl.load(Greedy + b), 0.0, -tl.log(clock))  # a greedy row: argmax
-        score = tl.where(x == float("-inf"), x, x + noise)
+        score = _score(x, key, offs, tl.load(Greedy + b))
         best = tl.max(score, axis=0)
         tl.store(Best + b * num_chunks + c, best)
         tl.store(BestIndex + b * num_chunks + c, c * CHUNK + tl.argmax(score, axis=0))
@@ -68,6 +74,62 @@ if triton is not None:
         best = tl.load(Best + b * num_chunks + offs, mask=offs < num_chunks, other=float("-inf"))
         chunk = tl.argmax(best, axis=0)
         tl.store(Out + b, tl.load(BestIndex + b * num_chunks + chunk))
+
+    @triton.jit
+    def _filtered_race_kernel(
+        Logits, Keys, Greedy, TopP, LogMinP, Out, V, stride_b, BLOCK: tl.constexpr,
+    ):  # fmt: skip
+        # One program a row. Pass 1: the row's softmax (its max m and sum of exp) and the
+        # race's winner c over the whole row. Then while c is not in the row's nucleus (the
+        # tokens before it, most likely first, hold more than top_p of the mass, or its
+        # probability is under min_p of the top's), one more pass takes the mass before the
+        # next candidate while racing the tokens before c alone: those are the only ones that
+        # can still be kept, and the best of them under the same noise is the next candidate.
+        b = tl.program_id(0)
+        row = Logits + b * stride_b
+        key = tl.load(Keys + b).to(tl.uint64)
+        greedy = tl.load(Greedy + b)
+        top_p = tl.load(TopP + b)
+        log_min_p = tl.load(LogMinP + b)  # -inf without a min_p
+        m = tl.full([], float("-inf"), tl.float32)
+        total = tl.zeros([], tl.float32)
+        best = tl.full([], float("-inf"), tl.float32)
+        winner = tl.zeros([], tl.int32)
+        for start in range(0, V, BLOCK):
+            offs = start + tl.arange(0, BLOCK)
+            x = tl.load(row + offs, mask=offs < V, other=float("-inf")).to(tl.float32)
+            new_m = tl.maximum(m, tl.max(x, 0))
+            shift = tl.where(new_m == float("-inf"), 0.0, new_m)
+            total = total * tl.exp(m - shift) + tl.sum(tl.exp(x - shift), 0)
+            m = new_m
+            score = _score(x, key, offs, greedy)
+            block_best = tl.max(score, 0)
+            winner = tl.where(block_best > best, start + tl.argmax(score, 0), winner)
+            best = tl.maximum(best, block_best)
+        x_c = tl.load(row + winner).to(tl.float32)
+        # A greedy row takes its argmax, which every filter keeps; so does a row whose winner
+        # passes min_p and that has no top_p.
+        done = greedy | ((top_p >= 1.0) & (x_c - m >= log_min_p))
+        while done == 0:
+            # "Before c": more likely, or as likely and earlier in the vocabulary.
+            mass = tl.zeros([], tl.float32)
+            best = tl.full([], float("-inf"), tl.float32)
+            next_winner = winner
+            for start in range(0, V, BLOCK):
+                offs = start + tl.arange(0, BLOCK)
+                x = tl.load(row + offs, mask=offs < V, other=float("-inf")).to(tl.float32)
+                before = (x > x_c) | ((x == x_c) & (offs < winner))
+                mass += tl.sum(tl.where(before, tl.exp(x - m), 0.0), 0)
+                score = tl.where(before, _score(x, key, offs, greedy), float("-inf"))
+                block_best = tl.max(score, 0)
+                next_winner = tl.where(block_best > best, start + tl.argmax(score, 0), next_winner)
+                best = tl.maximum(best, block_best)
+            kept = (x_c - m >= log_min_p) & ((top_p >= 1.0) | (mass / total <= top_p))
+            # Nothing before c: c is the row's most likely token, which every filter keeps.
+            done = kept | (best == float("-inf"))
+            winner = tl.where(done, winner, next_winner)
+            x_c = tl.load(row + winner).to(tl.float32)
+        tl.store(Out + b, winner.to(tl.int64))
 
 
 def race(
@@ -92,4 +154,33 @@ def race(
     tokens_B = logits_BV.new_empty(rows, dtype=torch.int64)
     pad = max(2, triton.next_power_of_2(num_chunks))
     _winner_kernel[(rows,)](best_BC, index_BC, tokens_B, num_chunks, C_PAD=pad, num_warps=1)
+    return tokens_B
+
+
+# Logits a filtered race's program reads at a time.
+FILTERED_BLOCK = 2048
+
+
+def filtered_race(
+    logits_BV: torch.Tensor,
+    keys_B: torch.Tensor,
+    greedy_B: torch.Tensor,
+    top_p_B: torch.Tensor,
+    min_p_B: torch.Tensor,
+) -> torch.Tensor:
+    """`race` over what top-p (`top_p_B`, 1: none) and then min-p (`min_p_B`, 0: none) keep of
+    each row of `logits_BV` (float32, tempered), without sorting it: the same token as the race
+    over the filtered row, up to float rounding in the mass at the nucleus's edge.
+
+    The race's winner over the whole row is checked against the filters; where they remove
+    it, every token less likely goes with it, so the race runs again over the tokens before it
+    alone, until its winner is kept (kernel above). Each round is one pass over the row: one
+    for a trained model's peaked row, about log2 of the tokens in the running for a flat one."""
+    rows, vocab = logits_BV.shape
+    assert logits_BV.stride(-1) == 1, "a row's logits must be contiguous"
+    tokens_B = logits_BV.new_empty(rows, dtype=torch.int64)
+    _filtered_race_kernel[(rows,)](
+        logits_BV, keys_B, greedy_B, top_p_B, min_p_B.log(), tokens_B, vocab, logits_BV.stride(0),
+        BLOCK=FILTERED_BLOCK, num_warps=8,
+    )  # fmt: skip
     return tokens_B

@@ -4,11 +4,12 @@ and what changes the logits before them: logit biases, repetition penalties, ban
 
 Everything is batched over rows (one row per sequence of the step) and stays on the device:
 `sample` never calls `.item()` or reads a tensor on the host, so the engine copies the small
-`SamplerOutput` to the host once per step. Filtering sorts each row once and nothing loops over
-rows: all of a sampled row's randomness is one 64-bit key (`row_keys`), which a seeded row
-computes from its seed and the index of the token it draws. On CPU the row inverts its
-distribution's cumulative sum at the key's uniform number; where the engine's Triton kernels
-run, a race of its tokens with noise hashed from the key picks it in two launches
+`SamplerOutput` to the host once per step. Nothing loops over rows: all of a sampled row's
+randomness is one 64-bit key (`row_keys`), which a seeded row computes from its seed and the
+index of the token it draws. On CPU the filters look at each row's best tokens (or its sorted
+whole) and the row inverts its distribution's cumulative sum at the key's uniform number; where
+the engine's Triton kernels run, a race of its tokens with noise hashed from the key picks it in
+two launches, and a top-p or min-p races within what the filter keeps without sorting the row
 (kernels/race.py). So a seeded row costs no generator and no launch of its own, and its k-th
 token is the same whatever the batch, the step it lands in, or a preemption between.
 
@@ -24,14 +25,14 @@ them either (OpenAI reports the model's own logprobs under `logit_bias` too).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
 from torch import Tensor
 
 from areno.engine.kernels import use_triton
-from areno.engine.kernels.race import race
+from areno.engine.kernels.race import filtered_race, race
 from areno.engine.outputs.grammar import allowed_tokens
 from areno.engine.sample.penalties import apply_penalties
 from areno.engine.sampling import MAX_SEED, SamplingParams
@@ -319,14 +320,16 @@ TOP_P_WINDOW = 1024
 
 def _filter(logits_BV: Tensor, tensors: SamplingTensors) -> Tensor:
     """Temperature-scaled logits with tokens removed (-inf) by top-k, then top-p, then min-p
-    (the order Hugging Face applies them).
+    (the order Hugging Face applies them), where the kernels do not run (the kernels' draw is
+    `_kernel_filtered_draw`).
 
     Top-k and top-p look at a row's tokens from the most likely down, which a sort of the whole
     vocabulary gives (on 2 CPU cores 64 rows of 151,936 tokens take about half a second; on an
     H100 1.7 ms). Where every sampled row's filters stop within its best W tokens, those W
     (`topk`) are enough: W the largest top_k where every top-p row has a top_k, else, on CPU,
     TOP_P_WINDOW, checked after (the rows without a top_k must find their top_p within it;
-    else the whole sort runs: the check reads one number back, which on CPU costs nothing)."""
+    else the whole sort runs: the check reads one number back, which on CPU costs nothing and
+    on a GPU would wait for the step)."""
     if tensors.use_top_k or tensors.use_top_p:
         vocab_size = logits_BV.shape[-1]
         if tensors.top_k_bounds_top_p:
@@ -404,19 +407,49 @@ def _window_filter(logits_BV: Tensor, tensors: SamplingTensors, width: int) -> T
 
 def _draw(logits_BV: Tensor, tensors: SamplingTensors, keys_B: Tensor) -> Tensor:
     """Each row's token: the argmax for a greedy row, else drawn with its key from its
-    filtered, tempered distribution. Where the Triton kernels run, the race does it all in two
-    launches (the temperature inside them when no row filters)."""
+    filtered, tempered distribution. Where the Triton kernels run, the race does it in two
+    launches (the temperature inside them when no row filters); a top-p without a top_k, or a
+    min-p, races within the filter instead of sorting the row (`_kernel_filtered_draw`)."""
     filters = tensors.use_top_k or tensors.use_top_p or tensors.use_min_p
     if use_triton(logits_BV) and not filters:
         return race(logits_BV, keys_B, tensors.greedy_B, tensors.temperature_B)
+    if use_triton(logits_BV):
+        return _kernel_filtered_draw(logits_BV / tensors.temperature_B[:, None], tensors, keys_B)
     filtered_BV = _filter(logits_BV / tensors.temperature_B[:, None], tensors)
-    if use_triton(filtered_BV):
-        return race(filtered_BV, keys_B, tensors.greedy_B)  # the filters keep each row's argmax
     greedy_B = logits_BV.argmax(dim=-1)
     token_ids_B = _inverse_cdf(filtered_BV, key_uniforms(keys_B), greedy_B)
     if tensors.any_greedy:
         token_ids_B = torch.where(tensors.greedy_B, greedy_B, token_ids_B)
     return token_ids_B
+
+
+def _kernel_filtered_draw(tempered_BV: Tensor, tensors: SamplingTensors, keys_B: Tensor) -> Tensor:
+    """The kernels' draw under filters, with no sort and no read back. Rows with a top_k are
+    filtered over their best `max_top_k` tokens (`_window_filter`; their top_p there too,
+    over the tokens the top_k keeps); the rest of the filtering is the race's own: a top-p
+    without a top_k, and min-p, by `filtered_race`, which races within what they keep."""
+    by_race = tensors.use_min_p or (tensors.use_top_p and not tensors.top_k_bounds_top_p)
+    if tensors.use_top_k:
+        # The rows without a top_k pass through whole: their top_p is the race's.
+        with_k_B = tensors.top_k_B > 0
+        top_k_rows = replace(
+            tensors,
+            top_p_B=torch.where(with_k_B, tensors.top_p_B, 1.0),
+            top_k_bounds_top_p=True,
+        )
+        width = tensors.max_top_k
+        if width < tempered_BV.shape[-1]:
+            tempered_BV = _window_filter(tempered_BV, top_k_rows, width)
+        else:
+            tempered_BV = _sorted_filter(tempered_BV, top_k_rows)
+    if not by_race:
+        return race(tempered_BV, keys_B, tensors.greedy_B)  # the filters keep each row's argmax
+    top_p_B = tensors.top_p_B
+    if tensors.use_top_k:
+        top_p_B = torch.where(tensors.top_k_B > 0, 1.0, top_p_B)
+    return filtered_race(
+        tempered_BV.contiguous(), keys_B, tensors.greedy_B, top_p_B, tensors.min_p_B
+    )
 
 
 def _inverse_cdf(logits_BV: Tensor, uniforms_B: Tensor, greedy_B: Tensor) -> Tensor:
