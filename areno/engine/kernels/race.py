@@ -119,11 +119,14 @@ if triton is not None:
                 offs = start + tl.arange(0, BLOCK)
                 x = tl.load(row + offs, mask=offs < V, other=float("-inf")).to(tl.float32)
                 before = (x > x_c) | ((x == x_c) & (offs < winner))
-                mass += tl.sum(tl.where(before, tl.exp(x - m), 0.0), 0)
-                score = tl.where(before, _score(x, key, offs, greedy), float("-inf"))
-                block_best = tl.max(score, 0)
-                next_winner = tl.where(block_best > best, start + tl.argmax(score, 0), next_winner)
-                best = tl.maximum(best, block_best)
+                # Most blocks of a peaked row hold no token before c: their noise is not drawn.
+                if tl.max(before.to(tl.int32), 0) > 0:
+                    mass += tl.sum(tl.where(before, tl.exp(x - m), 0.0), 0)
+                    score = tl.where(before, _score(x, key, offs, greedy), float("-inf"))
+                    block_best = tl.max(score, 0)
+                    take = block_best > best
+                    next_winner = tl.where(take, start + tl.argmax(score, 0), next_winner)
+                    best = tl.maximum(best, block_best)
             kept = (x_c - m >= log_min_p) & ((top_p >= 1.0) | (mass / total <= top_p))
             # Nothing before c: c is the row's most likely token, which every filter keeps.
             done = kept | (best == float("-inf"))
