@@ -16,9 +16,15 @@ goes"). This measures, product by product, what each way reaches:
 Each product is timed inside a CUDA graph that cycles through enough copies of its weight to
 leave no copy in the L2 cache (the model's layers never reread a weight within a step). Alone,
 cuBLAS may choose other kernels than inside the compiled step (`profile_decode.py` shows those).
+`--fused` instead times the one-row layer's fused products (areno/engine/layers/row_layer.py)
+at one row against the plain kernel on the same weight: `qkv` with its input norm
+(`norm_row_linear`), `gate_up` with the residual add, the norm and the activation
+(`add_norm_row_linear`, gated), `down` with the residual add (`residual_row_linear`), each at the
+launch the engine picks (`fused_launch_options`) and at the fastest of a sweep of launches.
 Fixed seed; prints a table and writes JSON.
 
     python benchmarks/decode_gemv.py --model qwen3-1.7b qwen3-8b --rows 1 4
+    python benchmarks/decode_gemv.py --model qwen3-1.7b qwen3-8b --fused
     TRITON_INTERPRET=1 python benchmarks/decode_gemv.py --check   # CPU: the kernel's arithmetic
 """
 
@@ -38,7 +44,14 @@ import triton
 sys.path.insert(0, str(Path(__file__).parent))
 from engine_workloads import copy_bandwidth_gb_s  # noqa: E402
 
-from areno.engine.kernels.gemv import gemv, launch_options  # noqa: E402
+from areno.engine.kernels.gemv import (  # noqa: E402
+    add_norm_gemv,
+    fused_launch_options,
+    gemv,
+    launch_options,
+    norm_gemv,
+    residual_gemv,
+)
 
 # (hidden, intermediate, query heads, key / value heads, head dim, vocabulary) of each shape.
 SHAPES = {
@@ -106,6 +119,72 @@ def graph_seconds(fn, xs: torch.Tensor, weights: list[torch.Tensor], repeats: in
     return sorted(times)[len(times) // 2]
 
 
+FUSED_PRODUCTS = ("qkv", "gate_up", "down")
+
+
+def fused_configs() -> list[dict]:
+    """The launches `--fused` sweeps: 1-8 output features a program (of a gate and of an up
+    each, for `gate_up`), 512 or 1024 inputs a block, 4 or 8 warps, 2 or 4 stages."""
+    return [
+        {"BLOCK_N": bn, "BLOCK_K": bk, "num_warps": warps, "num_stages": stages}
+        for bn, bk, warps, stages in itertools.product((1, 2, 4, 8), (512, 1024), (4, 8), (2, 4))
+    ]
+
+
+def fused_rows(model: str, bandwidth: float, cycle_mib: int, repeats: int) -> list[dict]:
+    """One row a fused product of `model`'s layer: the plain kernel at the engine's launch, the
+    fused one at the engine's launch and at its fastest in the sweep, in us."""
+    device, dtype = torch.device("cuda"), torch.bfloat16
+    rows = []
+    for name in FUSED_PRODUCTS:
+        n, k = products(model)[name]
+        copies = max(2, -(-(cycle_mib << 20) // (n * k * 2)))
+        weights = [torch.randn(n, k, device=device, dtype=dtype) * 0.02 for _ in range(copies)]
+        a = torch.randn(1, 1, k, device=device, dtype=dtype)
+        residual = torch.randn(1, 1, n if name == "down" else k, device=device, dtype=dtype)
+        norm_weight = torch.rand(k, device=device, dtype=dtype)
+
+        def fused(x, w, options=None, name=name, residual=residual, norm_weight=norm_weight):
+            if name == "qkv":
+                return norm_gemv(x, norm_weight, 1e-6, 0.0, w, options)
+            if name == "gate_up":
+                return add_norm_gemv(x, residual, norm_weight, 1e-6, 0.0, w, True, options)[0]
+            return residual_gemv(x, w, residual, options)
+
+        row = {"model": model, "product": name, "rows": 1, "n": n, "k": k}
+        row["floor_us"] = n * k * 2 / bandwidth / 1e3
+        row["plain_us"] = 1e6 * graph_seconds(
+            lambda x, w: gemv(x.view(1, -1), w), a, weights, repeats
+        )
+        row["fused_us"] = 1e6 * graph_seconds(fused, a, weights, repeats)
+        row["fused_config"] = (
+            launch_options(n, k) if name == "down" else
+            fused_launch_options(n // 2 if name == "gate_up" else n, k, name == "gate_up")
+        )  # fmt: skip
+        best = None
+        for config in fused_configs():
+            try:
+                fn = lambda x, w, c=config: fused(x, w, c)  # noqa: E731
+                seconds = graph_seconds(fn, a, weights, 3)
+            except Exception:  # a launch the GPU cannot take (registers, shared memory)
+                continue
+            if best is None or seconds < best[0]:
+                best = (seconds, config)
+        if best is not None:
+            fn = lambda x, w, c=best[1]: fused(x, w, c)  # noqa: E731
+            row["fused_best_us"] = 1e6 * graph_seconds(fn, a, weights, repeats)
+            row["fused_best_config"] = best[1]
+        rows.append(row)
+        print(
+            f"{model:12}{name:>9}{row['floor_us']:>8.1f}{row['plain_us']:>9.1f}"
+            f"{row['fused_us']:>9.1f}{row.get('fused_best_us', float('nan')):>9.1f}"
+            f"{str(best[1] if best else '-'):>60}"
+        )
+        del weights
+        torch.cuda.empty_cache()
+    return rows
+
+
 def check() -> None:
     """The kernel against F.linear (under TRITON_INTERPRET=1 on CPU, or on a GPU)."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -129,6 +208,9 @@ def main() -> None:
     parser.add_argument("--cycle-mib", type=int, default=512, help="weight copies per product")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--check", action="store_true", help="check the kernel's arithmetic only")
+    parser.add_argument(
+        "--fused", action="store_true", help="the one-row layer's fused products instead"
+    )
     parser.add_argument("--out", default="benchmarks/results/decode_gemv.json")
     args = parser.parse_args()
     if args.check:
@@ -143,9 +225,15 @@ def main() -> None:
     compiled = torch.compile(reduction_gemv, dynamic=False)
     results = []
     print(f"{torch.cuda.get_device_name()}, copy rate {bandwidth:.0f} GB/s; us a product")
+    if args.fused:
+        print(f"{'model':12}{'product':>9}{'floor':>8}{'plain':>9}{'fused':>9}{'best':>9}"
+              f"{'best fused config':>60}")  # fmt: skip
+        for model in args.model:
+            results += fused_rows(model, bandwidth, args.cycle_mib, args.repeats)
+    plain_models = [] if args.fused else args.model
     print(f"{'model':12}{'product':>9}{'rows':>6}{'floor':>8}{'cublas':>9}{'areno':>9}{'triton':>9}"
           f"{'inductor':>10}{'best triton config':>34}")  # fmt: skip
-    for model in args.model:
+    for model in plain_models:
         for name, (n, k) in products(model).items():
             size = n * k * 2
             copies = max(2, -(-(args.cycle_mib << 20) // size))
@@ -193,7 +281,7 @@ def main() -> None:
                 )
             del weights
             torch.cuda.empty_cache()
-    for model in args.model:
+    for model in plain_models:
         for m in args.rows:
             layer = [r for r in results if r["model"] == model and r["rows"] == m
                      and r["product"] != "lm_head"]  # fmt: skip

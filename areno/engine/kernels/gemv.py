@@ -217,9 +217,9 @@ def add_norm_row_linear(
     return add_norm_gemv(a, residual, norm_weight, eps, offset, weight, gated)
 
 
-def add_norm_gemv(a, residual, norm_weight, eps, offset, weight, gated):
+def add_norm_gemv(a, residual, norm_weight, eps, offset, weight, gated, options=None):
     summed = torch.empty_like(a)
-    out = _norm_gemv(a, residual, summed, norm_weight, eps, offset, weight, gated)
+    out = _norm_gemv(a, residual, summed, norm_weight, eps, offset, weight, gated, options)
     return out, summed
 
 
@@ -233,16 +233,18 @@ def norm_row_linear(
     return norm_gemv(x, norm_weight, eps, offset, weight)
 
 
-def norm_gemv(x, norm_weight, eps, offset, weight):
-    return _norm_gemv(x, None, None, norm_weight, eps, offset, weight, False)
+def norm_gemv(x, norm_weight, eps, offset, weight, options=None):
+    return _norm_gemv(x, None, None, norm_weight, eps, offset, weight, False, options)
 
 
-def _norm_gemv(x, residual, summed, norm_weight, eps, offset, weight, gated):
+def _norm_gemv(x, residual, summed, norm_weight, eps, offset, weight, gated, options=None):
+    # `options`: a launch of a benchmark's sweep (benchmarks/decode_gemv.py --fused) in place of
+    # `fused_launch_options`.
     in_features = x.shape[-1]
     out_features = weight.shape[0] // 2 if gated else weight.shape[0]
     x = x.contiguous()
     out = x.new_empty(*x.shape[:-1], out_features)
-    options = fused_launch_options(out_features, in_features, gated)
+    options = options or fused_launch_options(out_features, in_features, gated)
     add = residual is not None
     _add_norm_gemv_kernel[(triton.cdiv(out_features, options["BLOCK_N"]),)](
         x, residual.contiguous() if add else x, norm_weight, weight, out,
@@ -262,8 +264,8 @@ def residual_row_linear(
     return residual_gemv(x, weight, residual)
 
 
-def residual_gemv(x, weight, residual):
-    return gemv(x.reshape(1, -1), weight, residual_MN=residual).view_as(residual)
+def residual_gemv(x, weight, residual, options=None):
+    return gemv(x.reshape(1, -1), weight, None, options, residual).view_as(residual)
 
 
 def norm_linear_reference(x, norm_weight, eps, offset, weight):
