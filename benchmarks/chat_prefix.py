@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from engine_workloads import write_results  # noqa: E402
+from engine_workloads import stop_on_terminate, write_results  # noqa: E402
 
 from areno.engine.config import COMPILE_MODES, EngineConfig  # noqa: E402
 from areno.media.samples import write_image  # noqa: E402
@@ -151,6 +151,7 @@ def served(path: str, images: list[str], args, caching: bool) -> tuple[list[list
 
 
 def main() -> None:
+    stop_on_terminate()
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workload", choices=["chats", "shared-system"], default="chats")
     parser.add_argument("--family", default="gemma4")

@@ -10,7 +10,9 @@ import gc
 import json
 import platform
 import random
+import signal
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -336,6 +338,14 @@ class ByteFloor:
             "floor_prefill_s": prefill_s,
             "floor_tok_s": sum(output) / floor_s,
         }
+
+
+def stop_on_terminate() -> None:
+    """Turn SIGTERM (`timeout`, a cancelled job) into SystemExit in the main thread, so that a
+    benchmark's `finally` blocks stop the servers, Ray and child processes it started. Killed
+    by the signal's default action, a benchmark left them running, holding the GPU's memory
+    for whatever ran next."""
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
 
 
 def write_results(path: str, meta: dict, results: dict) -> None:

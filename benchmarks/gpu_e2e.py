@@ -36,6 +36,8 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from engine_workloads import stop_on_terminate
+
 REPO = Path(__file__).resolve().parent.parent
 PARTS = ("engine", "serve", "grpo", "tp")
 SERVER_START_TIMEOUT_S = 900  # a 2B checkpoint loads and compiles its decode step first
@@ -420,6 +422,7 @@ def run_tp(args: argparse.Namespace, work: Path) -> dict:
 
 
 def main() -> None:
+    stop_on_terminate()
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )

@@ -51,7 +51,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
 sys.path.insert(0, str(REPO))
-from engine_workloads import write_results  # noqa: E402
+from engine_workloads import stop_on_terminate, write_results  # noqa: E402
 
 from areno.models.tiny import tiny_checkpoint  # noqa: E402
 
@@ -315,6 +315,7 @@ def print_timeline(results: dict) -> None:
 
 
 def main() -> None:
+    stop_on_terminate()
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tasks", default="color_quiz,ave")
     parser.add_argument("--steps", type=int, default=6)

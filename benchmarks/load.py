@@ -43,6 +43,7 @@ from typing import Any
 
 import openai
 import psutil
+from engine_workloads import stop_on_terminate
 
 from areno.engine.config import EngineConfig
 from areno.media.samples import write_audio, write_image, write_video
@@ -425,6 +426,7 @@ async def run_phases(args, config: ServeConfig, media: dict[str, str]) -> dict[s
 
 
 def main() -> None:
+    stop_on_terminate()
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=200)
     parser.add_argument("--max-running-prompts", type=int, default=4)

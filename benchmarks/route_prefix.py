@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from engine_workloads import write_results  # noqa: E402
+from engine_workloads import stop_on_terminate, write_results  # noqa: E402
 
 from areno.engine.config import EngineConfig  # noqa: E402
 from areno.models.tiny import tiny_checkpoint  # noqa: E402
@@ -187,6 +187,7 @@ def one_run(path: str, port: int, policy: str, args) -> dict:
 
 
 def main() -> None:
+    stop_on_terminate()
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--family", default="qwen3_vl")
     parser.add_argument("--size", default="small", help="tiny checkpoint size (tiny, small)")

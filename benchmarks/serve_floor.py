@@ -26,6 +26,8 @@ import sys
 import time
 from pathlib import Path
 
+from engine_workloads import stop_on_terminate
+
 WARM_UP = 20
 
 
@@ -102,6 +104,7 @@ def child(mode: str, num_requests: int) -> dict:
 
 
 def main() -> None:
+    stop_on_terminate()
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=300)
     parser.add_argument("--out", default="benchmarks/results/serve_floor.json")

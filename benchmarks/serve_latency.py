@@ -48,6 +48,7 @@ from areno.models.tiny import DEFAULT_FAMILY, tiny_checkpoint
 from areno.processing import Processor, process_messages
 
 sys.path.insert(0, str(Path(__file__).parent))
+from engine_workloads import stop_on_terminate  # noqa: E402
 from serve_floor import build_floor_app, time_echo  # noqa: E402
 
 
@@ -178,6 +179,7 @@ def served(
 
 
 def main() -> None:
+    stop_on_terminate()
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=50)
     parser.add_argument("--rounds", type=int, default=5)

@@ -34,6 +34,7 @@ import urllib.request
 from pathlib import Path
 
 import torch
+from engine_workloads import stop_on_terminate
 
 START_UP_LINE = re.compile(r"engine start-up: (.*)")
 PHASE = re.compile(r"([a-z-]+) ([0-9.]+) s")
@@ -134,6 +135,7 @@ def start_once(args: argparse.Namespace, cache: Path, timeout: float) -> dict:
 
 
 def main() -> None:
+    stop_on_terminate()
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model-path", help="a checkpoint (default: the tiny Qwen3.5)")
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])

@@ -36,6 +36,8 @@ import statistics
 import time
 from pathlib import Path
 
+from engine_workloads import stop_on_terminate
+
 from areno.engine.config import EngineConfig
 from areno.engine.generator import Generator
 from areno.engine.sampling import SamplingParams
@@ -158,6 +160,7 @@ class Served:
 
 
 def main() -> None:
+    stop_on_terminate()
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--family", default="qwen3_5", help="the tiny checkpoint's")
     parser.add_argument("--model-path", help="a checkpoint instead of the tiny one")

@@ -32,7 +32,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).parents[1]))
-from engine_workloads import write_results  # noqa: E402
+from engine_workloads import stop_on_terminate, write_results  # noqa: E402
 
 from areno.engine.config import EngineConfig  # noqa: E402
 from areno.engine.generator import Generator  # noqa: E402
@@ -191,6 +191,7 @@ ROWS = [
 
 
 def main() -> None:
+    stop_on_terminate()
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--family", default="qwen3_5", help="the tiny checkpoint's")
     parser.add_argument("--model-path", help="a checkpoint instead of the tiny one")

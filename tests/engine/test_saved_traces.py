@@ -16,12 +16,14 @@ from areno.engine.runner.saved_traces import _reusable_guards, unsaved_backend_r
 from tests.engine.generating import FAMILIES
 
 # torch 2.11 cannot save aot_eager's graphs with a trace (`unsaved_backend_reason`): there the
-# engines of these tests save nothing, and Inductor's traces (`test_a_loaded_trace_reads...`)
-# stand for the saving.
+# engines of these tests compile with Inductor (slower), and the tests of aot_eager alone skip.
+SAVED = "aot_eager" if unsaved_backend_reason("aot_eager") is None else "inductor"
 saves_aot_eager = pytest.mark.skipif(
     unsaved_backend_reason("aot_eager") is not None,
     reason=str(unsaved_backend_reason("aot_eager")),
 )
+# The engines start where a GPU machine's serve would: on its GPU (decode captured).
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 # One engine start in a fresh process, as `areno serve` builds it: greedy outputs of a few
 # prompts, the start-up line and the trace counts, as one JSON line.
@@ -33,9 +35,9 @@ from areno.engine.generator import Generator
 from areno.engine.sampling import SamplingParams
 from areno.processing.types import PromptInputs
 
-path, compile = sys.argv[1], sys.argv[2]
+path, compile, device = sys.argv[1:4]
 config = EngineConfig(
-    max_running_prompts=4, max_context_len=128, device="cpu",
+    max_running_prompts=4, max_context_len=128, device=device, dtype="float32",
     decode_compile=compile, prefill_compile=compile,
 )
 generator = Generator.from_config(path, config)
@@ -60,7 +62,7 @@ def start(path, compile: str, cache) -> dict:
     env = dict(os.environ, ARENO_COMPILE_CACHE=str(cache))
     env.pop("TORCHINDUCTOR_CACHE_DIR", None)
     done = subprocess.run(
-        [sys.executable, "-c", START, str(path), compile],
+        [sys.executable, "-c", START, str(path), compile, DEVICE],
         env=env, capture_output=True, text=True, check=False, timeout=600,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
@@ -68,33 +70,34 @@ def start(path, compile: str, cache) -> dict:
 
 
 @pytest.mark.slow
-@saves_aot_eager
 @pytest.mark.parametrize("family", FAMILIES)
 def test_a_second_start_loads_the_traces_and_generates_the_same(tiny_path, tmp_path, family):
     path = tiny_path(family)
     eager = start(path, "off", tmp_path / "eager-cache")
-    first = start(path, "aot_eager", tmp_path / "cache")
-    second = start(path, "aot_eager", tmp_path / "cache")
+    first = start(path, SAVED, tmp_path / "cache")
+    second = start(path, SAVED, tmp_path / "cache")
 
     assert first["traces"]["loaded"] == 0 and first["traces"]["traced"] > 0
     # Every graph the first start traced, the second loaded, and it traced none.
     assert second["traces"] == {"loaded": first["traces"]["traced"], "traced": 0}
     assert f"Dynamo traces {first['traces']['traced']} loaded, 0 traced" in second["line"]
-    assert first["tokens"] == eager["tokens"]
-    assert second["tokens"] == eager["tokens"]
+    assert second["tokens"] == first["tokens"]
+    # aot_eager runs the uncompiled operators: the same tokens as the engine without compiling.
+    # Inductor's kernels round otherwise, which can flip a random model's near tie.
+    if SAVED == "aot_eager":
+        assert first["tokens"] == eager["tokens"]
     assert not list((tmp_path / "eager-cache").glob("*/traces/*"))
 
 
 @pytest.mark.slow
-@saves_aot_eager
 def test_a_saved_trace_that_does_not_load_is_traced_again(tiny_path, tmp_path):
     """A damaged file: the start says so once, traces that forward again and generates what
     the start that saved it did."""
     path = tiny_path("qwen3_5")
-    first = start(path, "aot_eager", tmp_path / "cache")
+    first = start(path, SAVED, tmp_path / "cache")
     (saved,) = (tmp_path / "cache").glob("*/traces/the-decode-step-*/0.bin")
     saved.write_bytes(saved.read_bytes()[:100])
-    second = start(path, "aot_eager", tmp_path / "cache")
+    second = start(path, SAVED, tmp_path / "cache")
     assert second["traces"] == {"loaded": first["traces"]["traced"] - 1, "traced": 1}
     assert second["log"].count("could not be used, tracing again") == 1
     assert second["tokens"] == first["tokens"]
