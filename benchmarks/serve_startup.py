@@ -92,6 +92,8 @@ def start_once(args: argparse.Namespace, cache: Path, timeout: float) -> dict:
         for line in process.stdout:
             arrived.append(time.perf_counter() - started)
             lines.append(line)
+            if args.echo:
+                print(f"[{arrived[-1]:7.1f} s] {line}", end="", flush=True)
 
     reader = threading.Thread(target=read, daemon=True)
     reader.start()
@@ -143,6 +145,9 @@ def main() -> None:
     parser.add_argument("--max-running-prompts", type=int, default=8)
     parser.add_argument("--warm-starts", type=int, default=1)
     parser.add_argument("--timeout", type=float, default=900)
+    parser.add_argument(
+        "--echo", action="store_true", help="print the server's lines as they arrive, timed"
+    )
     parser.add_argument("--out", default="benchmarks/results/serve_startup.json")
     args = parser.parse_args()
     if not args.model_path:
