@@ -36,3 +36,19 @@ def overlap(request) -> str:
     """Both step loops: each step read before the next, and overlapped (a step launched before
     the previous one's tokens are read)."""
     return request.param
+
+
+@pytest.fixture
+def whole_sorts(monkeypatch) -> dict:
+    """Counts the sampler's sorts of whole rows (`_sorted_filter`): {"n": calls so far}."""
+    from areno.engine.sample import sampler
+
+    sorts = {"n": 0}
+    whole_sort = sampler._sorted_filter
+
+    def counted(*args):
+        sorts["n"] += 1
+        return whole_sort(*args)
+
+    monkeypatch.setattr(sampler, "_sorted_filter", counted)
+    return sorts

@@ -426,17 +426,9 @@ def test_the_filtered_race_draws_what_the_race_draws_over_the_sorted_filter(scal
 
 
 @needs_kernels
-def test_the_sampler_filters_without_a_sort_where_the_kernels_run(monkeypatch):
+def test_the_sampler_filters_without_a_sort_where_the_kernels_run(whole_sorts):
     """`sample` on the kernels' path, rows with and without a top_k beside min-p and greedy
     rows: no row sorted, the same tokens as the race over the whole sort's filter."""
-    sorts = {"n": 0}
-    whole_sort = sampler._sorted_filter
-
-    def counted(*args):
-        sorts["n"] += 1
-        return whole_sort(*args)
-
-    monkeypatch.setattr(sampler, "_sorted_filter", counted)
     params = [
         SamplingParams(temperature=1.3, top_p=0.9), SamplingParams(top_k=20, top_p=0.8),
         SamplingParams(top_k=5, min_p=0.3), SamplingParams(temperature=0),
@@ -448,7 +440,7 @@ def test_the_sampler_filters_without_a_sort_where_the_kernels_run(monkeypatch):
     tensors = SamplingTensors.from_params(params, DEVICE)
     keys = _keys(rows, 7)
     tokens = sample(logits, tensors, keys).token_ids_B
-    assert sorts["n"] == 0
+    assert whole_sorts["n"] == 0
     tempered = logits / tensors.temperature_B[:, None]
     assert torch.equal(tokens, race(_sorted_then_min_p(tempered, tensors), keys, tensors.greedy_B))
 

@@ -175,21 +175,13 @@ def test_top_k_and_top_p_renormalise_the_kept_tokens() -> None:
 
 @pytest.mark.parametrize("scale", [1.0, 3.0, 8.0])
 def test_top_k_and_top_p_over_the_best_tokens_keep_what_the_whole_sort_keeps(
-    scale, monkeypatch
+    scale, monkeypatch, whole_sorts
 ) -> None:
     """The filters over each row's best tokens (`topk`) remove what a sort of the whole row
     removes, for every mix of rows: top-k alone, top-p with and without a top_k, neither. A
     peaked row finds its top_p in the window; a flat one (scale 1) does not, and then the whole
     sort runs."""
     monkeypatch.setattr(sampler, "TOP_P_WINDOW", 256)
-    sorts = {"n": 0}
-    whole_sort = sampler._sorted_filter
-
-    def counted(*args):
-        sorts["n"] += 1
-        return whole_sort(*args)
-
-    monkeypatch.setattr(sampler, "_sorted_filter", counted)
     mixes = [
         [SamplingParams(top_p=0.9)] * 3,
         [SamplingParams(top_k=20), SamplingParams(), SamplingParams(top_k=50, top_p=0.8)],
@@ -200,10 +192,10 @@ def test_top_k_and_top_p_over_the_best_tokens_keep_what_the_whole_sort_keeps(
     for params in mixes:
         tensors = SamplingTensors.from_params(params, "cpu")
         logits = torch.randn(len(params), 5000, generator=generator) * scale
-        before = sorts["n"]
+        before = whole_sorts["n"]
         have = sampler._filter(logits, tensors)
-        windowed = sorts["n"] == before
-        want = whole_sort(logits, tensors)
+        windowed = whole_sorts["n"] == before
+        want = sampler._sorted_filter(logits, tensors)
         assert torch.equal(have.isinf(), want.isinf())
         assert torch.equal(have[~have.isinf()], want[~want.isinf()])
         # Rows with a top_k bound their top-p: never the whole sort. Without: the window is
