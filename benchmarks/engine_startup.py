@@ -79,6 +79,7 @@ def child(args: argparse.Namespace) -> dict:
             "backend_s": timed.get(BACKEND, 0.0),
             "captures_s": sum(captures),
             "captures": len(captures),
+            "compiles_s": generator.start_up_compiles,
             "frames": counters["frames"]["ok"],
             "traces_loaded": compile_cache.traces["loaded"],
             "traces_traced": compile_cache.traces["traced"],

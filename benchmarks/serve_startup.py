@@ -119,6 +119,11 @@ def start_once(args: argparse.Namespace, cache: Path, timeout: float) -> dict:
             process.wait()
     line = next(m.group(1) for m in map(START_UP_LINE.search, lines) if m)
     phases = {name: float(seconds) for name, seconds in PHASE.findall(line.split("(total")[0])}
+    # The compile's seconds by forward, where the line gives them ("; compiles: decode step 3.1 s").
+    by_forward = line.split("; compiles: ")[1] if "; compiles: " in line else ""
+    compiles = {
+        name.strip(): float(s) for name, s in re.findall(r"([a-z ]+) ([0-9.]+) s", by_forward)
+    }
     timeline = {}
     for name, pattern in MILESTONES.items():
         seconds = next(
@@ -131,6 +136,7 @@ def start_once(args: argparse.Namespace, cache: Path, timeout: float) -> dict:
     return {
         "healthy_s": round(healthy, 2),
         "phases_s": phases,
+        "compiles_s": compiles,
         "timeline_s": timeline,
         "start_up": line.strip(),
     }

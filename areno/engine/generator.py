@@ -123,10 +123,12 @@ class Generator:
         self._idle_waiters: list[concurrent.futures.Future] = []
         # Seconds per start-up phase, in order (from_config adds "load" before, warm_up after).
         self.start_up: dict[str, float] = {}
+        # The start-up compile's seconds by forward (startup.run_steps).
+        self.start_up_compiles: dict[str, float] = {}
         self.compile_cache: Path | None = None
         self.compile_cache_files = 0
         try:
-            startup.run_steps(self.core, self.start_up)
+            startup.run_steps(self.core, self.start_up, self.start_up_compiles)
         except BaseException:
             executor.shutdown()  # a tensor-parallel group's follower actors too
             raise
@@ -416,7 +418,11 @@ class Generator:
         """The start-up phases with their seconds and the compile cache, one line (see
         areno/engine/core/startup.py)."""
         return startup.describe(
-            self.start_up, self.compile_cache, self.compile_cache_files, compile_cache.traces
+            self.start_up,
+            self.compile_cache,
+            self.compile_cache_files,
+            compile_cache.traces,
+            self.start_up_compiles,
         )
 
     def add_adapters(self, adapters: Mapping[str, str | os.PathLike]) -> None:

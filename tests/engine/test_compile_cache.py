@@ -93,6 +93,11 @@ def test_a_compiled_start_up_reports_its_phases_and_cache(env, tiny_path):
         line = generator.describe_start_up()
         assert line.startswith("load ") and " compile " in line and "(total " in line
         assert f"compile cache {generator.compile_cache} (" in line
+        # The decode step compiles (the prefills run uncompiled): its seconds, by name.
+        assert list(generator.start_up_compiles) == ["decode step"]
+        assert line.endswith(
+            f"; compiles: decode step {generator.start_up_compiles['decode step']:.1f} s"
+        )
         assert generator.compile_cache == Path(os.environ["TORCHINDUCTOR_CACHE_DIR"])
     finally:
         generator.shutdown()

@@ -26,7 +26,7 @@ from areno.processing.types import PromptInputs
 _DROPPED_ROW = RowSampling(SamplingParams(temperature=0, max_tokens=1))
 
 
-def run_steps(core: Any, times: dict[str, float]) -> None:
+def run_steps(core: Any, times: dict[str, float], compiles: dict[str, float] | None = None) -> None:
     """A one-token prefill into slot 0 allocates the cache (raising CacheMemoryError where it
     does not fit, areno/engine/layers/cache.py); where they are compiled, a batched prefill of two
     prompts of unequal lengths into slots 0 and 1, prefills of parts of prompts
@@ -35,7 +35,9 @@ def run_steps(core: Any, times: dict[str, float]) -> None:
     should a model's code still pin a size it first saw, the second decode step makes that
     recompile happen here, and a batched prefill of one prompt (a part of one) the compile of
     that batch size. Outputs are dropped; the slots are free again after, and their next
-    prefills overwrite what these wrote. Records "cache" and "compile" seconds in `times`."""
+    prefills overwrite what these wrote. Records "cache" and "compile" seconds in `times`, and
+    in `compiles` the compile's seconds by forward (the batched prefill, the prefill of parts,
+    the decode step): which of them a first start spends its time on."""
     paths = core.executor.compiled_paths()
     start = time.perf_counter()
     prefill_and_drop(core, PromptInputs([0], {}))
@@ -45,13 +47,20 @@ def run_steps(core: Any, times: dict[str, float]) -> None:
     start = time.perf_counter()
     try:
         if paths.batched_prefill:
-            _batched_prefill(core, paths.num_blocks)
+            _timed(compiles, "batched prefill", _batched_prefill, core, paths.num_blocks)
         if paths.prefill_parts:
-            _parts_prefill(core, paths.num_blocks)
+            _timed(compiles, "prefill of parts", _parts_prefill, core, paths.num_blocks)
         if paths.decode_buckets:
-            _decode_steps(core, paths.decode_buckets)
+            _timed(compiles, "decode step", _decode_steps, core, paths.decode_buckets)
     finally:
         times["compile"] = time.perf_counter() - start
+
+
+def _timed(seconds: dict[str, float] | None, name: str, step, *args) -> None:
+    began = time.perf_counter()
+    step(*args)
+    if seconds is not None:
+        seconds[name] = time.perf_counter() - began
 
 
 def _batched_prefill(core: Any, num_blocks: int) -> None:
@@ -124,9 +133,11 @@ def describe(
     cache: Path | None,
     cache_files: int,
     traces: Mapping[str, int] | None = None,
+    compiles: Mapping[str, float] | None = None,
 ) -> str:
     """The phases with their seconds, and the compile cache where something was compiled: how
-    many files it held, and how many of Dynamo's traces it gave (`traces`: "loaded", "traced")."""
+    many files it held, how many of Dynamo's traces it gave (`traces`: "loaded", "traced"), and
+    the compile's seconds by forward (`compiles`)."""
     phases = ", ".join(f"{name} {seconds:.1f} s" for name, seconds in times.items())
     line = f"{phases} (total {sum(times.values()):.1f} s)"
     if "compile" in times and cache is not None:
@@ -134,4 +145,6 @@ def describe(
         line += f"; compile cache {cache} ({warmth} at start)"
         if traces:
             line += f"; Dynamo traces {traces['loaded']} loaded, {traces['traced']} traced"
+    if compiles:
+        line += "; compiles: " + ", ".join(f"{name} {s:.1f} s" for name, s in compiles.items())
     return line
