@@ -429,9 +429,9 @@ def _kernel_filtered_draw(tempered_BV: Tensor, tensors: SamplingTensors, keys_B:
     over the tokens the top_k keeps); the rest of the filtering is the race's own: a top-p
     without a top_k, and min-p, by `filtered_race`, which races within what they keep."""
     by_race = tensors.use_min_p or (tensors.use_top_p and not tensors.top_k_bounds_top_p)
+    with_k_B = tensors.top_k_B > 0
     if tensors.use_top_k:
         # The rows without a top_k pass through whole: their top_p is the race's.
-        with_k_B = tensors.top_k_B > 0
         top_k_rows = replace(
             tensors,
             top_p_B=torch.where(with_k_B, tensors.top_p_B, 1.0),
@@ -444,9 +444,8 @@ def _kernel_filtered_draw(tempered_BV: Tensor, tensors: SamplingTensors, keys_B:
             tempered_BV = _sorted_filter(tempered_BV, top_k_rows)
     if not by_race:
         return race(tempered_BV, keys_B, tensors.greedy_B)  # the filters keep each row's argmax
-    top_p_B = tensors.top_p_B
-    if tensors.use_top_k:
-        top_p_B = torch.where(tensors.top_k_B > 0, 1.0, top_p_B)
+    # A row with a top_k had its top_p in the window.
+    top_p_B = torch.where(with_k_B, 1.0, tensors.top_p_B) if tensors.use_top_k else tensors.top_p_B
     return filtered_race(
         tempered_BV.contiguous(), keys_B, tensors.greedy_B, top_p_B, tensors.min_p_B
     )
