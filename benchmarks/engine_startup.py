@@ -62,6 +62,7 @@ def child(args: argparse.Namespace) -> dict:
         max_running_prompts=args.max_running_prompts,
         decode_compile=args.compile,
         prefill_compile=args.compile,
+        pad_lone_prefills=args.pad_lone_prefills,
     )
     generator = Generator.from_config(args.model_path, config)
     try:
@@ -97,6 +98,7 @@ def start_once(args: argparse.Namespace, cache: Path) -> dict:
     command = [
         sys.executable, __file__, "--child", "--model-path", args.model_path,
         "--device", args.device, "--compile", args.compile,
+        "--pad-lone-prefills", args.pad_lone_prefills,
         "--max-running-prompts", str(args.max_running_prompts),
     ]  # fmt: skip
     env = dict(os.environ, ARENO_COMPILE_CACHE=str(cache))
@@ -128,6 +130,12 @@ def main() -> None:
     parser.add_argument("--model-path", help="a checkpoint (default: the tiny Qwen3.5)")
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--compile", default="inductor", choices=["inductor", "off"])
+    parser.add_argument(
+        "--pad-lone-prefills",
+        default="auto",
+        choices=["auto", "on", "off"],
+        help="EngineConfig.pad_lone_prefills (auto: on CUDA): on, no prefill graph of one row",
+    )
     parser.add_argument("--max-running-prompts", type=int, default=8)
     parser.add_argument("--warm-starts", type=int, default=1)
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
@@ -163,6 +171,7 @@ def main() -> None:
         "model_path": args.model_path,
         "device": args.device,
         "compile": args.compile,
+        "pad_lone_prefills": args.pad_lone_prefills,
         "max_running_prompts": args.max_running_prompts,
         "meta": {"python": platform.python_version(), "cpus": os.cpu_count()},
         "rows": rows,

@@ -124,6 +124,7 @@ def run_engine(
     fuse_projections: str = "auto",
     max_context_len: str = "auto",
     one_row_gemv: str = "auto",
+    pad_lone_prefills: str = "auto",
 ) -> dict:
     """AReno's engine on the same requests: all submitted at once in arrival order, at most
     `concurrency` decoding (the engine's cache slots), greedy, token ids only (no detokenizing,
@@ -149,6 +150,7 @@ def run_engine(
         prefill_compile=prefill_compile,
         fuse_projections=fuse_projections,
         one_row_gemv=one_row_gemv,
+        pad_lone_prefills=pad_lone_prefills,
     )
     with contextlib.nullcontext() if triton_kernels else references_only():
         return _run_engine(model, tokenizer, requests, concurrency, config)
@@ -318,6 +320,7 @@ def run_systems(model, tokenizer, requests: list[dict], concurrency: int, args) 
         "fuse_projections": args.fuse_projections,
         "max_context_len": args.max_context_len,
         "one_row_gemv": args.one_row_gemv,
+        "pad_lone_prefills": args.pad_lone_prefills,
     }
     labels = {
         "overlap_steps": "overlap-",
@@ -325,6 +328,7 @@ def run_systems(model, tokenizer, requests: list[dict], concurrency: int, args) 
         "fuse_projections": "fuse-",
         "max_context_len": "ctx-",
         "one_row_gemv": "gemv-",
+        "pad_lone_prefills": "pad-lone-",
     }
     for values in itertools.product(*options.values()):
         chosen = dict(zip(options, values, strict=True))
@@ -344,6 +348,7 @@ def run_systems(model, tokenizer, requests: list[dict], concurrency: int, args) 
             c["fuse_projections"],
             c["max_context_len"],
             c["one_row_gemv"],
+            c["pad_lone_prefills"],
         )
     rows = []
     for system, run in systems.items():
@@ -471,6 +476,13 @@ def parse_args() -> argparse.Namespace:
         choices=["auto", "on", "off"],
         default=["auto"],
         help="EngineConfig.one_row_gemv (auto: on CUDA); several give one row each",
+    )
+    parser.add_argument(
+        "--pad-lone-prefills",
+        nargs="+",
+        choices=["auto", "on", "off"],
+        default=["auto"],
+        help="EngineConfig.pad_lone_prefills (auto: on CUDA); several give one row each",
     )
     parser.add_argument(
         "--max-context-len",

@@ -150,6 +150,15 @@ class EngineConfig:
         "prompt's logits) through a matrix-vector Triton kernel instead of cuBLAS: auto is on "
         "on CUDA (areno/engine/kernels/gemv.py)",
     )
+    pad_lone_prefills: str = setting(
+        "auto",
+        choices=ON_OFF_MODES,
+        help="where prefills are compiled, a lone prompt without media (or a lone part of one) "
+        "of up to half of max_num_batched_tokens prefills beside a copy of itself, and a "
+        "longer one uncompiled, so that no graph of a batch of one is compiled (a shorter "
+        "first start); auto is on on CUDA, where the copy costs next to nothing (on CPU it "
+        "doubles the prompt's compute)",
+    )
     max_loras: int = setting(
         0,
         help="LoRA adapters the engine holds beside its base weights (serving raises it to the "
@@ -276,7 +285,7 @@ class EngineConfig:
                 f"cpu_packed_linear must be true or false; got {self.cpu_packed_linear!r}",
                 param="cpu_packed_linear",
             )
-        for name in ("overlap_steps", "fuse_projections", "one_row_gemv"):
+        for name in ("overlap_steps", "fuse_projections", "one_row_gemv", "pad_lone_prefills"):
             value = getattr(self, name)
             if isinstance(value, bool):  # YAML reads a bare on / off as a boolean
                 object.__setattr__(self, name, "on" if value else "off")

@@ -87,6 +87,45 @@ def test_a_compiled_decode_compiles_only_while_the_engine_starts(setups):
     assert counters["frames"]["ok"] == compiled_at_start
 
 
+def test_lone_prompts_beside_a_copy_start_up_with_fewer_graphs_and_generate_the_same(setups):
+    """With lone prompts padded (`pad_lone_prefills`, on by default on CUDA) the start-up
+    compiles no prefill graph of a batch of one, and no request compiles after it: a lone
+    prompt, two together, a lone resumption from the prefix cache, and a lone prompt past the
+    padded length (uncompiled). The tokens are the unpadded engine's."""
+    from torch._dynamo.utils import counters
+
+    setup = setups("qwen3_5")
+    base = [setup.encode(text("Say " * n)) for n in (3, 20)]
+    prompts = [*base, base[1].with_tokens(base[1].input_ids + [7, 8, 9, 10, 11])]
+    longer = setup.encode(text("Say " * 60))
+    tokens, started = {}, {}
+    for mode in ("off", "on"):
+        before = counters["stats"]["unique_graphs"]
+        gen = setup.generator(
+            max_running_prompts=4, decode_graphs="static", decode_compile="eager",
+            prefill_compile="eager", pad_lone_prefills=mode, max_num_batched_tokens=96,
+            block_size=4,
+        )  # fmt: skip
+        started[mode] = counters["stats"]["unique_graphs"] - before
+        at_start = counters["frames"]["ok"]
+
+        async def main(gen=gen):
+            alone = await gen.generate_all(prompts[0], GREEDY)
+            together = await asyncio.gather(*(gen.generate_all(x, GREEDY) for x in prompts[:2]))
+            resumed = await gen.generate_all(prompts[2], GREEDY)  # from prompts[1]'s blocks
+            long = await gen.generate_all(longer, GREEDY)  # 60+ tokens: past 96 // 2
+            return [o.samples[0].token_ids for o in (alone, *together, resumed, long)]
+
+        try:
+            tokens[mode] = run(main())
+        finally:
+            gen.shutdown()
+        assert counters["frames"]["ok"] == at_start, mode
+    assert tokens["on"] == tokens["off"]
+    # The batched prefill and the prefill of parts each lose their graph of a batch of one.
+    assert started["on"] == started["off"] - 2
+
+
 def test_logprobs_match_a_full_forward_and_score(setups, overlap, media):
     setup = setups("gemma4")
     x = setup.encode(with_media("image", media["image"], "Describe."))

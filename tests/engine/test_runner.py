@@ -387,6 +387,50 @@ def test_a_compiled_prefill_of_parts_is_two_graphs_for_every_shape(tiny_path, fa
     assert counters["stats"]["unique_graphs"] == 2
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_lone_prompt_beside_a_copy_of_itself_compiles_no_batch_of_one(tiny_path, family):
+    """With lone prompts padded (`pad_lone_tokens`, as on a GPU), a lone prompt and a lone
+    part run the graphs of two rows, beside a copy of themselves: the batched prefill and the
+    prefill of parts are one graph each, never one of a batch of one, and give the uncompiled
+    runner's logits and cache (the decode step after). A lone part past the limit runs
+    uncompiled."""
+    from torch._dynamo.utils import counters
+
+    _, _, model = load(tiny_path, family)
+    plain = ModelRunner(model, num_slots=4, max_len=256, block_size=4)
+    padded = ModelRunner(
+        model, num_slots=4, max_len=256, block_size=4, prefill_compile="eager", pad_lone_tokens=40
+    )
+    for runner in (plain, padded):  # the cache allocates, uncompiled (as the engine starts)
+        runner.prefill(PromptInputs([5, 9, 11], {}), [3])
+    torch._dynamo.reset()  # an earlier test's compile of this family would be reused, unseen
+    counters.clear()
+    prompts = [PromptInputs([(7 * i + j) % 50 + 3 for j in range(n)], {}) for i, n in
+               enumerate([12, 5, 9])]  # fmt: skip
+    for group, slots in (([1, 2], [[1], [2]]), ([0], [[0]]), ([2], [[2]])):
+        chosen = [prompts[i] for i in group]
+        want = plain.prefill_batch(chosen, slots)
+        assert torch.allclose(padded.prefill_batch(chosen, slots), want, atol=1e-5)
+    rows, lengths, tokens = [0, 1, 2], [12, 5, 9], [7, 8, 9]
+    step = padded.decode(rows, lengths, tokens)
+    assert torch.allclose(step, plain.decode(rows, lengths, tokens), atol=1e-5)
+    assert counters["stats"]["unique_graphs"] == 1
+    longer = PromptInputs([(5 * j) % 50 + 3 for j in range(120)], {})
+    # Each step's parts: (start, end) of `longer` in slot 3, then 0 beside it.
+    for spans in [[(0, 30)], [(30, 31)], [(31, 60), (0, 10)], [(60, 120)]]:
+        parts = [
+            PromptPart(longer if slot == 3 else prompts[0], slot, None, a, b, first=a == 0)
+            for slot, (a, b) in zip((3, 0), spans, strict=False)
+        ]
+        want = plain.prefill_parts(parts)
+        assert torch.allclose(padded.prefill_parts(parts), want, atol=1e-5)
+    rows, lengths = [3, 0], [120, 10]
+    step = padded.decode(rows, lengths, tokens[:2])
+    assert torch.allclose(step, plain.decode(rows, lengths, tokens[:2]), atol=1e-5)
+    assert dict(counters["graph_break"]) == {}
+    assert counters["stats"]["unique_graphs"] == 2  # no batch of one, none for the long part
+
+
 def test_the_compiled_steps_keep_the_cache_sizes_static(tiny_path):
     """Only the batch's sizes are symbols in the compiled decode step and batched prefill, not
     the cache storage's: with a slot-count and a length symbol for every layer's tensors,

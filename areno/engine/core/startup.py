@@ -34,7 +34,8 @@ def run_steps(core: Any, times: dict[str, float], compiles: dict[str, float] | N
     compiles are generic in the row count and lengths (see areno/engine/runner/compiled.py);
     should a model's code still pin a size it first saw, the second decode step makes that
     recompile happen here, and a batched prefill of one prompt (a part of one) the compile of
-    that batch size. Outputs are dropped; the slots are free again after, and their next
+    that batch size, where a lone prompt does not run beside a copy of itself (`_row_counts`).
+    Outputs are dropped; the slots are free again after, and their next
     prefills overwrite what these wrote. Records "cache" and "compile" seconds in `times`, and
     in `compiles` the compile's seconds by forward (the batched prefill, the prefill of parts,
     the decode step): which of them a first start spends its time on."""
@@ -46,10 +47,11 @@ def run_steps(core: Any, times: dict[str, float], compiles: dict[str, float] | N
         return
     start = time.perf_counter()
     try:
+        alone = not paths.lone_padded
         if paths.batched_prefill:
-            _timed(compiles, "batched prefill", _batched_prefill, core, paths.num_blocks)
+            _timed(compiles, "batched prefill", _batched_prefill, core, paths.num_blocks, alone)
         if paths.prefill_parts:
-            _timed(compiles, "prefill of parts", _parts_prefill, core, paths.num_blocks)
+            _timed(compiles, "prefill of parts", _parts_prefill, core, paths.num_blocks, alone)
         if paths.decode_buckets:
             _timed(compiles, "decode step", _decode_steps, core, paths.decode_buckets)
     finally:
@@ -63,11 +65,20 @@ def _timed(seconds: dict[str, float] | None, name: str, step, *args) -> None:
         seconds[name] = time.perf_counter() - began
 
 
-def _batched_prefill(core: Any, num_blocks: int) -> None:
-    """Two prompts of unequal lengths, then one alone: the compiled text stack specializes a
-    batch of one (as torch.compile does every size-1 dimension), the prefill of a lone prompt."""
-    for lengths in ((2, 3), (2,)):
-        prompts = [PromptInputs([0] * n, {}) for n in lengths]
+def _row_counts(core: Any, alone: bool) -> tuple[int, ...]:
+    """The rows of the compiled prefills the start-up runs: two, then one where a lone prompt
+    runs a graph of its own (`alone`; the compiled text stack specializes a batch of one, as
+    torch.compile does every size-1 dimension, unless a lone prompt runs beside a copy of
+    itself: `lone_padded`); one alone where one prompt runs at a time."""
+    if core.scheduler.config.max_running_prompts == 1:
+        return (1,)
+    return (2, 1) if alone else (2,)
+
+
+def _batched_prefill(core: Any, num_blocks: int, alone: bool) -> None:
+    """Two prompts of unequal lengths, and one alone (`_row_counts`)."""
+    for num_rows in _row_counts(core, alone):
+        prompts = [PromptInputs([0] * n, {}) for n in (2, 3)[:num_rows]]
         # Blocks 1 and 2, or the sink for a pool of one block: nobody reads them after.
         tables = [[min(slot + 1, num_blocks)] for slot in range(len(prompts))]
         step = StepInput(
@@ -77,19 +88,19 @@ def _batched_prefill(core: Any, num_blocks: int) -> None:
         core.executor.execute(step)
 
 
-def _parts_prefill(core: Any, num_blocks: int) -> None:
+def _parts_prefill(core: Any, num_blocks: int, alone: bool) -> None:
     """Prompts prefilled in two parts each, as a long prompt's chunks and a resumption from the
-    prefix cache are (`ModelRunner.prefill_parts`): two prompts together, then one alone (the
-    compiled text stack specializes a batch of one). Each part reads more than one block, as
-    every size the compile sees is more than one: it then stays generic in the parts' widths
-    and starts and in their keys' length (a part's width is never one)."""
+    prefix cache are (`ModelRunner.prefill_parts`): two prompts together, and one alone
+    (`_row_counts`). Each part reads more than one block, as every size the compile sees is
+    more than one: it then stays generic in the parts' widths and starts and in their keys'
+    length (a part's width is never one)."""
     config = core.scheduler.config
     num_tokens = min(2 * config.block_size + 2, config.max_context_len)
     cut = num_tokens // 2
     if cut < 2:
         return  # no part of a prompt this short is two tokens wide
     per_slot = blocks_for(num_tokens, config.block_size)
-    for num_rows in (2, 1) if config.max_running_prompts > 1 else (1,):
+    for num_rows in _row_counts(core, alone):
         prompts = [PromptInputs([0] * num_tokens, {}) for _ in range(num_rows)]
         # Blocks past the sink, or the sink for a small pool: nobody reads them after.
         tables = [

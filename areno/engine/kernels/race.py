@@ -138,6 +138,7 @@ if triton is not None:
             x_c = tl.load(row + winner).to(tl.float32)
         tl.store(Out + b, winner.to(tl.int64))
 
+
 def race(
     logits_BV: torch.Tensor,
     keys_B: torch.Tensor,

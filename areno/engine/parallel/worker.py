@@ -58,6 +58,9 @@ class CompiledPaths:
     decode_buckets: list[int] | None
     num_blocks: int
     prefill_parts: bool = False
+    # A lone prompt (part) runs beside a copy of itself (ModelRunner's `pad_lone_tokens`): no
+    # graph of a batch of one.
+    lone_padded: bool = False
 
 
 class Worker:
@@ -79,6 +82,7 @@ class Worker:
         packed_linear: bool = False,
         fuse_projections: str = "off",
         one_row_gemv: str = "off",
+        pad_lone_prefills: str = "off",
         state_rows: int = 0,
         encoder_cache_bytes: int = 0,
         max_loras: int = 0,
@@ -93,18 +97,21 @@ class Worker:
         not under tensor parallelism (not yet run there on a GPU). `fuse_projections` "auto"
         fuses on CUDA without tensor parallelism, whose shards cannot be concatenated.
         `one_row_gemv` "auto": on CUDA, products of one row on the matrix-vector kernel.
+        `pad_lone_prefills` "auto": on CUDA, a lone prompt of up to half the pool's profiled
+        prompt tokens prefills beside a copy of itself (ModelRunner's `pad_lone_tokens`).
         `state_rows`, `encoder_cache_bytes`: saved slot states and media tower outputs for the
         prefix cache (ModelRunner's). `max_loras`, `max_lora_rank`: LoRA adapter slots
         (areno/engine/layers/lora.py). `linear_state_dtype`: the stored dtype of linear-attention
         recurrent states (None: fp32)."""
         if prefill_compile == "auto" and tensor_parallel:
             prefill_compile = "off"
+        on_cuda = next(model.parameters()).device.type == "cuda"
         if fuse_projections == "auto":
-            on_cuda = next(model.parameters()).device.type == "cuda"
             fuse_projections = "on" if on_cuda and not tensor_parallel else "off"
         if one_row_gemv == "auto":
-            on_cuda = next(model.parameters()).device.type == "cuda"
             one_row_gemv = "on" if on_cuda else "off"
+        if pad_lone_prefills == "auto":
+            pad_lone_prefills = "on" if on_cuda else "off"
         self.runner = ModelRunner(
             model,
             num_slots=num_slots,
@@ -122,6 +129,10 @@ class Worker:
             max_loras=max_loras,
             max_lora_rank=max_lora_rank,
             linear_state_dtype=linear_state_dtype,
+            # Up to half the prompt tokens whose activations the pool leaves room for.
+            pad_lone_tokens=(pool or KVPoolOptions()).profile_tokens // 2
+            if pad_lone_prefills == "on"
+            else 0,
         )
         # The adapter of requests that name none: an RL weight sync's policy adapter, or None
         # (the base model).
@@ -175,6 +186,7 @@ class Worker:
             packed_linear=config.cpu_packed_linear,
             fuse_projections=config.fuse_projections,
             one_row_gemv=config.one_row_gemv,
+            pad_lone_prefills=config.pad_lone_prefills,
             state_rows=_state_rows(config),
             encoder_cache_bytes=int(config.encoder_cache_gib * (1 << 30))
             if config.enable_prefix_caching
@@ -378,10 +390,11 @@ class Worker:
         runner, graphs = self.runner, self.runner.graphs
         compiled = graphs is not None and graphs.compiled
         return CompiledPaths(
-            batched_prefill=runner.prefill_compiled and runner.num_slots > 1,
+            batched_prefill=runner.prefill_compiled,
             decode_buckets=list(graphs.buckets) if compiled else None,
             num_blocks=runner.num_blocks,
             prefill_parts=runner.parts_compiled and self.shares_part_prefills,
+            lone_padded=runner.pad_lone_tokens > 0,
         )
 
     def media_cache_stats(self) -> tuple[int, int, float]:

@@ -104,6 +104,7 @@ class ModelRunner:
         max_loras: int = 0,
         max_lora_rank: int = 16,
         linear_state_dtype: torch.dtype | None = None,
+        pad_lone_tokens: int = 0,
     ):
         """`num_blocks` KV blocks of `block_size` tokens (None: as many as give every slot
         `max_len` tokens, the blocks a slot's default table lists: see `default_table`).
@@ -128,12 +129,18 @@ class ModelRunner:
         `max_loras`, `max_lora_rank`: LoRA adapter slots beside the text stack's linear layers
         (areno/engine/layers/lora.py); a slot runs the adapter `assign_adapter` gave it.
         `linear_state_dtype`: the stored dtype of linear-attention recurrent states (None:
-        fp32); they are computed in fp32 either way."""
+        fp32); they are computed in fp32 either way. `pad_lone_tokens`: where the text stack's
+        prefills run compiled, a lone prompt (or part of one) of up to this many tokens runs
+        beside a copy of itself, so that no graph of a batch of one is compiled (torch.compile
+        specializes a size of 1: on CPU those graphs were 30% of a first start's compile); a
+        longer lone one runs uncompiled, where its matrix work sets the pace. 0: a lone one
+        runs a graph of its own."""
         self.model = model.eval()
         self.kernels = EngineKernels(model)
         self.attention = EngineAttention(model)
         self.num_slots, self.max_len = num_slots, max_len
         self.linear_state_dtype = linear_state_dtype
+        self.pad_lone_tokens = pad_lone_tokens
         self.device = next(model.parameters()).device
         self.text_config = model.config.get_text_config()
         num_layers = self.text_config.num_hidden_layers
@@ -428,11 +435,14 @@ class ModelRunner:
         assert min(lengths) == num_tokens or self.can_pad_prefill, "unequal lengths need padding"
         for i, row_slots in enumerate(slots):
             self.set_tables(row_slots, block_tables[i] if block_tables else None, new=True)
-        first = [s[0] for s in slots]
+        # The forward's rows: a lone prompt's twice where lone prompts are padded (its copy
+        # writes the same keys and states to the same places).
+        rows = [0, 0] if len(prompts) == 1 and self._pads_lone else list(range(len(prompts)))
+        first = [slots[row][0] for row in rows]
         first_slots = to_device(torch.tensor(first), self.device)
-        positions = torch.arange(num_tokens, device=self.device).expand(len(prompts), -1)
+        positions = torch.arange(num_tokens, device=self.device).expand(len(rows), -1)
         # NOTE: lengths travel even when all are equal, so that one compiled graph serves both.
-        lengths_B = to_device(torch.tensor(lengths), self.device)
+        lengths_B = to_device(torch.tensor([lengths[row] for row in rows]), self.device)
         tables = self.tables.on_device(first, num_tokens, self.device)
         binding = BatchBinding(first_slots, positions, num_tokens, tables, lengths_B=lengths_B)
         self.cache.bind(binding, is_prefill=True)
@@ -443,7 +453,9 @@ class ModelRunner:
         # and took the memory-efficient kernel.
         model_inputs = {
             key: to_device(
-                torch.cat([pad_tokens(p.model_inputs()[key], num_tokens) for p in prompts]),
+                torch.cat(
+                    [pad_tokens(prompts[row].model_inputs()[key], num_tokens) for row in rows]
+                ),
                 self.device,
             )
             for key in prompts[0].model_inputs()
@@ -463,7 +475,7 @@ class ModelRunner:
             for slot in row_slots:
                 self.rope_delta[slot] = int(deltas[row])
             self._fork(row_slots, lengths[row])
-        return out.logits[:, -1].float()
+        return out.logits[: len(prompts), -1].float()
 
     @property
     def keeps_slot_state(self) -> bool:
@@ -512,6 +524,20 @@ class ModelRunner:
         module of its own, whose output `_last_real_positions` narrows to each row's last real
         token."""
         return isinstance(self._text_stack, torch.nn.Module)
+
+    def batches_lone(self, num_tokens: int) -> bool:
+        """Whether a lone prompt of `num_tokens` without media runs the batched prefill: where
+        it is compiled (eager, one 256-token prompt of the 1.7B shape took 57 ms of host time
+        for 6 ms of GPU kernels: docs/performance.md, "Where a step's time goes"), but not a
+        one-token prompt (start-up's cache allocation: its size-1 length would compile a graph
+        of its own), nor, where lone prompts are padded, one past `pad_lone_tokens`."""
+        if not self.prefill_compiled or num_tokens < 2:
+            return False
+        return not self.pad_lone_tokens or num_tokens <= self.pad_lone_tokens
+
+    @property
+    def _pads_lone(self) -> bool:
+        return bool(self.pad_lone_tokens) and self.prefill_compiled
 
     @property
     def prefill_compiled(self) -> bool:
@@ -679,8 +705,13 @@ class ModelRunner:
     ) -> torch.Tensor:
         """One forward of `prefill_parts`: the text stack on each part's share of its
         prompt's `staged` inputs, or (None) the model on the parts' tokens."""
-        lengths = [p.end - p.start for p in parts]
+        num_parts = len(parts)
         compiled = staged is None and self._parts_stack.compiled
+        if compiled and num_parts == 1 and self.pad_lone_tokens:
+            # A lone part runs beside a copy of itself, or uncompiled (`pad_lone_tokens`).
+            compiled = parts[0].end - parts[0].start <= self.pad_lone_tokens
+            parts = parts * 2 if compiled else parts
+        lengths = [p.end - p.start for p in parts]
         # NOTE: compiled, at least two columns: torch.compile specializes a size-1 dimension,
         # and a one-token part (a prompt sent again, past its last full block) would compile
         # the text stack again for that width alone. The pad column is a pad as in any padded
@@ -739,7 +770,7 @@ class ModelRunner:
                 **{BLOCK_TABLES_KWARG: self.row_inputs.attention_tables(tables, None)},
             )
         self.cache.commit()
-        return out.logits[:, -1].float()
+        return out.logits[:num_parts, -1].float()
 
     def _part_masks(self, parts: list[PromptPart], pos_BQ: torch.Tensor, kv_len: int):
         """The parts' causal masks over their cached and own keys, and with sliding layers a

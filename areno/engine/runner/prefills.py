@@ -70,11 +70,7 @@ def run_prefills(
     lengths = [items[i].inputs.num_prompt_tokens for i in batchable]
     for group in prefill_groups(lengths, pad=runner.can_pad_prefill):
         indices = [batchable[g] for g in group]
-        # A lone prompt runs the batched forward too where its text stack is compiled: eager,
-        # one 256-token prompt of the 1.7B shape took 57 ms of host time for 6 ms of GPU
-        # kernels (docs/performance.md, "Where a step's time goes"). Not a one-token prompt
-        # (start-up's cache allocation): its size-1 length would compile a graph of its own.
-        if len(indices) == 1 and not (runner.prefill_compiled and lengths[group[0]] > 1):
+        if len(indices) == 1 and not runner.batches_lone(lengths[group[0]]):
             item = items[indices[0]]
             last[indices[0]] = runner.prefill(item.inputs, item.slots, item.block_tables)
             continue
