@@ -198,6 +198,44 @@ def test_a_forward_that_breaks_compiles_unsaved_and_later_starts_do_not_try(tmp_
     assert again.saved is None and compile_cache.traces["traced"] == traced
 
 
+@saves_aot_eager
+def test_a_trace_that_does_not_save_runs_unsaved_and_later_starts_do_not_try(
+    tmp_path, monkeypatch
+):
+    """A trace made whole whose saving fails (on an H100 the engine's traces raised "cannot
+    pickle '_thread.lock' object") still runs the calls of its process, without compiling the
+    forward again through torch.compile; its directory says why, and the next start compiles
+    it as torch.compile does at once."""
+    from torch._dynamo.aot_compile import AOTCompiledFunction
+
+    from areno.engine import compile_cache
+    from areno.engine.runner.compiled import CompiledForward
+
+    (tmp_path / ".areno").touch()
+    monkeypatch.delenv(compile_cache.ENV, raising=False)
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+
+    def unpicklable(self, path, external_data=None):
+        with open(path, "wb") as file:
+            file.write(b"cut short")
+        raise TypeError("cannot pickle '_thread.lock' object")
+
+    monkeypatch.setattr(AOTCompiledFunction, "save_compiled_function", unpicklable)
+    module = _Small()
+    x = torch.randn(3, 4)
+    forward = CompiledForward(module, "aot_eager", "an unsaved forward")
+    frames = torch._dynamo.utils.counters["frames"]["ok"]
+    assert torch.equal(forward(x), module(x)) and torch.equal(forward(2 * x), module(2 * x))
+    assert forward.saved is not None and forward.saved.num_traced == 1
+    assert torch._dynamo.utils.counters["frames"]["ok"] == frames  # torch.compile never ran
+    (unsaved,) = tmp_path.glob("traces/*/unsaved")
+    assert "cannot pickle" in unsaved.read_text()
+    assert [p.name for p in unsaved.parent.iterdir()] == ["unsaved"]  # nothing cut short
+    again = CompiledForward(module, "aot_eager", "an unsaved forward")
+    assert torch.equal(again(x), module(x))
+    assert again.compiled and again.saved is None
+
+
 class _Small(torch.nn.Module):
     def __init__(self):
         super().__init__()

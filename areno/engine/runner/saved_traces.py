@@ -14,9 +14,10 @@ A trace's directory is `<compile cache>/traces/<key>`: the key names what change
 code and what its saved guards cannot check (`trace_key`). torch saves only the guards it can
 rebuild in another process (`_reusable_guards` says which are left out and why). A file that
 fails to load (another torch, a changed source, a missing reference) is removed with the
-forward's others, which are traced again, with one log line naming why. A forward whose trace
-cannot be saved (a graph break, an object torch cannot serialize) compiles as torch.compile does,
-and its directory's `unsaved` file says why, so that later starts do not try again."""
+forward's others, which are traced again, with one log line naming why. A forward that cannot
+be traced whole (a graph break) compiles as torch.compile does; one whose trace does not save
+(an object torch cannot serialize) runs that trace unsaved. Either way its directory's
+`unsaved` file says why, and later starts compile as torch.compile does without trying."""
 
 from __future__ import annotations
 
@@ -68,8 +69,9 @@ class SavedTraces:
     and the traces there are loaded; new ones are saved as they are traced.
 
     Calling it runs the first trace whose guards accept the call (tracing one when none does).
-    Where a trace cannot be made or saved, now or at a previous start (its `unsaved` file), it
-    raises `NotSaved`; the caller then compiles the way torch.compile does."""
+    Where a trace cannot be made, or could not be saved at a previous start (its `unsaved`
+    file), it raises `NotSaved`; the caller then compiles the way torch.compile does. A trace
+    made but not saved runs this process's calls unsaved (`_keep_unsaved`)."""
 
     def __init__(self, method: types.MethodType, backend: str, root: Path, what: str):
         self.method = method
@@ -80,6 +82,8 @@ class SavedTraces:
         self.traces: list[Any] | None = None
         self.num_loaded = 0
         self.num_traced = 0
+        # False once a trace could not be saved: later ones run unsaved too.
+        self.saves = True
 
     def __call__(self, *args, **kwargs):
         if self.traces is None:
@@ -130,12 +134,30 @@ class SavedTraces:
             )
         with _dim_marks_kept():
             trace = compiled.aot_compile((args, kwargs))
-        self._save(trace, len(self.traces))
+        if self.saves:
+            try:
+                self._save(trace, len(self.traces))
+            except Exception as error:  # noqa: BLE001 - any failure: keep the trace unsaved
+                self._keep_unsaved(error)
         trace.disable_guard_check()  # __call__ checks them first
         self.traces.append(trace)
         self.num_traced += 1
         compile_cache.traces["traced"] += 1
         return trace
+
+    def _keep_unsaved(self, error: Exception) -> None:
+        """A trace was made but not saved: it still runs this process's calls (compiling it
+        again through torch.compile would double the compile), and the directory's `unsaved`
+        file keeps later starts from tracing to save."""
+        reason = f"{type(error).__name__}: {_first_line(error)}"
+        log.warning("the trace of %s is not saved, running it unsaved: %s", self.what, reason)
+        self.saves = False
+        for partial in self.directory.glob(f"*.{os.getpid()}.tmp"):
+            partial.unlink(missing_ok=True)
+        for path in self.directory.glob("*.json"):
+            if not path.with_suffix(".bin").exists():
+                path.unlink(missing_ok=True)
+        (self.directory / UNSAVED).write_text(reason + "\n")
 
     def _save(self, trace: Any, index: int) -> None:
         """`<index>.json` names the modules the trace's bytecode reads as globals of its own
