@@ -35,10 +35,10 @@ from areno.engine.generator import Generator
 from areno.engine.sampling import SamplingParams
 from areno.processing.types import PromptInputs
 
-path, compile, device = sys.argv[1:4]
+path, compile, device, options = sys.argv[1:5]
 config = EngineConfig(
     max_running_prompts=4, max_context_len=128, device=device, dtype="float32",
-    decode_compile=compile, prefill_compile=compile,
+    decode_compile=compile, prefill_compile=compile, **json.loads(options),
 )
 generator = Generator.from_config(path, config)
 greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
@@ -58,11 +58,11 @@ print(json.dumps({"tokens": tokens, "traces": traces, "line": line}))
 """
 
 
-def start(path, compile: str, cache) -> dict:
+def start(path, compile: str, cache, **options) -> dict:
     env = dict(os.environ, ARENO_COMPILE_CACHE=str(cache))
     env.pop("TORCHINDUCTOR_CACHE_DIR", None)
     done = subprocess.run(
-        [sys.executable, "-c", START, str(path), compile, DEVICE],
+        [sys.executable, "-c", START, str(path), compile, DEVICE, json.dumps(options)],
         env=env, capture_output=True, text=True, check=False, timeout=600,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
@@ -87,6 +87,21 @@ def test_a_second_start_loads_the_traces_and_generates_the_same(tiny_path, tmp_p
     if SAVED == "aot_eager":
         assert first["tokens"] == eager["tokens"]
     assert not list((tmp_path / "eager-cache").glob("*/traces/*"))
+
+
+def test_the_traces_of_a_gpu_engines_layers_save_and_load(tiny_path, tmp_path):
+    """The layer routing a GPU engine runs by default (fused projections, products of one row
+    on their op, the CPU's packed layers off) saves its traces too: Dynamo's saved guards
+    pickle the routed forwards, and a closure over the router took its lock with it ("cannot
+    pickle '_thread.lock' object": on an H100 no trace of the engine saved)."""
+    path = tiny_path("qwen3_5")
+    options = {"fuse_projections": "on", "one_row_gemv": "on", "cpu_packed_linear": False}
+    first = start(path, SAVED, tmp_path / "cache", **options)
+    second = start(path, SAVED, tmp_path / "cache", **options)
+    assert "not saved" not in first["log"]
+    assert first["traces"]["traced"] > 0
+    assert second["traces"] == {"loaded": first["traces"]["traced"], "traced": 0}
+    assert second["tokens"] == first["tokens"]
 
 
 @pytest.mark.slow

@@ -13,6 +13,7 @@ output.
 
 from __future__ import annotations
 
+import types
 from collections.abc import Iterable
 
 import torch
@@ -44,19 +45,23 @@ class RowLinears(Switch):
             if type(m) is nn.Linear and type(m.weight) is nn.Parameter and id(m) not in grouped
         ]
         super().__init__()
+        # NOTE: bound methods, which pickle by name: Dynamo's saved guards pickle what the traced
+        # forward reaches, and a closure would take this object with it, lock and all (every
+        # trace of a GPU engine failed to save: "cannot pickle '_thread.lock' object").
         for layer in self._layers:
-            layer.forward = self._routed(layer)
+            layer.forward = types.MethodType(self._routed("forward"), layer)
         for group in self._groups:
-            group.linear = self._routed(group)
+            group.linear = types.MethodType(self._routed("linear"), group)
 
     def __len__(self) -> int:
         """The matmuls it routes: one per layer, one per fused group."""
         return len(self._layers) + len(self._groups)
 
-    def _routed(self, owner):
-        """`owner`'s product (an nn.Linear or a fused group: each has `weight` and `bias`)."""
+    def _routed(self, name: str):
+        """The product of the object it is bound to (an nn.Linear or a fused group: each has
+        `weight` and `bias`), as its attribute `name`."""
 
-        def forward(x: torch.Tensor) -> torch.Tensor:
+        def forward(owner, x: torch.Tensor) -> torch.Tensor:
             if not self.active:
                 return F.linear(x, owner.weight, owner.bias)
             norm = getattr(owner, "norm", None)
@@ -76,4 +81,5 @@ class RowLinears(Switch):
             # Eagerly, the function itself: the op's dispatch costs a few us a call.
             return row_linear(x, owner.weight, owner.bias)
 
+        forward.__name__ = name
         return forward
