@@ -450,40 +450,20 @@ def parse_args() -> argparse.Namespace:
         help="the engine's CUDA kernels, or their PyTorch references; several give one row each",
     )
     parser.add_argument(
-        "--overlap-steps",
-        nargs="+",
-        choices=["auto", "off", "on"],
-        default=["auto"],
-        help="EngineConfig.overlap_steps (auto: on CUDA); several give one row each",
-    )
-    parser.add_argument(
         "--prefill-compile",
         nargs="+",
         choices=COMPILE_MODES,
         default=["auto"],
         help="EngineConfig.prefill_compile (auto: as the decode); several give one row each",
     )
-    parser.add_argument(
-        "--fuse-projections",
-        nargs="+",
-        choices=["auto", "on", "off"],
-        default=["auto"],
-        help="EngineConfig.fuse_projections (auto: on CUDA); several give one row each",
-    )
-    parser.add_argument(
-        "--one-row-gemv",
-        nargs="+",
-        choices=["auto", "on", "off"],
-        default=["auto"],
-        help="EngineConfig.one_row_gemv (auto: on CUDA); several give one row each",
-    )
-    parser.add_argument(
-        "--pad-lone-prefills",
-        nargs="+",
-        choices=["auto", "on", "off"],
-        default=["auto"],
-        help="EngineConfig.pad_lone_prefills (auto: on CUDA); several give one row each",
-    )
+    for switch in ("overlap_steps", "fuse_projections", "one_row_gemv", "pad_lone_prefills"):
+        parser.add_argument(
+            "--" + switch.replace("_", "-"),
+            nargs="+",
+            choices=["auto", "on", "off"],
+            default=["auto"],
+            help=f"EngineConfig.{switch} (auto: on CUDA); several give one row each",
+        )
     parser.add_argument(
         "--max-context-len",
         nargs="+",
