@@ -156,8 +156,8 @@ class EngineConfig:
         help="where prefills are compiled, a lone prompt without media (or a lone part of one) "
         "of up to half of max_num_batched_tokens prefills beside a copy of itself, and a "
         "longer one uncompiled, so that no graph of a batch of one is compiled (a shorter "
-        "first start); auto is on on CUDA, where the copy costs next to nothing (on CPU it "
-        "doubles the prompt's compute)",
+        "first start); auto is on on CUDA, where a lone prompt leaves most of the device idle "
+        "(on CPU the copy doubles the prompt's compute)",
     )
     max_loras: int = setting(
         0,
