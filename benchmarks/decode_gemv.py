@@ -182,7 +182,7 @@ def fused_rows(model: str, bandwidth: float, cycle_mib: int, repeats: int) -> li
         row["fused_us"] = 1e6 * graph_seconds(fused, a, weights, repeats)
         row["fused_config"] = (
             launch_options(n, k) if name == "down" else
-            fused_launch_options(n // 2 if name == "gate_up" else n, k, name == "gate_up")
+            fused_launch_options(n // 2 if name == "gate_up" else n, k)
         )  # fmt: skip
         best = fastest(fused, fused_configs(), a, weights)
         if best is not None:

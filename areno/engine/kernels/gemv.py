@@ -118,14 +118,14 @@ def launch_options(out_features: int, in_features: int) -> dict:
     }
 
 
-def fused_launch_options(out_features: int, in_features: int, gated: bool = False) -> dict:
+def fused_launch_options(out_features: int, in_features: int) -> dict:
     """A launch of the norm's kernel (`add_norm_row_linear`, `norm_row_linear`): `launch_options`
-    with 8 output features a program (4 of a gate and 4 of an up where `gated`: 8 weight rows).
-    Every program works its whole input over (the add, the norm's weight and squares) beside its
-    rows of the weight: at 2-4 rows a program that work outweighs the products' (on an H100 the
-    1.7B shape's fused products at the plain kernel's launch took 3 us a layer more than the
-    unfused ones)."""
-    return launch_options(out_features, in_features) | {"BLOCK_N": 4 if gated else 8}
+    with 2 output features a program (2 of a gate and 2 of an up where `gated`). Every program
+    works its whole input over (the add, the norm's weight and squares) beside its rows of the
+    weight; on an H100 the fastest of 32 launches of each fused product of the 1.7B and 8B
+    shapes took 2 a program, or 4 within 1 us (`decode_gemv.py --fused`,
+    docs/performance.md), where 8 (4 and 4) cost 1-4 us a product more."""
+    return launch_options(out_features, in_features) | {"BLOCK_N": 2}
 
 
 def gemv(
@@ -244,7 +244,7 @@ def _norm_gemv(x, residual, summed, norm_weight, eps, offset, weight, gated, opt
     out_features = weight.shape[0] // 2 if gated else weight.shape[0]
     x = x.contiguous()
     out = x.new_empty(*x.shape[:-1], out_features)
-    options = options or fused_launch_options(out_features, in_features, gated)
+    options = options or fused_launch_options(out_features, in_features)
     add = residual is not None
     _add_norm_gemv_kernel[(triton.cdiv(out_features, options["BLOCK_N"]),)](
         x, residual.contiguous() if add else x, norm_weight, weight, out,
