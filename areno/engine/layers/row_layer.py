@@ -21,9 +21,11 @@ Not yet a gain, so the runner keeps it off (`ModelRunner(row_layer=...)`). On an
 on`) the three kernels a layer went (0.13 ms of the 1.7B shape's step), but the first cut made
 the fused products as much slower (2.08 -> 2.07 ms a step; the 8B shape 6.17 -> 6.30 ms): at the
 plain kernel's launch (2-4 outputs a program) every program worked the whole input over, and
-`down`'s programs each took the activation of all of its input again. Since then the norm's
-programs take 8 weight rows (`fused_launch_options`) and the activation is taken once, in
-`gate_up`'s epilogue; not yet measured on a GPU.
+`down`'s programs each took the activation of all of its input again. Then the activation was
+taken once, in `gate_up`'s epilogue, with 8 weight rows a program: no faster (2.09 -> 2.10 ms).
+A sweep of each fused product's launch (`benchmarks/decode_gemv.py --fused`) found 2 rows a
+program fastest, about 2 us a layer under the plain products and the kernels they replace, so
+`fused_launch_options` launches that; the layer's step at that launch is not measured yet.
 
 Only layers whose code this module mirrors take it (`MIXERS`: Qwen3's, Qwen3.5's), with norms
 it knows (`NORM_OFFSETS`), an MLP of SiLU-gated plain linear layers without bias whose gate and
