@@ -214,9 +214,7 @@ def test_a_forward_that_breaks_compiles_unsaved_and_later_starts_do_not_try(tmp_
 
 
 @saves_aot_eager
-def test_a_trace_that_does_not_save_runs_unsaved_and_later_starts_do_not_try(
-    tmp_path, monkeypatch
-):
+def test_a_trace_that_does_not_save_runs_unsaved_and_later_starts_do_not_try(tmp_path, monkeypatch):
     """A trace made whole whose saving fails (on an H100 the engine's traces raised "cannot
     pickle '_thread.lock' object") still runs the calls of its process, without compiling the
     forward again through torch.compile; its directory says why, and the next start compiles
