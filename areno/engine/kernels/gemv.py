@@ -120,9 +120,9 @@ def launch_options(out_features: int, in_features: int) -> dict:
 
 def fused_launch_options(out_features: int, in_features: int) -> dict:
     """A launch of the norm's kernel (`add_norm_row_linear`, `norm_row_linear`): `launch_options`
-    with 2 output features a program (2 of a gate and 2 of an up where `gated`). Every program
-    works its whole input over (the add, the norm's weight and squares) beside its rows of the
-    weight; on an H100 the fastest of 32 launches of each fused product of the 1.7B and 8B
+    with 2 output features a program (of a gated product: 2 of the gate, 2 of the up). Every
+    program works its whole input over (the add, the norm's weight and squares) beside its rows
+    of the weight; on an H100 the fastest of 32 launches of each fused product of the 1.7B and 8B
     shapes took 2 a program, or 4 within 1 us (`decode_gemv.py --fused`,
     docs/performance.md), where 8 (4 and 4) cost 1-4 us a product more."""
     return launch_options(out_features, in_features) | {"BLOCK_N": 2}

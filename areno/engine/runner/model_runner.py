@@ -437,7 +437,8 @@ class ModelRunner:
             self.set_tables(row_slots, block_tables[i] if block_tables else None, new=True)
         # The forward's rows: a lone prompt's twice where lone prompts are padded (its copy
         # writes the same keys and states to the same places).
-        rows = [0, 0] if len(prompts) == 1 and self._pads_lone else list(range(len(prompts)))
+        lone = len(prompts) == 1 and self.prefill_compiled and self._copies_lone(num_tokens)
+        rows = [0, 0] if lone else list(range(len(prompts)))
         first = [slots[row][0] for row in rows]
         first_slots = to_device(torch.tensor(first), self.device)
         positions = torch.arange(num_tokens, device=self.device).expand(len(rows), -1)
@@ -533,11 +534,12 @@ class ModelRunner:
         of its own), nor, where lone prompts are padded, one past `pad_lone_tokens`."""
         if not self.prefill_compiled or num_tokens < 2:
             return False
-        return not self.pad_lone_tokens or num_tokens <= self.pad_lone_tokens
+        return not self.pad_lone_tokens or self._copies_lone(num_tokens)
 
-    @property
-    def _pads_lone(self) -> bool:
-        return bool(self.pad_lone_tokens) and self.prefill_compiled
+    def _copies_lone(self, num_tokens: int) -> bool:
+        """Whether a lone prompt (or part of one) of `num_tokens` runs its compiled forward
+        beside a copy of itself (`pad_lone_tokens`)."""
+        return 0 < num_tokens <= self.pad_lone_tokens
 
     @property
     def prefill_compiled(self) -> bool:
@@ -709,7 +711,7 @@ class ModelRunner:
         compiled = staged is None and self._parts_stack.compiled
         if compiled and num_parts == 1 and self.pad_lone_tokens:
             # A lone part runs beside a copy of itself, or uncompiled (`pad_lone_tokens`).
-            compiled = parts[0].end - parts[0].start <= self.pad_lone_tokens
+            compiled = self._copies_lone(parts[0].end - parts[0].start)
             parts = parts * 2 if compiled else parts
         lengths = [p.end - p.start for p in parts]
         # NOTE: compiled, at least two columns: torch.compile specializes a size-1 dimension,
