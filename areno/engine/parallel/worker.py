@@ -7,6 +7,7 @@ the engine samples (`Worker(sample=True)`), the others just follow.
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -219,7 +220,10 @@ class Worker:
         elif self.device.type == "cuda":
             measured = True
             # What an earlier engine of this process freed goes back to the device first: the
-            # budget counts it, and the pool's tensors are larger than its blocks.
+            # budget counts it, and the pool's tensors are larger than its blocks. Its runner,
+            # graphs and pool sit in reference cycles (unfrozen once the last engine shut
+            # down, gc_freeze.py) that only a collection frees.
+            gc.collect()
             torch.cuda.empty_cache()
             tokens = min(options.profile_tokens, runner.max_len)
             activation, row_bytes = runner.measure_prefill_memory(tokens)

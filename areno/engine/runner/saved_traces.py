@@ -21,6 +21,7 @@ be traced whole (a graph break) compiles as torch.compile does; one whose trace 
 
 from __future__ import annotations
 
+import builtins
 import contextlib
 import dis
 import functools
@@ -252,6 +253,41 @@ def unsaved_backend_reason(backend: str) -> str | None:
     return None
 
 
+def _runtime_env_with_builtins() -> None:
+    """NOTE: torch before 2.12 keeps out of a trace's saved globals the builtins its bytecode
+    reads, then checks that every global it reads is among them: a forward reading `type`
+    (transformers' code does) failed to trace ("Missing required external references:
+    ['type']"; on an H100 with torch 2.11 no trace was made). Later torches add the builtins
+    themselves. Here the environment torch builds for a trace gets them added too: each by
+    the name it has in `builtins`, which pickles by that name."""
+    from torch._dynamo import convert_frame
+
+    capture = getattr(convert_frame, "GraphCaptureOutput", None)
+    runtime_env = getattr(capture, "get_runtime_env", None)
+    if runtime_env is None or getattr(runtime_env, "adds_builtins", False):
+        return
+    if torch.__version__ >= (2, 12):
+        return
+
+    @functools.wraps(runtime_env)
+    def with_builtins(self):
+        env = runtime_env(self)
+        imported = getattr(env, "import_sources", {})
+        for instruction in dis.get_instructions(env.bytecode):
+            name = instruction.argval
+            if (
+                instruction.opname == "LOAD_GLOBAL"
+                and name not in env.used_globals
+                and name not in imported
+                and hasattr(builtins, name)
+            ):
+                env.used_globals[name] = getattr(builtins, name)
+        return env
+
+    with_builtins.adds_builtins = True
+    capture.get_runtime_env = with_builtins
+
+
 def _aot_compile_enabled() -> contextlib.AbstractContextManager:
     """Within the block, `torch.compile` gives its whole-graph compiles an `aot_compile`.
 
@@ -260,6 +296,7 @@ def _aot_compile_enabled() -> contextlib.AbstractContextManager:
     `aot_compile`, `save_compiled_function` and `torch.compiler.load_compiled_function` are
     otherwise those `SavedTraces` uses), on in 2.13 and later. Set only around the compiles
     made here: every other compile keeps torch's default."""
+    _runtime_env_with_builtins()
     if getattr(torch._dynamo.config, "enable_aot_compile", True):
         return contextlib.nullcontext()
     return torch._dynamo.config.patch(enable_aot_compile=True)
