@@ -63,6 +63,7 @@ def child(args: argparse.Namespace) -> dict:
         decode_compile=args.compile,
         prefill_compile=args.compile,
         pad_lone_prefills=args.pad_lone_prefills,
+        whole_prompts_as_parts=args.whole_prompts_as_parts,
     )
     generator = Generator.from_config(args.model_path, config)
     try:
@@ -99,6 +100,7 @@ def start_once(args: argparse.Namespace, cache: Path) -> dict:
         sys.executable, __file__, "--child", "--model-path", args.model_path,
         "--device", args.device, "--compile", args.compile,
         "--pad-lone-prefills", args.pad_lone_prefills,
+        "--whole-prompts-as-parts", args.whole_prompts_as_parts,
         "--max-running-prompts", str(args.max_running_prompts),
     ]  # fmt: skip
     env = dict(os.environ, ARENO_COMPILE_CACHE=str(cache))
@@ -136,6 +138,12 @@ def main() -> None:
         choices=["auto", "on", "off"],
         help="EngineConfig.pad_lone_prefills (auto: on CUDA): on, no prefill graph of one row",
     )
+    parser.add_argument(
+        "--whole-prompts-as-parts",
+        default="auto",
+        choices=["auto", "on", "off"],
+        help="EngineConfig.whole_prompts_as_parts (auto: on CUDA): on, no batched prefill graph",
+    )
     parser.add_argument("--max-running-prompts", type=int, default=8)
     parser.add_argument("--warm-starts", type=int, default=1)
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
@@ -172,6 +180,7 @@ def main() -> None:
         "device": args.device,
         "compile": args.compile,
         "pad_lone_prefills": args.pad_lone_prefills,
+        "whole_prompts_as_parts": args.whole_prompts_as_parts,
         "max_running_prompts": args.max_running_prompts,
         "meta": {"python": platform.python_version(), "cpus": os.cpu_count()},
         "rows": rows,

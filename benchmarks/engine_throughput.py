@@ -69,6 +69,15 @@ from areno.engine.sampling import SamplingParams
 from areno.media import MediaDecoder, MediaPolicy
 from areno.models.tiny import TINY_FAMILIES
 
+# The engine's on/off options (auto: on CUDA) a run takes several values of, one row each.
+SWITCHES = (
+    "overlap_steps",
+    "fuse_projections",
+    "one_row_gemv",
+    "pad_lone_prefills",
+    "whole_prompts_as_parts",
+)
+
 WORKLOADS = {
     "cpu": {
         "num_requests": 64,
@@ -119,12 +128,8 @@ def run_engine(
     decode_compile: str = "auto",
     packed_linear: bool = True,
     triton_kernels: bool = True,
-    overlap_steps: str = "auto",
-    prefill_compile: str = "auto",
-    fuse_projections: str = "auto",
     max_context_len: str = "auto",
-    one_row_gemv: str = "auto",
-    pad_lone_prefills: str = "auto",
+    **switches: str,
 ) -> dict:
     """AReno's engine on the same requests: all submitted at once in arrival order, at most
     `concurrency` decoding (the engine's cache slots), greedy, token ids only (no detokenizing,
@@ -132,7 +137,8 @@ def run_engine(
     a request at its first EOS (unless `ignore_eos`) or at max_tokens. The warm-up (where a
     compiled decode step compiles) is timed separately. `triton_kernels=False` runs the engine's
     PyTorch references instead of its Triton kernels (which run on CUDA only).
-    `max_context_len`: the engine's ("auto": the longest request's, plus one)."""
+    `max_context_len`: the engine's ("auto": the longest request's, plus one). `switches`: the
+    engine's on/off options by name (`SWITCHES`, `prefill_compile`), each "auto" unless given."""
     max_len = max(r["prompt_inputs"].num_prompt_tokens + r["max_tokens"] for r in requests)
     context = max_len + 1 if max_context_len == "auto" else int(max_context_len)
     config = EngineConfig(
@@ -146,11 +152,7 @@ def run_engine(
         ),
         decode_compile=decode_compile,
         cpu_packed_linear=packed_linear,
-        overlap_steps=overlap_steps,
-        prefill_compile=prefill_compile,
-        fuse_projections=fuse_projections,
-        one_row_gemv=one_row_gemv,
-        pad_lone_prefills=pad_lone_prefills,
+        **switches,
     )
     with contextlib.nullcontext() if triton_kernels else references_only():
         return _run_engine(model, tokenizer, requests, concurrency, config)
@@ -315,12 +317,9 @@ def run_systems(model, tokenizer, requests: list[dict], concurrency: int, args) 
         "decode_compile": args.decode_compile,
         "cpu_linear": args.cpu_linear,
         "kernels": args.kernels,
-        "overlap_steps": args.overlap_steps,
         "prefill_compile": args.prefill_compile,
-        "fuse_projections": args.fuse_projections,
         "max_context_len": args.max_context_len,
-        "one_row_gemv": args.one_row_gemv,
-        "pad_lone_prefills": args.pad_lone_prefills,
+        **{name: getattr(args, name) for name in SWITCHES},
     }
     labels = {
         "overlap_steps": "overlap-",
@@ -329,6 +328,7 @@ def run_systems(model, tokenizer, requests: list[dict], concurrency: int, args) 
         "max_context_len": "ctx-",
         "one_row_gemv": "gemv-",
         "pad_lone_prefills": "pad-lone-",
+        "whole_prompts_as_parts": "whole-as-parts-",
     }
     for values in itertools.product(*options.values()):
         chosen = dict(zip(options, values, strict=True))
@@ -343,12 +343,9 @@ def run_systems(model, tokenizer, requests: list[dict], concurrency: int, args) 
             c["decode_compile"],
             c["cpu_linear"] == "packed",
             c["kernels"] == "triton",
-            c["overlap_steps"],
-            c["prefill_compile"],
-            c["fuse_projections"],
             c["max_context_len"],
-            c["one_row_gemv"],
-            c["pad_lone_prefills"],
+            prefill_compile=c["prefill_compile"],
+            **{name: c[name] for name in SWITCHES},
         )
     rows = []
     for system, run in systems.items():
@@ -456,7 +453,7 @@ def parse_args() -> argparse.Namespace:
         default=["auto"],
         help="EngineConfig.prefill_compile (auto: as the decode); several give one row each",
     )
-    for switch in ("overlap_steps", "fuse_projections", "one_row_gemv", "pad_lone_prefills"):
+    for switch in SWITCHES:
         parser.add_argument(
             "--" + switch.replace("_", "-"),
             nargs="+",

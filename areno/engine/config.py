@@ -159,6 +159,15 @@ class EngineConfig:
         "first start); auto is on on CUDA, where a lone prompt leaves most of the device idle "
         "(on CPU the copy doubles the prompt's compute)",
     )
+    whole_prompts_as_parts: str = setting(
+        "auto",
+        choices=ON_OFF_MODES,
+        help="where prefills are compiled and parts of prompts share forwards, whole prompts "
+        "without media prefill through the forward of parts (from their first token) rather "
+        "than a batched prefill graph of their own: one graph fewer to compile (a shorter "
+        "first start), their attention over their blocks with a mask rather than causal; "
+        "auto is on on CUDA",
+    )
     max_loras: int = setting(
         0,
         help="LoRA adapters the engine holds beside its base weights (serving raises it to the "
@@ -285,7 +294,13 @@ class EngineConfig:
                 f"cpu_packed_linear must be true or false; got {self.cpu_packed_linear!r}",
                 param="cpu_packed_linear",
             )
-        for name in ("overlap_steps", "fuse_projections", "one_row_gemv", "pad_lone_prefills"):
+        for name in (
+            "overlap_steps",
+            "fuse_projections",
+            "one_row_gemv",
+            "pad_lone_prefills",
+            "whole_prompts_as_parts",
+        ):
             value = getattr(self, name)
             if isinstance(value, bool):  # YAML reads a bare on / off as a boolean
                 object.__setattr__(self, name, "on" if value else "off")

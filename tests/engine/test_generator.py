@@ -126,6 +126,51 @@ def test_lone_prompts_beside_a_copy_start_up_with_fewer_graphs_and_generate_the_
     assert started["on"] == started["off"] - 2
 
 
+@pytest.mark.parametrize("family", ["qwen3_5", "gemma4"])
+def test_whole_prompts_as_parts_start_up_with_one_prefill_graph_and_generate_the_same(
+    setups, family
+):
+    """With whole prompts prefilled as parts (`whole_prompts_as_parts`, on by default on CUDA,
+    with lone prompts padded as there) the start-up compiles no batched prefill graph, no
+    request compiles after it (a lone prompt, two of unequal lengths together, three samples of
+    one, a resumption from the prefix cache), and the tokens are the batched prefill's."""
+    from torch._dynamo.utils import counters
+
+    setup = setups(family)
+    base = [setup.encode(text("Say " * n)) for n in (3, 20)]
+    resumed = base[1].with_tokens(base[1].input_ids + [7, 8, 9, 10, 11])
+    three = SamplingParams(temperature=0, max_tokens=6, n=3)
+    tokens, started = {}, {}
+    for mode in ("off", "on"):
+        before = counters["stats"]["unique_graphs"]
+        gen = setup.generator(
+            max_running_prompts=4, decode_graphs="static", decode_compile="eager",
+            prefill_compile="eager", pad_lone_prefills="on", whole_prompts_as_parts=mode,
+            max_num_batched_tokens=96, block_size=4,
+        )  # fmt: skip
+        started[mode] = counters["stats"]["unique_graphs"] - before
+        paths = gen.core.executor.compiled_paths()
+        assert paths.batched_prefill == (mode == "off") and paths.prefill_parts
+        at_start = counters["frames"]["ok"]
+
+        async def main(gen=gen):
+            alone = await gen.generate_all(base[0], GREEDY)
+            together = await asyncio.gather(*(gen.generate_all(x, GREEDY) for x in base))
+            samples = await gen.generate_all(base[0], three)
+            again = await gen.generate_all(resumed, GREEDY)  # from base[1]'s blocks
+            outs = [o.samples[0].token_ids for o in (alone, *together, again)]
+            return outs + [s.token_ids for s in samples.samples]
+
+        try:
+            tokens[mode] = run(main())
+        finally:
+            gen.shutdown()
+        assert counters["frames"]["ok"] == at_start, mode
+    assert tokens["on"] == tokens["off"]
+    # The batched prefill's graph (of two rows: lone prompts run beside a copy) is not compiled.
+    assert started["on"] == started["off"] - 1
+
+
 def test_logprobs_match_a_full_forward_and_score(setups, overlap, media):
     setup = setups("gemma4")
     x = setup.encode(with_media("image", media["image"], "Describe."))

@@ -29,7 +29,8 @@ _DROPPED_ROW = RowSampling(SamplingParams(temperature=0, max_tokens=1))
 def run_steps(core: Any, times: dict[str, float], compiles: dict[str, float] | None = None) -> None:
     """A one-token prefill into slot 0 allocates the cache (raising CacheMemoryError where it
     does not fit, areno/engine/layers/cache.py); where they are compiled, a batched prefill of two
-    prompts of unequal lengths into slots 0 and 1, prefills of parts of prompts
+    prompts of unequal lengths into slots 0 and 1 (none where whole prompts run as parts:
+    `CompiledPaths.batched_prefill`), prefills of parts of prompts
     (`_parts_prefill`), then a decode step of the smallest row bucket and one of the next. The
     compiles are generic in the row count and lengths (see areno/engine/runner/compiled.py);
     should a model's code still pin a size it first saw, the second decode step makes that

@@ -84,6 +84,7 @@ class Worker:
         fuse_projections: str = "off",
         one_row_gemv: str = "off",
         pad_lone_prefills: str = "off",
+        whole_prompts_as_parts: str = "off",
         state_rows: int = 0,
         encoder_cache_bytes: int = 0,
         max_loras: int = 0,
@@ -100,7 +101,8 @@ class Worker:
         `one_row_gemv` "auto": on CUDA, products of one row on the matrix-vector kernel.
         `pad_lone_prefills` "auto": on CUDA, a lone prompt of up to half the pool's profiled
         prompt tokens prefills beside a copy of itself (ModelRunner's `pad_lone_tokens`).
-        `state_rows`, `encoder_cache_bytes`: saved slot states and media tower outputs for the
+        `whole_prompts_as_parts` "auto": on CUDA, whole prompts without media prefill through
+        the compiled forward of parts (`whole_as_parts`). `state_rows`, `encoder_cache_bytes`: saved slot states and media tower outputs for the
         prefix cache (ModelRunner's). `max_loras`, `max_lora_rank`: LoRA adapter slots
         (areno/engine/layers/lora.py). `linear_state_dtype`: the stored dtype of linear-attention
         recurrent states (None: fp32)."""
@@ -113,6 +115,8 @@ class Worker:
             one_row_gemv = "on" if on_cuda else "off"
         if pad_lone_prefills == "auto":
             pad_lone_prefills = "on" if on_cuda else "off"
+        if whole_prompts_as_parts == "auto":
+            whole_prompts_as_parts = "on" if on_cuda else "off"
         self.runner = ModelRunner(
             model,
             num_slots=num_slots,
@@ -144,6 +148,7 @@ class Worker:
         # tensor parallelism (its sharded linear-attention path continues one row's state, and
         # shared parts have not run there yet). A benchmark's baseline clears it.
         self.shares_part_prefills = self.runner.can_prefill_parts and not tensor_parallel
+        self._whole_as_parts = whole_prompts_as_parts == "on"
         if pool is not None and num_blocks is None:
             self._size_pool(pool)
         runner = self.runner
@@ -188,6 +193,7 @@ class Worker:
             fuse_projections=config.fuse_projections,
             one_row_gemv=config.one_row_gemv,
             pad_lone_prefills=config.pad_lone_prefills,
+            whole_prompts_as_parts=config.whole_prompts_as_parts,
             state_rows=_state_rows(config),
             encoder_cache_bytes=int(config.encoder_cache_gib * (1 << 30))
             if config.enable_prefix_caching
@@ -309,7 +315,12 @@ class Worker:
             )
         for item in step.prefill:
             self.runner.assign_adapter(item.slots, self.adapter_index(item.adapter))
-        prefilled = run_prefills(self.runner, step.prefill, share_parts=self.shares_part_prefills)
+        prefilled = run_prefills(
+            self.runner,
+            step.prefill,
+            share_parts=self.shares_part_prefills,
+            whole_as_parts=self.whole_as_parts,
+        )
         logits = prefilled + decoded
         if not self.samples or not logits:
             return None
@@ -389,12 +400,19 @@ class Worker:
         self._last_sampling = (params, tensors)
         return tensors
 
+    @property
+    def whole_as_parts(self) -> bool:
+        """Whether whole prompts without media prefill through the forward of parts (from
+        their first token): where asked (`whole_prompts_as_parts`), parts share forwards and
+        that forward is compiled, so that the batched prefill's graph is never compiled."""
+        return self._whole_as_parts and self.shares_part_prefills and self.runner.parts_compiled
+
     def compiled_paths(self) -> CompiledPaths:
         """What the start-up steps must run once for their compiles (startup.py)."""
         runner, graphs = self.runner, self.runner.graphs
         compiled = graphs is not None and graphs.compiled
         return CompiledPaths(
-            batched_prefill=runner.prefill_compiled,
+            batched_prefill=runner.prefill_compiled and not self.whole_as_parts,
             decode_buckets=list(graphs.buckets) if compiled else None,
             num_blocks=runner.num_blocks,
             prefill_parts=runner.parts_compiled and self.shares_part_prefills,

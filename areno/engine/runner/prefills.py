@@ -3,7 +3,9 @@
 A step's `PrefillItem`s are whole prompts, chunks of long prompts and resumptions from the prefix
 cache. Whole prompts without media share right-padded forwards (`ModelRunner.prefill_batch`)
 in groups whose padding stays within MAX_PREFILL_PADDING (`prefill_groups`), a lone one too where
-that forward is compiled; a prompt with media runs alone (`ModelRunner.prefill`). Chunks and resumptions run over the keys their blocks hold,
+that forward is compiled, or, where the engine asks (`whole_prompts_as_parts`), run as parts
+from their first token in the forward of parts below, whose compiled graph then serves both; a
+prompt with media runs alone (`ModelRunner.prefill`). Chunks and resumptions run over the keys their blocks hold,
 several in one forward (`ModelRunner.prefill_parts`), or one at a time under tensor parallelism
 (`ModelRunner.prefill_chunk`); state saves midway split an item into rounds. An item of
 several samples is forked into their slots once its prompt is done.
@@ -42,14 +44,20 @@ def prefill_groups(lengths: list[int], *, pad: bool) -> list[list[int]]:
 
 
 def run_prefills(
-    runner: ModelRunner, items: list[PrefillItem], *, share_parts: bool
+    runner: ModelRunner,
+    items: list[PrefillItem],
+    *,
+    share_parts: bool,
+    whole_as_parts: bool = False,
 ) -> list[torch.Tensor]:
     """Run a step's prefills on `runner` (its slots' adapters already assigned): each item's
     resume point restored and its tail block copied first, then the forwards. Returns each
     final item's last logits, repeated for its n rows, in item order (a chunk that does not end
     its prompt has none). Whole prompts without media share forwards (`prefill_groups`); so do
     chunks and resumptions from the prefix cache where `share_parts` (`_prefill_parts`; not
-    under tensor parallelism), else each runs alone (`_prefill_chunks`)."""
+    under tensor parallelism), else each runs alone (`_prefill_chunks`). With `whole_as_parts`
+    (and `share_parts`) whole prompts without media of two tokens or more run as parts from
+    their first token too, so the batched prefill's forward never runs."""
     for item in items:  # before any prefill writes a block
         if item.copy_block is not None:
             runner.copy_block(*item.copy_block)
@@ -64,7 +72,10 @@ def run_prefills(
             else:
                 last[i] = _prefill_chunks(runner, item)
         elif can_batch_prefill(item.inputs):
-            batchable.append(i)
+            # NOTE: not a one-token prompt (the start-up's cache allocation): it runs uncompiled
+            # (`batches_lone`), as it did beside the batched prefill.
+            as_part = share_parts and whole_as_parts and item.inputs.num_prompt_tokens > 1
+            (parts if as_part else batchable).append(i)
         else:
             last[i] = runner.prefill(item.inputs, item.slots, item.block_tables)
     lengths = [items[i].inputs.num_prompt_tokens for i in batchable]
