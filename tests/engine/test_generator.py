@@ -87,88 +87,104 @@ def test_a_compiled_decode_compiles_only_while_the_engine_starts(setups):
     assert counters["frames"]["ok"] == compiled_at_start
 
 
+def started_and_generated(setup, generate, **config) -> tuple[int, int, list]:
+    """An engine of `config` (compiled, static decode graphs, small blocks): the graphs its
+    start-up compiled, the frames compiled after it, and what `generate(engine)` returns."""
+    from torch._dynamo.utils import counters
+
+    config = dict(
+        max_running_prompts=4, decode_graphs="static", decode_compile="eager",
+        prefill_compile="eager", max_num_batched_tokens=96, block_size=4,
+    ) | config  # fmt: skip
+    before = counters["stats"]["unique_graphs"]
+    gen = setup.generator(**config)
+    started = counters["stats"]["unique_graphs"] - before
+    at_start = counters["frames"]["ok"]
+    try:
+        out = run(generate(gen))
+    finally:
+        gen.shutdown()
+    return started, counters["frames"]["ok"] - at_start, out
+
+
 def test_lone_prompts_beside_a_copy_start_up_with_fewer_graphs_and_generate_the_same(setups):
     """With lone prompts padded (`pad_lone_prefills`, on by default on CUDA) the start-up
     compiles no prefill graph of a batch of one, and no request compiles after it: a lone
     prompt, two together, a lone resumption from the prefix cache, and a lone prompt past the
     padded length (uncompiled). The tokens are the unpadded engine's."""
-    from torch._dynamo.utils import counters
-
     setup = setups("qwen3_5")
     base = [setup.encode(text("Say " * n)) for n in (3, 20)]
     prompts = [*base, base[1].with_tokens(base[1].input_ids + [7, 8, 9, 10, 11])]
     longer = setup.encode(text("Say " * 60))
-    tokens, started = {}, {}
-    for mode in ("off", "on"):
-        before = counters["stats"]["unique_graphs"]
-        gen = setup.generator(
-            max_running_prompts=4, decode_graphs="static", decode_compile="eager",
-            prefill_compile="eager", pad_lone_prefills=mode, max_num_batched_tokens=96,
-            block_size=4,
-        )  # fmt: skip
-        started[mode] = counters["stats"]["unique_graphs"] - before
-        at_start = counters["frames"]["ok"]
 
-        async def main(gen=gen):
-            alone = await gen.generate_all(prompts[0], GREEDY)
-            together = await asyncio.gather(*(gen.generate_all(x, GREEDY) for x in prompts[:2]))
-            resumed = await gen.generate_all(prompts[2], GREEDY)  # from prompts[1]'s blocks
-            long = await gen.generate_all(longer, GREEDY)  # 60+ tokens: past 96 // 2
-            return [o.samples[0].token_ids for o in (alone, *together, resumed, long)]
+    async def main(gen):
+        alone = await gen.generate_all(prompts[0], GREEDY)
+        together = await asyncio.gather(*(gen.generate_all(x, GREEDY) for x in prompts[:2]))
+        resumed = await gen.generate_all(prompts[2], GREEDY)  # from prompts[1]'s blocks
+        long = await gen.generate_all(longer, GREEDY)  # 60+ tokens: past 96 // 2
+        return [o.samples[0].token_ids for o in (alone, *together, resumed, long)]
 
-        try:
-            tokens[mode] = run(main())
-        finally:
-            gen.shutdown()
-        assert counters["frames"]["ok"] == at_start, mode
-    assert tokens["on"] == tokens["off"]
+    off = started_and_generated(setup, main, pad_lone_prefills="off")
+    on = started_and_generated(setup, main, pad_lone_prefills="on")
+    assert off[1] == on[1] == 0  # nothing compiled after the start-up
+    assert on[2] == off[2]
     # The batched prefill and the prefill of parts each lose their graph of a batch of one.
-    assert started["on"] == started["off"] - 2
+    assert on[0] == off[0] - 2
 
 
 @pytest.mark.parametrize("family", ["qwen3_5", "gemma4"])
 def test_whole_prompts_as_parts_start_up_with_one_prefill_graph_and_generate_the_same(
-    setups, family
+    setups, family, monkeypatch
 ):
     """With whole prompts prefilled as parts (`whole_prompts_as_parts`, on by default on CUDA,
     with lone prompts padded as there) the start-up compiles no batched prefill graph, no
-    request compiles after it (a lone prompt, two of unequal lengths together, three samples of
-    one, a resumption from the prefix cache), and the tokens are the batched prefill's."""
-    from torch._dynamo.utils import counters
+    request runs one or compiles after the start-up (a lone prompt, two of unequal lengths
+    together, three samples of one), and the tokens are the batched prefill's. No prefix
+    cache: with one, a linear-attention model's whole prompts save states midway and so run as
+    parts either way."""
+    from areno.engine.runner.model_runner import ModelRunner
 
+    batched = []
+    prefill_batch = ModelRunner.prefill_batch
+
+    def counted(runner, prompts, *args, **kwargs):
+        batched.append(len(prompts))
+        return prefill_batch(runner, prompts, *args, **kwargs)
+
+    monkeypatch.setattr(ModelRunner, "prefill_batch", counted)
     setup = setups(family)
     base = [setup.encode(text("Say " * n)) for n in (3, 20)]
-    resumed = base[1].with_tokens(base[1].input_ids + [7, 8, 9, 10, 11])
     three = SamplingParams(temperature=0, max_tokens=6, n=3)
-    tokens, started = {}, {}
-    for mode in ("off", "on"):
-        before = counters["stats"]["unique_graphs"]
-        gen = setup.generator(
-            max_running_prompts=4, decode_graphs="static", decode_compile="eager",
-            prefill_compile="eager", pad_lone_prefills="on", whole_prompts_as_parts=mode,
-            max_num_batched_tokens=96, block_size=4,
-        )  # fmt: skip
-        started[mode] = counters["stats"]["unique_graphs"] - before
+
+    async def main(gen):
         paths = gen.core.executor.compiled_paths()
-        assert paths.batched_prefill == (mode == "off") and paths.prefill_parts
-        at_start = counters["frames"]["ok"]
+        batched.clear()
+        alone = await gen.generate_all(base[0], GREEDY)
+        together = await asyncio.gather(*(gen.generate_all(x, GREEDY) for x in base))
+        samples = await gen.generate_all(base[1], three)
+        outs = [o.samples[0].token_ids for o in (alone, *together)]
+        return paths, list(batched), outs + [s.token_ids for s in samples.samples]
 
-        async def main(gen=gen):
-            alone = await gen.generate_all(base[0], GREEDY)
-            together = await asyncio.gather(*(gen.generate_all(x, GREEDY) for x in base))
-            samples = await gen.generate_all(base[0], three)
-            again = await gen.generate_all(resumed, GREEDY)  # from base[1]'s blocks
-            outs = [o.samples[0].token_ids for o in (alone, *together, again)]
-            return outs + [s.token_ids for s in samples.samples]
-
-        try:
-            tokens[mode] = run(main())
-        finally:
-            gen.shutdown()
-        assert counters["frames"]["ok"] == at_start, mode
-    assert tokens["on"] == tokens["off"]
+    runs = {
+        mode: started_and_generated(
+            setup,
+            main,
+            pad_lone_prefills="on",
+            whole_prompts_as_parts=mode,
+            enable_prefix_caching=False,
+        )
+        for mode in ("off", "on")
+    }
+    (off_graphs, _, (off_paths, off_batched, off_tokens)) = runs["off"]
+    (on_graphs, on_compiled, (on_paths, on_batched, on_tokens)) = runs["on"]
+    assert off_paths.batched_prefill and not on_paths.batched_prefill and on_paths.prefill_parts
+    assert off_batched and not on_batched
+    # (With the batched graph, Gemma's first request compiles it again: its sliding mask's
+    # batch stride is not the start-up prompts' one, a guard TORCH_LOGS=recompiles names.)
+    assert on_compiled == 0
+    assert on_tokens == off_tokens
     # The batched prefill's graph (of two rows: lone prompts run beside a copy) is not compiled.
-    assert started["on"] == started["off"] - 1
+    assert on_graphs == off_graphs - 1
 
 
 def test_logprobs_match_a_full_forward_and_score(setups, overlap, media):
