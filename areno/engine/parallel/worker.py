@@ -102,8 +102,8 @@ class Worker:
         `pad_lone_prefills` "auto": on CUDA, a lone prompt of up to half the pool's profiled
         prompt tokens prefills beside a copy of itself (ModelRunner's `pad_lone_tokens`).
         `whole_prompts_as_parts` "auto": on CUDA, whole prompts without media prefill through
-        the compiled forward of parts (`whole_as_parts`). `state_rows`, `encoder_cache_bytes`: saved slot states and media tower outputs for the
-        prefix cache (ModelRunner's). `max_loras`, `max_lora_rank`: LoRA adapter slots
+        the compiled forward of parts (`whole_as_parts`). `state_rows`, `encoder_cache_bytes`:
+        saved slot states and media tower outputs for the prefix cache (ModelRunner's). `max_loras`, `max_lora_rank`: LoRA adapter slots
         (areno/engine/layers/lora.py). `linear_state_dtype`: the stored dtype of linear-attention
         recurrent states (None: fp32)."""
         if prefill_compile == "auto" and tensor_parallel:

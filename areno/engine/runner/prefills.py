@@ -5,10 +5,10 @@ cache. Whole prompts without media share right-padded forwards (`ModelRunner.pre
 in groups whose padding stays within MAX_PREFILL_PADDING (`prefill_groups`), a lone one too where
 that forward is compiled, or, where the engine asks (`whole_prompts_as_parts`), run as parts
 from their first token in the forward of parts below, whose compiled graph then serves both; a
-prompt with media runs alone (`ModelRunner.prefill`). Chunks and resumptions run over the keys their blocks hold,
-several in one forward (`ModelRunner.prefill_parts`), or one at a time under tensor parallelism
-(`ModelRunner.prefill_chunk`); state saves midway split an item into rounds. An item of
-several samples is forked into their slots once its prompt is done.
+prompt with media runs alone (`ModelRunner.prefill`). Chunks and resumptions run over the keys
+their blocks hold, several in one forward (`ModelRunner.prefill_parts`), or one at a time under
+tensor parallelism (`ModelRunner.prefill_chunk`); state saves midway split an item into rounds.
+An item of several samples is forked into their slots once its prompt is done.
 """
 
 from __future__ import annotations
