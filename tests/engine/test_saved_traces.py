@@ -89,16 +89,19 @@ def test_a_second_start_loads_the_traces_and_generates_the_same(tiny_path, tmp_p
     assert not list((tmp_path / "eager-cache").glob("*/traces/*"))
 
 
+@pytest.mark.gpu  # on a GPU machine: its torch, its CUDA defaults; on CPU: their layers
 def test_the_traces_of_a_gpu_engines_layers_save_and_load(tiny_path, tmp_path):
     """The layer routing a GPU engine runs by default (fused projections, products of one row
     on their op, the CPU's packed layers off) saves its traces too: Dynamo's saved guards
     pickle the routed forwards, and a closure over the router took its lock with it ("cannot
-    pickle '_thread.lock' object": on an H100 no trace of the engine saved)."""
+    pickle '_thread.lock' object": on an H100 no trace of the engine saved). Where a GPU is
+    present the engines start on it with its torch: torch before 2.12 made no trace of a
+    forward that reads a builtin ("Missing required external references: ['type']")."""
     path = tiny_path("qwen3_5")
     options = {"fuse_projections": "on", "one_row_gemv": "on", "cpu_packed_linear": False}
     first = start(path, SAVED, tmp_path / "cache", **options)
     second = start(path, SAVED, tmp_path / "cache", **options)
-    assert "not saved" not in first["log"]
+    assert "not saved" not in first["log"] and "could not be used" not in second["log"]
     assert first["traces"]["traced"] > 0
     assert second["traces"] == {"loaded": first["traces"]["traced"], "traced": 0}
     assert second["tokens"] == first["tokens"]
